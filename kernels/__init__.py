@@ -1,0 +1,19 @@
+"""Triton kernels with plain-PyTorch fp32 references beside them. Imports only torch and triton."""
+
+from .cross_entropy import cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
+from .reduction import check_labels
+from .reference import LossOutput, cross_entropy_reference, linear_cross_entropy_reference
+from .rope import apply_rope, apply_rope_reference, apply_rotary_pos_emb
+
+__all__ = [
+    "LossOutput",
+    "apply_rope",
+    "apply_rope_reference",
+    "apply_rotary_pos_emb",
+    "check_labels",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+]

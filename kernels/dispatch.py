@@ -1,0 +1,35 @@
+"""Where a kernel runs: Triton on CUDA tensors, Triton's interpreter on CPU tensors when
+``TRITON_INTERPRET=1`` is set, and otherwise a plain PyTorch fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["interpreter_enabled", "triton_available", "use_triton"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on CPU tensors (must be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``t`` goes through Triton (GPU or interpreter)."""
+    if not triton_available():
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and interpreter_enabled()

@@ -1,0 +1,203 @@
+"""Loss reductions as per-token weights.
+
+Every reduction except ``"none"`` is a weighted sum of per-token losses whose weights depend on the
+labels and the sequence boundaries but never on the logits:
+
+    loss = sum_i w_i * loss_i
+
+so a kernel needs only ``w`` (or, for ``"none"``, the per-token upstream gradient) to produce exact
+gradients. Everything here is plain tensor arithmetic on the device: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "REDUCTIONS",
+    "check_labels",
+    "label_error_flag",
+    "prepare_targets",
+    "sequence_starts",
+    "token_weights",
+]
+
+REDUCTIONS = ("mean", "sum", "none", "sequence")
+
+# One int32 flag per device: set (without a host sync) when a label outside [0, V) that is not
+# ignore_index was seen on a GPU. Such labels are treated as ignored and never read out of bounds;
+# `check_labels()` raises lazily, and SURGERY_DEBUG=1 checks eagerly (with a sync) on every call.
+_LABEL_ERROR_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def label_error_flag(device: torch.device) -> torch.Tensor:
+    flag = _LABEL_ERROR_FLAGS.get(device)
+    if flag is None:
+        flag = torch.zeros((), dtype=torch.int32, device=device)
+        _LABEL_ERROR_FLAGS[device] = flag
+    return flag
+
+
+def check_labels() -> None:
+    """Raise if any GPU call since the last check saw a label outside [0, V) (this syncs)."""
+    for device, flag in _LABEL_ERROR_FLAGS.items():
+        if int(flag.item()):
+            flag.zero_()
+            raise ValueError(
+                f"labels outside [0, vocab_size) that are not ignore_index were seen on {device}; "
+                "they were treated as ignored. Set SURGERY_DEBUG=1 to find the call."
+            )
+
+
+def _validate_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """Mask of labels to train on; reports labels outside [0, V) that are not ignore_index."""
+    in_range = (labels >= 0) & (labels < vocab_size)
+    bad = (~in_range) & (labels != ignore_index)
+    if labels.device.type == "cpu" or os.environ.get("SURGERY_DEBUG", "0") not in ("", "0"):
+        if torch.compiler.is_compiling():
+            pass  # data-dependent raise cannot be traced; the kernels mask such labels anyway
+        elif bool(bad.any()):
+            first = labels[bad][0].item()
+            raise ValueError(
+                f"label {first} is outside [0, {vocab_size}) and is not ignore_index "
+                f"({ignore_index})"
+            )
+    else:
+        flag = label_error_flag(labels.device)
+        flag.bitwise_or_(bad.any().to(torch.int32))
+    return in_range
+
+
+def sequence_starts(
+    shape: tuple[int, ...],
+    device: torch.device,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Flat (N,) bool mask of tokens that begin a sequence, or None when no boundary is known.
+
+    ``shape`` is the labels' shape, (B, T) or (N,). With ``position_ids`` a sequence starts at the
+    first token of each row and wherever the position does not continue (pos[t] != pos[t-1] + 1),
+    so packed documents restarting at 0 and chunks starting at any offset both work. With
+    ``cu_seqlens`` (cumulative lengths over the flattened tokens, starting at 0) each listed offset
+    starts a sequence. Runs of ignore_index are never boundaries.
+    """
+    n = 1
+    for s in shape:
+        n *= s
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+        starts = torch.zeros(n + 1, dtype=torch.bool, device=device)
+        offsets = cu_seqlens[:-1].to(device=device, dtype=torch.long).clamp(0, n)
+        starts.scatter_(0, offsets, True)
+        starts = starts[:n]
+        if len(shape) == 2:  # every row starts a sequence too
+            starts = starts.view(shape).clone()
+            starts[:, 0] = True
+            starts = starts.reshape(-1)
+        elif n > 0:
+            starts[0] = True
+        return starts
+    if position_ids is not None:
+        pos = position_ids.to(device)
+        if len(shape) == 1:
+            if pos.dim() == 2 and pos.shape[0] == 1:
+                pos = pos[0]
+            if pos.shape != shape:
+                raise ValueError(
+                    f"position_ids of shape {tuple(position_ids.shape)} do not match labels "
+                    f"of shape {tuple(shape)}"
+                )
+            pos = pos.view(1, -1)
+        else:
+            if pos.dim() == 1:
+                pos = pos.view(1, -1)
+            if pos.dim() != 2 or pos.shape[1] != shape[1] or pos.shape[0] not in (1, shape[0]):
+                raise ValueError(
+                    f"position_ids of shape {tuple(position_ids.shape)} do not match labels "
+                    f"of shape {tuple(shape)} (expected (B, T) or (1, T))"
+                )
+            pos = pos.expand(shape[0], shape[1])
+        starts = torch.ones(pos.shape, dtype=torch.bool, device=device)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        return starts.reshape(-1)
+    if len(shape) == 2:
+        starts = torch.zeros(shape, dtype=torch.bool, device=device)
+        starts[:, 0] = True
+        return starts.reshape(-1)
+    return None
+
+
+def prepare_targets(
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    shift: bool,
+    starts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat targets and the mask of tokens that carry a loss.
+
+    With ``shift`` the target of token t is label t+1 of the same row and the same sequence: the
+    last token of a row, and the last token of a packed sequence, have no target. Only the (small)
+    label tensor is copied, never hidden states or logits.
+    """
+    if shift:
+        rows = labels if labels.dim() == 2 else labels.view(1, -1)
+        shifted = torch.full_like(rows, ignore_index)
+        shifted[:, :-1] = rows[:, 1:]
+        flat = shifted.reshape(-1)
+        if starts is not None:
+            next_starts = torch.zeros_like(starts)
+            next_starts[:-1] = starts[1:]
+            flat = flat.masked_fill(next_starts, ignore_index)
+    else:
+        flat = labels.reshape(-1)
+    valid = _validate_label_range(flat, vocab_size, ignore_index)
+    # Out-of-range labels become ignore_index-free zeros: never read out of bounds, weight 0.
+    targets = torch.where(valid, flat, torch.zeros_like(flat))
+    return targets, valid
+
+
+def token_weights(
+    valid: torch.Tensor,
+    reduction: str,
+    starts: torch.Tensor | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Per-token fp32 weights w with loss = sum_i w_i * loss_i; None for ``"none"``.
+
+    - "mean": 1 / (number of tokens with a target), or 1 / num_items_in_batch when given (HF's
+      gradient-accumulation normaliser: the sum divided by it).
+    - "sum": 1 (divided by num_items_in_batch when given).
+    - "sequence": 1 / (tokens with a target in the token's sequence) / (sequences with any).
+    An all-ignored batch gets all-zero weights: loss 0 and zero gradients, never NaN.
+    """
+    if reduction == "none":
+        return None
+    v = valid.to(torch.float32)
+    if reduction in ("mean", "sum"):
+        if num_items_in_batch is not None:
+            denom = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=v.device)
+            return v / denom.clamp_min(1.0)
+        if reduction == "sum":
+            return v
+        return v / v.sum().clamp_min(1.0)
+    if reduction == "sequence":
+        if starts is None:
+            raise ValueError(
+                'reduction="sequence" needs sequence boundaries: pass position_ids or cu_seqlens, '
+                "or labels of shape (B, T) where each row is one sequence"
+            )
+        if num_items_in_batch is not None:
+            raise ValueError(
+                'num_items_in_batch counts tokens and does not apply to reduction="sequence", '
+                "which averages over sequences"
+            )
+        seq = torch.cumsum(starts.to(torch.long), 0) - 1
+        per_seq = torch.zeros_like(v).scatter_add_(0, seq, v)
+        n_seqs = (per_seq > 0).sum().to(torch.float32).clamp_min(1.0)
+        return v / per_seq[seq].clamp_min(1.0) / n_seqs
+    raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")

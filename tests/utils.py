@@ -1,0 +1,47 @@
+"""Shared test helpers: poisoning, error measures and the one tolerance table."""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Error budget per dtype (STYLE.md 5): a kernel's relative error against an fp32/fp64 reference may
+# exceed eager PyTorch's own error in the same dtype by this factor plus this floor.
+# Loosening an entry needs a written reason next to it.
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5, "factor": 2.0, "floor": 1e-5},
+    # bf16: 8 mantissa bits (eps 7.8e-3); accumulation happens in fp32 inside every kernel.
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2, "factor": 1.5, "floor": 2e-3},
+    torch.float16: {"rtol": 5e-3, "atol": 5e-3, "factor": 1.5, "floor": 5e-4},
+}
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (or the integer minimum) so that an element a kernel never writes fails."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def poisoned_empty(*shape, dtype=torch.float32, device=DEVICE) -> torch.Tensor:
+    return poison_(torch.empty(*shape, dtype=dtype, device=device))
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in fp64 (absolute error when the reference is zero). NaN never passes."""
+    x64, r64 = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x64).all():
+        return float("inf")
+    denom = r64.norm()
+    num = (x64 - r64).norm()
+    return float(num / denom) if denom > 0 else float(num)
+
+
+def assert_close_budget(x, ref, eager, dtype, what=""):
+    """The kernel's error against ``ref`` may exceed eager PyTorch's error (``eager`` computed in
+    ``dtype``) by at most the table's factor and floor."""
+    tol = TOLERANCES[dtype]
+    err, err_eager = rel_err(x, ref), rel_err(eager, ref)
+    bound = tol["factor"] * err_eager + tol["floor"]
+    assert err <= bound, f"{what}: rel err {err:.3e} > budget {bound:.3e} (eager {err_eager:.3e})"
