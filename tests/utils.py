@@ -18,7 +18,7 @@ TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with NaN (or the integer minimum) so that an element a kernel never writes fails."""
+    """Fill ``t`` with NaN (or the integer minimum): an element a kernel never writes fails."""
     if t.is_floating_point():
         return t.fill_(float("nan"))
     return t.fill_(torch.iinfo(t.dtype).min)
