@@ -1,10 +1,563 @@
-"""PLACEHOLDER STAGE: runs the reference until the Triton kernel lands (issue 3)."""
+"""Cross entropy over logits that exist, and the row kernels the fused linear cross entropy reuses.
+
+Order (STYLE.md 2): Triton kernels -> host launchers (``cross_entropy_fwd``, ``cross_entropy_bwd``)
+-> torch.library ops -> autograd.Function -> ``cross_entropy``. The fp32 reference is
+``reference.cross_entropy_reference``.
+
+Per token i with target y (capped logits x = cap * tanh(z / cap) when ``softcap`` is set):
+
+    lse_i  = log sum_j exp(x_ij)
+    ce_i   = lse_i - (1 - eps) x_iy - (eps / V) sum_j x_ij          (label smoothing eps)
+    zl_i   = s * lse_i^2                                            (z-loss scale s)
+    dL/dz_ij = [ (a_i + 2 s lse_i b_i) p_ij - a_i ((1 - eps) [j = y] + eps / V) ] * dx/dz
+
+where p = softmax(x), a_i is the upstream gradient reaching ce_i and b_i the one reaching zl_i.
+Tokens without a target (ignore_index, or a label outside [0, V)) have loss 0 and gradient 0 for
+any upstream gradient.
+"""
 
 from __future__ import annotations
 
-from .reference import cross_entropy_reference
+import torch
+
+from .dispatch import triton_available, use_triton
+from .reduction import REDUCTIONS, prepare_targets, sequence_starts, token_weights
+from .reference import LossOutput
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - CPU installs without triton use the PyTorch path
+    triton = None
+
+__all__ = ["cross_entropy", "cross_entropy_bwd", "cross_entropy_fwd"]
+
+# Fixed, known-good launch configuration (STYLE.md 8).
+FWD_BLOCK_V = 4096
+FWD_NUM_WARPS = 8
+BWD_BLOCK_V = 2048
+BWD_NUM_WARPS = 8
+# Rows the PyTorch fallback upcasts to fp32 at once: bounds its memory on large vocabularies.
+FALLBACK_ROWS = 256
 
 
-def cross_entropy(logits, labels, **kwargs):
-    kwargs.pop("inplace_backward", None)
-    return cross_entropy_reference(logits, labels, **kwargs)
+if triton is not None:
+
+    @triton.jit
+    def _capped(z, cap, SOFTCAP: tl.constexpr):
+        # cap * tanh(z / cap) written with exp so that the interpreter and every backend agree.
+        if SOFTCAP:
+            return cap * (1.0 - 2.0 / (tl.exp(2.0 * z / cap) + 1.0))
+        return z
+
+    @triton.jit
+    def _ce_grad(z, cols, tgt, lse, a, c, cap, eps, inv_v, SOFTCAP: tl.constexpr):
+        x = _capped(z, cap, SOFTCAP)
+        g = c * tl.exp(x - lse) - a * (1.0 - eps) * (cols == tgt).to(tl.float32) - a * eps * inv_v
+        if SOFTCAP:
+            t = x / cap
+            g = g * (1.0 - t * t)
+        return g
+
+    @triton.jit
+    def cross_entropy_fwd_kernel(
+        logits_ptr,
+        stride_logits,
+        targets_ptr,
+        lse_ptr,
+        ce_ptr,
+        z_ptr,
+        coef_ce_ptr,
+        coef_z_ptr,
+        grad_ptr,
+        stride_grad,
+        V,
+        cap,
+        eps,
+        z_scale,
+        BLOCK_V: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        SMOOTHING: tl.constexpr,
+        WRITE_GRAD: tl.constexpr,
+    ):
+        """One program per row: online logsumexp over the vocabulary, the row's losses, and (when
+        WRITE_GRAD) the row's gradient written in a second sweep, possibly over the logits."""
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride_logits
+        tgt = tl.load(targets_ptr + row).to(tl.int64)
+        valid = tgt >= 0
+
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        sx = tl.zeros((), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            x = _capped(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), cap, SOFTCAP)
+            x = tl.where(mask, x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+            if SMOOTHING:
+                sx += tl.sum(tl.where(mask, x, 0.0), 0)
+        lse = m + tl.log(s)
+
+        x_t = tl.load(base + tgt, mask=valid, other=0.0).to(tl.float32)
+        x_t = _capped(x_t, cap, SOFTCAP)
+        inv_v = 1.0 / V.to(tl.float32)
+        ce = lse - (1.0 - eps) * x_t
+        if SMOOTHING:
+            ce -= eps * sx * inv_v
+        tl.store(lse_ptr + row, lse)
+        tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
+        tl.store(z_ptr + row, tl.where(valid, z_scale * lse * lse, 0.0))
+
+        if WRITE_GRAD:
+            a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)
+            b = tl.where(valid, tl.load(coef_z_ptr + row), 0.0)
+            c = a + 2.0 * z_scale * lse * b
+            gbase = grad_ptr + row * stride_grad
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                mask = cols < V
+                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                g = _ce_grad(z, cols, tgt, lse, a, c, cap, eps, inv_v, SOFTCAP)
+                tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def cross_entropy_bwd_kernel(
+        logits_ptr,
+        stride_logits,
+        targets_ptr,
+        lse_ptr,
+        coef_ce_ptr,
+        coef_z_ptr,
+        grad_ptr,
+        stride_grad,
+        n_cols,
+        col_offset,
+        V,
+        cap,
+        eps,
+        z_scale,
+        BLOCK_V: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+    ):
+        """Elementwise gradient of a block of columns [col_offset, col_offset + n_cols) given the
+        row's logsumexp; the output may alias the logits (each element is read before written)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        tgt = tl.load(targets_ptr + row).to(tl.int64)
+        valid = tgt >= 0
+        lse = tl.load(lse_ptr + row)
+        a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)
+        b = tl.where(valid, tl.load(coef_z_ptr + row), 0.0)
+        c = a + 2.0 * z_scale * lse * b
+        z = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=0.0).to(tl.float32)
+        inv_v = 1.0 / V.to(tl.float32)
+        g = _ce_grad(z, cols + col_offset, tgt, lse, a, c, cap, eps, inv_v, SOFTCAP)
+        tl.store(grad_ptr + row * stride_grad + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch fallback (CPU without the interpreter): the same arithmetic, FALLBACK_ROWS rows at a time.
+
+
+def _capped_torch(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
+def _grad_torch(z, cols, tgt, lse, a, c, softcap, eps, V):
+    x = _capped_torch(z, softcap)
+    g = c[:, None] * torch.exp(x - lse[:, None])
+    g -= a[:, None] * ((1.0 - eps) * (cols[None, :] == tgt[:, None]).to(g.dtype) + eps / V)
+    if softcap:
+        g *= 1.0 - (x / softcap) ** 2
+    return g
+
+
+def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps, z_scale):
+    V = logits.shape[1]
+    cols = torch.arange(V, device=logits.device)
+    for r0 in range(0, logits.shape[0], FALLBACK_ROWS):
+        sl = slice(r0, r0 + FALLBACK_ROWS)
+        z = logits[sl].float()
+        x = _capped_torch(z, softcap)
+        t = targets[sl].long()
+        valid = t >= 0
+        row_lse = torch.logsumexp(x, dim=-1)
+        x_t = x.gather(1, t.clamp_min(0)[:, None])[:, 0]
+        row_ce = row_lse - (1.0 - eps) * x_t - (eps / V) * x.sum(-1)
+        lse[sl] = row_lse
+        ce[sl] = torch.where(valid, row_ce, 0.0)
+        zl[sl] = torch.where(valid, z_scale * row_lse.square(), 0.0)
+        if grad is not None:
+            a = torch.where(valid, coef_ce[sl], 0.0)
+            c = a + 2.0 * z_scale * row_lse * torch.where(valid, coef_z[sl], 0.0)
+            grad[sl] = _grad_torch(z, cols, t, row_lse, a, c, softcap, eps, V).to(grad.dtype)
+
+
+def _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad, col_offset, V, softcap, eps, z_scale):
+    cols = torch.arange(col_offset, col_offset + logits.shape[1], device=logits.device)
+    for r0 in range(0, logits.shape[0], FALLBACK_ROWS):
+        sl = slice(r0, r0 + FALLBACK_ROWS)
+        t = targets[sl].long()
+        valid = t >= 0
+        a = torch.where(valid, coef_ce[sl], 0.0)
+        c = a + 2.0 * z_scale * lse[sl] * torch.where(valid, coef_z[sl], 0.0)
+        g = _grad_torch(logits[sl].float(), cols, t, lse[sl], a, c, softcap, eps, V)
+        grad[sl] = g.to(grad.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    softcap: float = 0.0,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    coef_ce: torch.Tensor | None = None,
+    coef_z: torch.Tensor | None = None,
+    grad_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row losses of 2-D ``logits`` (rows, V), unit stride along V.
+
+    ``targets`` holds the target column per row, or -1 for rows without one. Returns fp32
+    ``(lse, ce, z)`` per row. When ``grad_out`` is given (it may be ``logits`` itself), the
+    gradient with upstream ``coef_ce`` on ce and ``coef_z`` on z (fp32, per row) is written there.
+    """
+    rows, V = logits.shape
+    dev = logits.device
+    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    ce = torch.empty(rows, dtype=torch.float32, device=dev)
+    zl = torch.empty(rows, dtype=torch.float32, device=dev)
+    write_grad = grad_out is not None
+    if rows == 0:
+        return lse, ce, zl
+    if not use_triton(logits):
+        _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad_out, softcap,
+                   label_smoothing, z_loss_scale)  # fmt: skip
+        return lse, ce, zl
+    dummy = lse  # never read when WRITE_GRAD is off
+    cross_entropy_fwd_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        targets,
+        lse,
+        ce,
+        zl,
+        coef_ce if write_grad else dummy,
+        coef_z if write_grad else dummy,
+        grad_out if write_grad else logits,
+        grad_out.stride(0) if write_grad else 0,
+        V,
+        float(softcap) if softcap else 1.0,
+        float(label_smoothing),
+        float(z_loss_scale),
+        BLOCK_V=min(FWD_BLOCK_V, triton.next_power_of_2(V)),
+        SOFTCAP=bool(softcap),
+        SMOOTHING=label_smoothing > 0.0,
+        WRITE_GRAD=write_grad,
+        num_warps=FWD_NUM_WARPS,
+    )
+    return lse, ce, zl
+
+
+def cross_entropy_bwd(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    col_offset: int = 0,
+    vocab_size: int | None = None,
+    softcap: float = 0.0,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+) -> torch.Tensor:
+    """Gradient of the row losses for the columns ``[col_offset, col_offset + logits.shape[1])``
+    of a vocabulary of ``vocab_size``, given each row's ``lse``. ``grad_out`` may be ``logits``."""
+    rows, n_cols = logits.shape
+    V = n_cols if vocab_size is None else vocab_size
+    if rows == 0 or n_cols == 0:
+        return grad_out
+    if not use_triton(logits):
+        _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad_out, col_offset, V, softcap,
+                   label_smoothing, z_loss_scale)  # fmt: skip
+        return grad_out
+    block = min(BWD_BLOCK_V, triton.next_power_of_2(n_cols))
+    cross_entropy_bwd_kernel[(rows, triton.cdiv(n_cols, block))](
+        logits,
+        logits.stride(0),
+        targets,
+        lse,
+        coef_ce,
+        coef_z,
+        grad_out,
+        grad_out.stride(0),
+        n_cols,
+        col_offset,
+        V,
+        float(softcap) if softcap else 1.0,
+        float(label_smoothing),
+        float(z_loss_scale),
+        BLOCK_V=block,
+        SOFTCAP=bool(softcap),
+        num_warps=BWD_NUM_WARPS,
+    )
+    return grad_out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile, so the whole loss traces with fullgraph=True.
+
+
+@torch.library.custom_op("surgery::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float,
+    label_smoothing: float,
+    z_loss_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(
+        logits,
+        targets,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+    )
+
+
+@_ce_fwd_op.register_fake
+def _(logits, targets, softcap, label_smoothing, z_loss_scale):
+    rows = logits.shape[0]
+    return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("surgery::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    softcap: float,
+    label_smoothing: float,
+    z_loss_scale: float,
+) -> torch.Tensor:
+    grad = torch.empty_like(logits)
+    return cross_entropy_bwd(
+        logits, targets, lse, coef_ce, coef_z, grad,
+        softcap=softcap, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
+    )  # fmt: skip
+
+
+@_ce_bwd_op.register_fake
+def _(logits, targets, lse, coef_ce, coef_z, softcap, label_smoothing, z_loss_scale):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("surgery::cross_entropy_bwd_", mutates_args=("logits",))
+def _ce_bwd_inplace_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    softcap: float,
+    label_smoothing: float,
+    z_loss_scale: float,
+) -> None:
+    cross_entropy_bwd(
+        logits, targets, lse, coef_ce, coef_z, logits,
+        softcap=softcap, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
+    )  # fmt: skip
+
+
+@_ce_bwd_inplace_op.register_fake
+def _(logits, targets, lse, coef_ce, coef_z, softcap, label_smoothing, z_loss_scale):
+    return None
+
+
+def upstream_coefficients(
+    weights: torch.Tensor | None,
+    g_loss: torch.Tensor | None,
+    g_z: torch.Tensor | None,
+    n: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp32 upstream gradients (a on ce, b on z) from the gradients reaching the two
+    outputs. ``weights`` is None for reduction "none" (the outputs are per token)."""
+    zero = torch.zeros(n, dtype=torch.float32, device=device)
+    gl = zero if g_loss is None else g_loss.reshape(-1).to(torch.float32)
+    gz = zero if g_z is None else g_z.reshape(-1).to(torch.float32)
+    if weights is None:
+        a = gl.expand(n)
+        return a.contiguous(), (gl + gz).expand(n).contiguous()
+    return (weights * gl).contiguous(), (weights * (gl + gz)).contiguous()
+
+
+def reduce_losses(
+    ce: torch.Tensor, zl: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if weights is None:
+        return ce + zl, zl
+    return (weights * (ce + zl)).sum(), (weights * zl).sum()
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2d, targets, weights, softcap, eps, z_scale, inplace_backward):
+        lse, ce, zl = _ce_fwd_op(logits2d, targets, softcap, eps, z_scale)
+        ctx.save_for_backward(logits2d, targets, weights, lse)
+        ctx.opts = (softcap, eps, z_scale, inplace_backward)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        loss, z_out = reduce_losses(ce, zl, weights)
+        return loss, z_out
+
+    @staticmethod
+    def backward(ctx, g_loss, g_z):
+        logits2d, targets, weights, lse = ctx.saved_tensors
+        softcap, eps, z_scale, inplace_backward = ctx.opts
+        if g_loss is None and g_z is None:
+            return (None,) * 7
+        a, b = upstream_coefficients(weights, g_loss, g_z, logits2d.shape[0], logits2d.device)
+        if inplace_backward:
+            # The caller opted in: the gradient overwrites the logits buffer it handed us.
+            _ce_bwd_inplace_op(logits2d, targets, lse, a, b, softcap, eps, z_scale)
+            grad = logits2d
+        else:
+            grad = _ce_bwd_op(logits2d, targets, lse, a, b, softcap, eps, z_scale)
+        return grad, None, None, None, None, None, None
+
+
+def check_options(reduction: str, label_smoothing: float, z_loss_scale: float, softcap) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss_scale < 0.0:
+        raise ValueError(f"z_loss_scale must be >= 0, got {z_loss_scale}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+
+
+def prepare_loss_inputs(
+    labels: torch.Tensor,
+    n_tokens: int,
+    vocab_size: int,
+    device: torch.device,
+    *,
+    ignore_index: int,
+    reduction: str,
+    num_items_in_batch,
+    position_ids,
+    cu_seqlens,
+    shift: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Targets (column or -1) and per-token weights, shared by both loss entry points."""
+    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.dim() not in (1, 2) or labels.numel() != n_tokens:
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match {n_tokens} tokens "
+            "(expected (N,) for (N, ...) inputs or (B, T) for (B, T, ...) inputs)"
+        )
+    if num_items_in_batch is not None and reduction not in ("mean", "sum"):
+        raise ValueError(
+            f'num_items_in_batch applies to reduction "mean" or "sum", not {reduction!r}'
+        )
+    labels = labels.to(device)
+    starts = sequence_starts(tuple(labels.shape), device, position_ids, cu_seqlens)
+    if reduction == "sequence" and starts is None:
+        raise ValueError(
+            'reduction="sequence" needs sequence boundaries: pass position_ids or cu_seqlens, '
+            "or labels of shape (B, T) where each row is one sequence"
+        )
+    targets, valid = prepare_targets(labels, vocab_size, ignore_index, shift, starts)
+    targets = torch.where(valid, targets, torch.full_like(targets, -1)).contiguous()
+    weights = token_weights(valid, reduction, starts, num_items_in_batch)
+    return targets, weights
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    z_loss_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    inplace_backward: bool = False,
+) -> LossOutput:
+    """Cross entropy over existing logits, in one read of the logits forward and one read plus
+    one write backward, computed in fp32 inside the kernel whatever the logits' dtype.
+
+    Args:
+        logits: (N, V) or (B, T, V); fp32, bf16 or fp16; unit stride along V.
+        labels: (N,) or (B, T) integer class indices; ``ignore_index`` marks tokens without a
+            target. A label outside [0, V) that is not ``ignore_index`` raises (CPU, or GPU with
+            SURGERY_DEBUG=1) or is treated as ignored and flagged for ``check_labels()`` (GPU).
+        reduction: "mean" over tokens with a target; "sum"; "none" (per token, shape of labels,
+            0 where ignored); "sequence": each sequence's mean over its tokens with a target, then
+            the mean over sequences that have any.
+        num_items_in_batch: HF gradient-accumulation normaliser: the sum divided by it.
+        position_ids / cu_seqlens: sequence boundaries (a new sequence starts where the position
+            does not continue, or at each cu_seqlens offset). Without them a row of (B, T) labels
+            is one sequence. Runs of ignore_index are never boundaries.
+        z_loss_scale: adds s * logsumexp^2 per token to ``loss``; ``z_loss`` returns that term.
+        label_smoothing: as ``F.cross_entropy`` defines it.
+        softcap: Gemma 2/3 final-logit softcap, cap * tanh(logits / cap), applied in the kernel.
+        shift: next-token targets (labels[t + 1] of the same row and sequence) without copying
+            the logits.
+        inplace_backward: write the gradient into ``logits``' own buffer during backward (saves
+            one logits-sized allocation). Only when nothing else reads those logits afterwards.
+
+    Returns:
+        ``LossOutput(loss, z_loss)`` in fp32.
+    """
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    V = logits.shape[-1]
+    check_options(reduction, label_smoothing, z_loss_scale, softcap)
+    logits2d = logits.reshape(-1, V)
+    if logits2d.stride(-1) != 1:
+        logits2d = logits2d.contiguous()
+    targets, weights = prepare_loss_inputs(
+        labels,
+        logits2d.shape[0],
+        V,
+        logits.device,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        shift=shift,
+    )
+    loss, z = CrossEntropyFunction.apply(
+        logits2d,
+        targets,
+        weights,
+        float(softcap or 0.0),
+        float(label_smoothing),
+        float(z_loss_scale),
+        bool(inplace_backward),
+    )
+    if reduction == "none":
+        loss, z = loss.view(labels.shape), z.view(labels.shape)
+    return LossOutput(loss, z)

@@ -1,10 +1,447 @@
-"""PLACEHOLDER STAGE: runs the reference until the Triton kernel lands (issue 3)."""
+"""Fused linear cross entropy: the loss of ``hidden @ weight.T (+ bias)`` without ever holding the
+full (tokens x vocab) logits.
+
+Two schedules share the row kernels of ``cross_entropy.py`` (cuBLAS does the matrix products):
+
+* eager (default, any reduction but "none", when gradients are needed): tokens in chunks; for each
+  chunk the logits are computed once, the row kernel turns them into the loss AND, in place, into
+  the logit gradient for the known per-token weights, and the two gradient products follow at
+  once. Three matrix products in all, the practical floor. The backward only scales the stored
+  gradients by the upstream scalar. The weight gradient is accumulated in fp32 across chunks.
+* recompute (reduction "none", ``low_memory=True``, or a gradient reaching ``z_loss`` on its own):
+  the forward keeps only the per-token logsumexp; the backward recomputes the logits one vocabulary
+  slice at a time, so each slice of the weight gradient is complete after one product and no
+  fp32 copy of the weight gradient exists. Four matrix products.
+
+Extra memory is bounded by ``chunk_bytes`` (logits of one chunk, in the input dtype) plus, in the
+eager schedule with several chunks, one fp32 weight-sized accumulator; it does not grow with the
+number of tokens. Under ``torch.no_grad()`` only the loss is computed.
+"""
 
 from __future__ import annotations
 
-from .reference import linear_cross_entropy_reference
+import functools
+
+import torch
+
+from .cross_entropy import (
+    check_options,
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+    prepare_loss_inputs,
+    reduce_losses,
+    upstream_coefficients,
+)
+from .reference import LossOutput
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "LOW_MEMORY_CHUNK_BYTES", "linear_cross_entropy"]
+
+DEFAULT_CHUNK_BYTES = 1 << 30  # logits of one token chunk (eager schedule)
+LOW_MEMORY_CHUNK_BYTES = 32 << 20  # logits of one slice (recompute schedule, low_memory=True)
+_ALIGN = 128
 
 
-def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
-    out = linear_cross_entropy_reference(hidden, weight, labels, bias=bias, **kwargs)
-    return type(out)(out.loss.to(hidden.dtype), out.z_loss.to(hidden.dtype))
+def _rows_for(budget: int, row_bytes: int, total: int) -> int:
+    rows = max(_ALIGN, (budget // max(row_bytes, 1)) // _ALIGN * _ALIGN)
+    return min(rows, max(total, 1))
+
+
+def plan_token_chunk(n: int, v: int, d: int, elem: int, fp32_weight: bool, budget: int) -> int:
+    """Tokens per chunk for the eager schedule. One chunk needs no fp32 weight-gradient
+    accumulator, so it is taken whenever its logits cost no more than several chunks would."""
+    if n * v * elem <= budget + (0 if fp32_weight else v * d * 4):
+        return max(n, 1)
+    return _rows_for(budget, v * elem, n)
+
+
+@functools.cache
+def _addmm_out_dtype_works(device_type: str) -> bool:
+    # torch.addmm(..., out_dtype=float32) accumulates a bf16/fp16 product into fp32 in cuBLAS; not
+    # every build/backend has it, so it is probed once.
+    if device_type != "cuda":
+        return False
+    try:
+        acc = torch.zeros(2, 2, device="cuda")
+        a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool(acc[0, 0].item() == 2.0)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slice_rows: int) -> None:
+    """acc (fp32) += a @ b for low-precision a, b without an fp32 copy of either."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _addmm_out_dtype_works(acc.device.type):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # bounded temporary: slices of the output rows
+        for r0 in range(0, acc.shape[0], slice_rows):
+            acc[r0 : r0 + slice_rows] += a[r0 : r0 + slice_rows] @ b
+
+
+def _logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+
+
+def lce_fwd(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+):
+    """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
+
+    Returns (ce, z, lse, dx, dw, db): per-token fp32 losses and logsumexp, and the gradients for
+    unit upstream gradient on ``sum(weights * (ce + z))`` (empty tensors where not requested).
+    """
+    n, d = x.shape
+    v = w.shape[0]
+    dev = x.device
+    grads = weights is not None and (need_dx or need_dw or need_db)
+    need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
+    chunk = plan_token_chunk(n, v, d, x.element_size(), w.dtype == torch.float32, chunk_bytes)
+    single = chunk >= n
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    ce = torch.empty(n, dtype=torch.float32, device=dev)
+    zl = torch.empty(n, dtype=torch.float32, device=dev)
+    # Outputs of a custom op may not alias each other: distinct empties where not requested.
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    if need_dw:
+        dw = torch.empty_like(w) if single else torch.zeros(v, d, dtype=torch.float32, device=dev)
+    else:
+        dw = x.new_empty(0)
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
+    for n0 in range(0, n, chunk):
+        n1 = min(n0 + chunk, n)
+        xc = x[n0:n1]
+        logits = _logits(xc, w, bias)
+        rl, rc, rz = cross_entropy_fwd(
+            logits,
+            targets[n0:n1],
+            softcap=softcap,
+            label_smoothing=eps,
+            z_loss_scale=z_scale,
+            coef_ce=weights[n0:n1] if grads else None,
+            coef_z=weights[n0:n1] if grads else None,
+            grad_out=logits if grads else None,  # our own buffer: overwritten in place
+        )
+        lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
+        if not grads:
+            continue
+        if need_dx:
+            torch.mm(logits, w, out=dx[n0:n1])
+        if need_dw:
+            if single:
+                torch.mm(logits.t(), xc, out=dw)
+            else:
+                _accumulate_mm(dw, logits.t(), xc, slice_rows)
+        if need_db:
+            db += logits.sum(0, dtype=torch.float32)
+    if need_dw and dw.dtype != w.dtype:
+        dw = dw.to(w.dtype)
+    if need_db:
+        db = db.to(bias.dtype)
+    return ce, zl, lse, dx, dw, db
+
+
+def lce_bwd_recompute(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+):
+    """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
+    one product; the hidden gradient is accumulated in fp32."""
+    n, d = x.shape
+    v = w.shape[0]
+    dev = x.device
+    cols = _rows_for(chunk_bytes, n * x.element_size(), v)
+    dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else x.new_empty(0)
+    db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    for v0 in range(0, v, cols):
+        v1 = min(v0 + cols, v)
+        wc = w[v0:v1]
+        logits = _logits(x, wc, None if bias is None else bias[v0:v1])
+        cross_entropy_bwd(
+            logits,
+            targets,
+            lse,
+            coef_ce,
+            coef_z,
+            logits,
+            col_offset=v0,
+            vocab_size=v,
+            softcap=softcap,
+            label_smoothing=eps,
+            z_loss_scale=z_scale,
+        )
+        if need_dw:
+            torch.mm(logits.t(), x, out=dw[v0:v1])
+        if need_dx:
+            _accumulate_mm(dx_acc, logits, wc, max(_ALIGN, n // 8))
+        if need_db:
+            db[v0:v1] = logits.sum(0, dtype=torch.float32)
+    dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
+    if need_db:
+        db = db.to(bias.dtype)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return lce_fwd(
+        x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db
+    )
+
+
+@_lce_fwd_op.register_fake
+def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db):
+    n = x.shape[0]
+    grads = weights is not None
+    per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
+    dx = torch.empty_like(x) if grads and need_dx else x.new_empty(0)
+    dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
+    return (*per_tok, dx, dw, db)
+
+
+@torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return lce_bwd_recompute(
+        x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes,
+        need_dx, need_dw, need_db,
+    )  # fmt: skip
+
+
+@_lce_bwd_op.register_fake
+def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
+      need_dw, need_db):  # fmt: skip
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(w) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, low_memory):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        eager = weights is not None and not low_memory and (need_dx or need_dw or need_db)
+        ce, zl, lse, dx, dw, db = _lce_fwd_op(
+            x, w, bias, targets, weights if eager else None, softcap, eps, z_scale,
+            chunk_bytes, need_dx, need_dw, need_db,
+        )  # fmt: skip
+        ctx.save_for_backward(x, w, bias, targets, weights, lse)
+        ctx.eager_grads = (dx, dw, db) if eager else None
+        ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db)
+        ctx.set_materialize_grads(False)
+        return reduce_losses(ce, zl, weights)
+
+    @staticmethod
+    def backward(ctx, g_loss, g_z):
+        x, w, bias, targets, weights, lse = ctx.saved_tensors
+        softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db = ctx.opts
+        dx = dw = db = None
+        eager = ctx.eager_grads
+        ctx.eager_grads = None
+        if eager is not None:
+            if g_loss is not None:
+                # The stored gradients are for unit upstream gradient: scale in place.
+                dx, dw, db = (t.mul_(g_loss.to(t.dtype)) if t.numel() else None for t in eager)
+            # z_loss is usually only logged; a gradient reaching it on its own is recomputed.
+            if g_z is not None and z_scale > 0.0:
+                g_only_z = (None, g_z)
+            else:
+                g_only_z = None
+        else:
+            g_only_z = (g_loss, g_z)
+        if g_only_z is not None and (g_only_z[0] is not None or g_only_z[1] is not None):
+            a, b = upstream_coefficients(weights, *g_only_z, x.shape[0], x.device)
+            if eager is not None:
+                a = torch.zeros_like(a)  # the ce part is already in the eager gradients
+            rdx, rdw, rdb = _lce_bwd_op(
+                x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
+                need_dx, need_dw, need_db,
+            )  # fmt: skip
+            dx = _add(dx, rdx if need_dx else None)
+            dw = _add(dw, rdw if need_dw else None)
+            db = _add(db, rdb if need_db else None)
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a.add_(b)
+
+
+def _check_shapes(hidden, weight, bias) -> None:
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(
+            f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
+        )
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, D), got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden of shape {tuple(hidden.shape)} does not match weight of shape "
+            f"{tuple(weight.shape)}: the last dimension must be D = {weight.shape[1]}"
+        )
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be (N, D) or (B, T, D), got shape {tuple(hidden.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    z_loss_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    low_memory: bool = False,
+    chunk_bytes: int | None = None,
+) -> LossOutput:
+    """Cross entropy of ``hidden @ weight.T + bias`` against ``labels`` without the full logits.
+
+    Args:
+        hidden: (N, D) or (B, T, D); fp32, bf16 or fp16.
+        weight: (V, D), the lm_head weight, same dtype as ``hidden`` (under autocast both are cast
+            to the autocast dtype, as ``F.linear`` would).
+        labels: (N,) or (B, T) integer targets; ``ignore_index`` marks tokens without one. A label
+            outside [0, V) that is not ``ignore_index`` raises (CPU, or SURGERY_DEBUG=1) or is
+            treated as ignored and flagged for ``check_labels()`` (GPU, no host sync).
+        bias: optional (V,).
+        reduction: "mean" over tokens with a target; "sum"; "none" (per token, shape of labels,
+            0 where ignored, exact gradients for any upstream gradient); "sequence": each
+            sequence's mean over its tokens with a target, then the mean over sequences with any —
+            on a packed batch, exactly the loss of the same sequences unpacked.
+        num_items_in_batch: HF gradient-accumulation normaliser ("mean"/"sum"): sum divided by it.
+        position_ids: (B, T) or (1, T): a sequence starts where the position does not continue
+            (e.g. restarts at 0). cu_seqlens: (S + 1,) cumulative lengths over the flattened
+            tokens. Without either, each row of (B, T) labels is one sequence.
+        z_loss_scale: s > 0 adds s * logsumexp^2 per token to ``loss``; ``z_loss`` is that term
+            alone, same reduction.
+        label_smoothing: as ``F.cross_entropy`` defines it.
+        softcap: final-logit softcap (Gemma 2/3): cap * tanh(logits / cap).
+        shift: next-token targets (label t + 1 of the same row; never across a sequence
+            boundary when position_ids / cu_seqlens are given) without copying ``hidden``.
+        low_memory: recompute the logits in the backward one vocabulary slice at a time: no fp32
+            weight-gradient accumulator and smaller chunks, at the cost of a fourth product.
+        chunk_bytes: logits bytes per chunk (default 1 GiB, 32 MiB with ``low_memory``).
+
+    Returns:
+        ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".
+    """
+    _check_shapes(hidden, weight, bias)
+    check_options(reduction, label_smoothing, z_loss_scale, softcap)
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        dev = hidden.device.type
+        if torch.is_autocast_enabled(dev):
+            dtype = torch.get_autocast_dtype(dev)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        else:
+            raise TypeError(
+                f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
+                "(or run under torch.autocast)"
+            )
+    V = weight.shape[0]
+    x = hidden.reshape(-1, hidden.shape[-1])
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != x.shape[1]):
+        x = x.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    targets, weights = prepare_loss_inputs(
+        labels,
+        x.shape[0],
+        V,
+        x.device,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        shift=shift,
+    )
+    if chunk_bytes is None:
+        chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+    loss, z = LinearCrossEntropyFunction.apply(
+        x,
+        w,
+        bias,
+        targets,
+        weights,
+        float(softcap or 0.0),
+        float(label_smoothing),
+        float(z_loss_scale),
+        int(chunk_bytes),
+        bool(low_memory),
+    )
+    if reduction == "none":
+        loss, z = loss.view(labels.shape), z.view(labels.shape)
+    return LossOutput(loss, z)
