@@ -1,0 +1,465 @@
+"""Fused linear cross entropy and cross entropy against the fp32 reference: forward and every
+gradient, for every option, on odd sizes; plus the semantics that other libraries get wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from surgery.kernels import (
+    cross_entropy,
+    cross_entropy_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from surgery.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
+from tests.utils import DEVICE, assert_close_budget, poison_, rel_err, tolerance
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_inputs(n, d, v, dtype, ignore_frac=0.3, bias=False, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, d, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(DEVICE, dtype).requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.1).to(DEVICE, dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignore_frac] = -100
+    return x, w, b, labels.to(DEVICE)
+
+
+def grads(out, inputs, g_loss, g_z=None):
+    total = (out.loss * g_loss).sum()
+    if g_z is not None:
+        total = total + (out.z_loss * g_z).sum()
+    return torch.autograd.grad(total, [t for t in inputs if t is not None])
+
+
+def check_against_reference(x, w, b, labels, dtype, g_seed=1, **kw):
+    """Kernel vs fp32 reference, within the dtype's error budget relative to eager PyTorch in
+    ``dtype`` (logits computed in ``dtype``, loss in fp32 — what transformers does)."""
+    out = linear_cross_entropy(x, w, labels, b, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k not in ("low_memory", "chunk_bytes")}
+    ref = linear_cross_entropy_reference(x, w, labels, b, **ref_kw)
+    eager_logits = x @ w.t() if b is None else torch.addmm(b, x, w.t())
+    eager = cross_entropy_reference(eager_logits, labels, **ref_kw)
+    gen = torch.Generator().manual_seed(g_seed)
+    g_loss = torch.randn(ref.loss.shape, generator=gen).to(DEVICE)
+    g_z = torch.randn(ref.loss.shape, generator=gen).to(DEVICE)
+    inputs = (x, w, b)
+    ref_g = grads(ref, inputs, g_loss, g_z)
+    eager_g = grads(eager, inputs, g_loss, g_z)
+    out_g = grads(out, inputs, g_loss, g_z)
+    assert out.loss.dtype == torch.float32
+    assert out.loss.shape == ref.loss.shape and out.z_loss.shape == ref.z_loss.shape
+    assert_close_budget(out.loss, ref.loss, eager.loss, dtype, "loss")
+    assert_close_budget(out.z_loss, ref.z_loss, eager.z_loss, dtype, "z_loss")
+    for name, a, r, e in zip(("grad_hidden", "grad_weight", "grad_bias"), out_g, ref_g, eager_g):
+        assert a.dtype == r.dtype
+        assert_close_budget(a, r, e, dtype, name)
+
+
+CASES = {
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "zloss": dict(z_loss_scale=1e-2),
+    "none-zloss": dict(reduction="none", z_loss_scale=1e-2),
+    "smoothing": dict(label_smoothing=0.1),
+    "softcap": dict(softcap=2.0),
+    "num_items": dict(num_items_in_batch=50),
+    "shift": dict(shift=True),
+    "everything": dict(z_loss_scale=1e-3, label_smoothing=0.05, softcap=3.0, shift=True),
+    "low_memory": dict(low_memory=True, chunk_bytes=8192, z_loss_scale=1e-3),
+    "multi_chunk": dict(chunk_bytes=16 * 1001 * 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_linear_cross_entropy_options(case, dtype):
+    x, w, b, labels = make_inputs(37, 67, 1001, DTYPES[dtype], bias=case in ("mean", "none"))
+    check_against_reference(x, w, b, labels, DTYPES[dtype], **CASES[case])
+
+
+@pytest.mark.parametrize("shape", [(2, 19), (3, 8)], ids=["B2-T19", "B3-T8"])
+@pytest.mark.parametrize("reduction", ["mean", "sequence", "none"])
+def test_batched_input_shapes(shape, reduction):
+    B, T = shape
+    x, w, _, labels = make_inputs(B * T, 33, 517, torch.float32)
+    x3 = x.detach().view(B, T, 33).requires_grad_()
+    check_against_reference(x3, w, None, labels.view(B, T), torch.float32, reduction=reduction)
+
+
+def test_fp16_inputs():
+    x, w, _, labels = make_inputs(29, 40, 300, torch.float16)
+    check_against_reference(x, w, None, labels, torch.float16, z_loss_scale=1e-3)
+
+
+def test_long_ignored_runs_and_per_token_upstream():
+    # The first 90% of the tokens are ignored; "none" with an arbitrary upstream gradient must
+    # give exactly zero gradient through ignored tokens and the right one elsewhere.
+    x, w, _, labels = make_inputs(60, 32, 257, torch.float32, ignore_frac=0.0)
+    labels[:54] = -100
+    check_against_reference(x, w, None, labels, torch.float32, reduction="none")
+    out = linear_cross_entropy(x, w, labels, reduction="none")
+    assert torch.all(out.loss[:54] == 0)
+    g = torch.zeros(60, device=DEVICE)
+    g[:54] = 1e6  # huge upstream on ignored tokens only
+    gx, gw = torch.autograd.grad((out.loss * g).sum(), (x, w))
+    assert torch.all(gx == 0) and torch.all(gw == 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "sequence", "none"])
+@pytest.mark.parametrize("fn", ["linear", "logits"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(reduction, fn):
+    x, w, _, labels = make_inputs(16, 24, 100, torch.float32)
+    labels[:] = -100
+    kw = dict(reduction=reduction, z_loss_scale=1e-2)
+    if reduction == "sequence":
+        kw["position_ids"] = torch.arange(16, device=DEVICE) % 8
+    if fn == "linear":
+        out = linear_cross_entropy(x, w, labels, **kw)
+        gs = torch.autograd.grad(out.loss.sum(), (x, w))
+    else:
+        logits = (x @ w.t()).detach().requires_grad_()
+        out = cross_entropy(logits, labels, **kw)
+        gs = torch.autograd.grad(out.loss.sum(), (logits,))
+    assert torch.all(out.loss == 0) and torch.all(out.z_loss == 0)
+    for g in gs:
+        assert torch.isfinite(g).all() and torch.all(g == 0)
+
+
+def _pack(seqs_hidden, seqs_labels):
+    x = torch.cat(seqs_hidden)
+    labels = torch.cat(seqs_labels)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs_labels]).to(DEVICE)
+    cu = torch.tensor([0] + [len(s) for s in seqs_labels], device=DEVICE).cumsum(0)
+    return x, labels, pos, cu
+
+
+@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seqlens"])
+@pytest.mark.parametrize("shift", [False, True], ids=["noshift", "shift"])
+def test_sequence_reduction_packed_equals_unpacked(boundaries, shift):
+    """A packed row with reduction="sequence" trains exactly like the same sequences unpacked
+    (each its own row, per-sequence mean, then the mean over sequences)."""
+    lengths = [5, 17, 9]
+    d, v = 24, 211
+    base = torch.Generator().manual_seed(3)
+    w = (torch.randn(v, d, generator=base) / d**0.5).to(DEVICE).requires_grad_()
+    hs = [torch.randn(n, d, generator=base).to(DEVICE) for n in lengths]
+    ls = [torch.randint(0, v, (n,), generator=base).to(DEVICE) for n in lengths]
+    ls[1][3:9] = -100  # a masked prompt turn in the middle: not a boundary
+    x_packed, labels_packed, pos, cu = _pack(hs, ls)
+    x_packed.requires_grad_()
+    kw = {"position_ids": pos} if boundaries == "position_ids" else {"cu_seqlens": cu}
+    packed = linear_cross_entropy(
+        x_packed, w, labels_packed, reduction="sequence", shift=shift, **kw
+    )
+    gx, gw = torch.autograd.grad(packed.loss, (x_packed, w))
+
+    per_seq = [linear_cross_entropy(h, w, lab, shift=shift).loss for h, lab in zip(hs, ls)]
+    unpacked = torch.stack(per_seq).mean()
+    ugw = torch.autograd.grad(unpacked, w, retain_graph=True)[0]
+    assert rel_err(packed.loss, unpacked) < 1e-6
+    assert rel_err(gw, ugw) < 1e-5
+    # Per-sequence hidden gradients of the unpacked run, concatenated, equal the packed ones.
+    hs_req = [h.clone().requires_grad_() for h in hs]
+    loss_u = torch.stack(
+        [linear_cross_entropy(h, w, lab, shift=shift).loss for h, lab in zip(hs_req, ls)]
+    ).mean()
+    ugx = torch.cat(torch.autograd.grad(loss_u, hs_req))
+    assert rel_err(gx, ugx) < 1e-5
+    # And the token mean is NOT the same thing on unequal lengths: the reduction matters.
+    token_mean = linear_cross_entropy(x_packed, w, labels_packed, shift=shift, **kw).loss
+    assert rel_err(token_mean, unpacked) > 1e-3
+
+
+def test_shift_never_crosses_packed_boundary():
+    x, w, _, labels = make_inputs(12, 16, 50, torch.float32, ignore_frac=0.0)
+    pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1], device=DEVICE)
+    out = linear_cross_entropy(x, w, labels, reduction="none", shift=True, position_ids=pos)
+    # The last token of each sequence (and of the row) has no next-token target.
+    assert torch.all(out.loss[[3, 9, 11]] == 0)
+    assert torch.all(out.loss[[0, 1, 2, 4, 8, 10]] > 0)
+
+
+def test_multi_turn_masking_is_not_a_boundary():
+    """reduction="sequence" on one dialogue with several masked prompt turns = plain token mean."""
+    x, w, _, labels = make_inputs(30, 16, 64, torch.float32, ignore_frac=0.0)
+    labels[0:5] = -100
+    labels[12:18] = -100
+    labels[25:27] = -100
+    labels2 = labels.view(1, 30)
+    seq = linear_cross_entropy(x.view(1, 30, 16), w, labels2, reduction="sequence").loss
+    mean = linear_cross_entropy(x, w, labels).loss
+    assert rel_err(seq, mean) < 1e-6
+
+
+def test_z_loss_is_trained_and_returned():
+    x, w, _, labels = make_inputs(20, 16, 64, torch.float32)
+    plain = linear_cross_entropy(x, w, labels)
+    withz = linear_cross_entropy(x, w, labels, z_loss_scale=1e-1)
+    assert withz.z_loss > 0 and plain.z_loss == 0
+    torch.testing.assert_close(withz.loss, plain.loss + withz.z_loss)
+    g_plain = torch.autograd.grad(plain.loss, w)[0]
+    g_z = torch.autograd.grad(withz.loss, w)[0]
+    assert rel_err(g_z, g_plain) > 1e-3  # the z-loss term is part of what is trained
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["none-zloss", "everything", "sum"])
+def test_cross_entropy_over_logits(case, dtype):
+    dt = DTYPES[dtype]
+    x, w, _, labels = make_inputs(37, 67, 1001, torch.float32)
+    logits32 = (x @ w.t()).detach()
+    logits = logits32.to(dt).requires_grad_()
+    kw = CASES[case]
+    out = cross_entropy(logits, labels, **kw)
+    ref = cross_entropy_reference(logits.detach().float().requires_grad_(), labels, **kw)
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(ref.loss.shape, generator=gen).to(DEVICE)
+    (ga,) = torch.autograd.grad((out.loss * g).sum(), logits)
+    lr = logits.detach().float().requires_grad_()
+    ref = cross_entropy_reference(lr, labels, **kw)
+    (gr,) = torch.autograd.grad((ref.loss * g).sum(), lr)
+    assert ga.dtype == dt  # bf16 logits get a bf16 gradient: no fp32 copy
+    assert rel_err(out.loss, ref.loss) <= tolerance(dt)["floor"]
+    assert rel_err(ga, gr) <= (1e-5 if dt == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_cross_entropy_inplace_backward_only_when_asked(inplace):
+    x, w, _, labels = make_inputs(20, 16, 64, torch.float32)
+    leaf = (x @ w.t()).detach().requires_grad_()
+    logits = leaf * 1.0  # a non-leaf the caller can still see
+    before = logits.detach().clone()
+    out = cross_entropy(logits, labels, inplace_backward=inplace)
+    out.loss.backward()
+    lr = before.clone().requires_grad_()
+    cross_entropy_reference(lr, labels).loss.backward()
+    assert rel_err(leaf.grad, lr.grad) < 1e-6
+    if inplace:
+        assert not torch.equal(logits.detach(), before)  # the caller asked for it
+    else:
+        assert torch.equal(logits.detach(), before)  # never overwritten otherwise
+
+
+def test_no_grad_computes_only_the_loss():
+    x, w, _, labels = make_inputs(20, 16, 64, torch.float32)
+    with torch.no_grad():
+        out = linear_cross_entropy(x, w, labels, z_loss_scale=1e-2)
+    assert out.loss.grad_fn is None
+    ref = linear_cross_entropy_reference(x.detach(), w.detach(), labels, z_loss_scale=1e-2)
+    assert rel_err(out.loss, ref.loss) < 1e-6
+
+
+@pytest.mark.parametrize("cols", [(0, 100), (37, 64), (0, 1001)], ids=["c0-100", "c37-64", "full"])
+def test_row_kernels_write_every_element(cols):
+    """Poisoned outputs: the launchers write every element they own, nothing else."""
+    c0, nc = cols
+    x, w, _, labels = make_inputs(11, 16, 1001, torch.float32, ignore_frac=0.3)
+    logits = (x @ w.t()).detach()
+    targets = torch.where(labels >= 0, labels, -1)
+    ones = torch.ones(11, device=DEVICE)
+    grad = poison_(torch.empty_like(logits))
+    lse, ce, _ = cross_entropy_fwd(logits, targets, coef_ce=ones, coef_z=ones, grad_out=grad)
+    assert torch.isfinite(grad).all() and torch.isfinite(lse).all() and torch.isfinite(ce).all()
+    part = poison_(torch.empty(11, nc, device=DEVICE))
+    cross_entropy_bwd(logits[:, c0 : c0 + nc], targets, lse, ones, ones, part, col_offset=c0,
+                      vocab_size=1001)  # fmt: skip
+    torch.testing.assert_close(part, grad[:, c0 : c0 + nc])
+
+
+def test_errors_are_clear():
+    x, w, _, labels = make_inputs(8, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="last dimension"):
+        linear_cross_entropy(x[:, :15], w, labels)
+    with pytest.raises(ValueError, match="do not match"):
+        linear_cross_entropy(x, w, labels[:7])
+    with pytest.raises(TypeError, match="same dtype"):
+        linear_cross_entropy(x, w.to(torch.float64), labels)
+    with pytest.raises(TypeError, match="integer"):
+        linear_cross_entropy(x, w, labels.float())
+    with pytest.raises(ValueError, match="unknown reduction"):
+        linear_cross_entropy(x, w, labels, reduction="avg")
+    with pytest.raises(ValueError, match="needs sequence boundaries"):
+        linear_cross_entropy(x, w, labels, reduction="sequence")
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        linear_cross_entropy(
+            x, w, labels, reduction="sequence", position_ids=torch.arange(8), num_items_in_batch=3
+        )
+    with pytest.raises(ValueError, match="position_ids"):
+        linear_cross_entropy(x, w, labels, reduction="sequence", position_ids=torch.arange(7))
+    bad = labels.clone()
+    bad[2] = 32
+    with pytest.raises(ValueError, match="outside"):
+        linear_cross_entropy(x, w, bad)
+    bad[2] = -5
+    with pytest.raises(ValueError, match="outside"):
+        cross_entropy(x @ w.t(), bad)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(x, w, labels, softcap=0.0)
+
+
+def test_traces_with_fullgraph_compile():
+    """The ops are opaque to dynamo: the whole loss, forward and backward, traces in one graph."""
+    x, w, _, labels = make_inputs(24, 16, 64, torch.float32)
+    pos = torch.arange(24, device=DEVICE) % 12
+
+    def step(x, w, labels, pos):
+        out = linear_cross_entropy(
+            x, w, labels, reduction="sequence", position_ids=pos, z_loss_scale=1e-3
+        )
+        return out.loss, out.z_loss
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss_c, z_c = compiled(x, w, labels, pos)
+    gc = torch.autograd.grad(loss_c, (x, w))
+    loss_e, z_e = step(x, w, labels, pos)
+    ge = torch.autograd.grad(loss_e, (x, w))
+    torch.testing.assert_close(loss_c, loss_e)
+    torch.testing.assert_close(z_c, z_e)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    n=st.integers(1, 40),
+    d=st.integers(1, 48),
+    v=st.integers(2, 300),
+    reduction=st.sampled_from(["mean", "sum", "none", "sequence"]),
+    z=st.sampled_from([0.0, 1e-2]),
+    eps=st.sampled_from([0.0, 0.2]),
+    cap=st.sampled_from([None, 1.5]),
+    shift=st.booleans(),
+    ignore=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference(n, d, v, reduction, z, eps, cap, shift, ignore, seed):
+    x, w, _, labels = make_inputs(n, d, v, torch.float32, ignore_frac=ignore, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    pos = (torch.arange(n) - torch.randint(0, n, (1,), generator=g)).clamp_min(0).to(DEVICE)
+    kw = dict(reduction=reduction, z_loss_scale=z, label_smoothing=eps, softcap=cap, shift=shift)
+    if reduction == "sequence":
+        kw["position_ids"] = pos
+    check_against_reference(x, w, None, labels, torch.float32, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real vocabulary sizes, bf16, compile / CUDA graphs / no host sync.
+
+
+def _chunked_fp32_reference(x, w, labels, softcap=None):
+    """fp32 reference of a token-mean loss and both gradients at real sizes, in chunks."""
+    n = x.shape[0]
+    xf, wf = x.detach().float(), w.detach().float()
+    valid = labels != -100
+    cnt = valid.sum().clamp_min(1)
+    loss = torch.zeros((), device=x.device)
+    gx = torch.zeros_like(xf)
+    gw = torch.zeros_like(wf)
+    for n0 in range(0, n, 1024):
+        sl = slice(n0, n0 + 1024)
+        z = xf[sl] @ wf.t()
+        lz = z.clone().requires_grad_()
+        lc = softcap * torch.tanh(lz / softcap) if softcap else lz
+        part = torch.nn.functional.cross_entropy(lc, labels[sl], reduction="sum") / cnt
+        (gz,) = torch.autograd.grad(part, lz)
+        loss += part.detach()
+        gx[sl] = gz @ wf
+        gw += gz.t() @ xf[sl]
+    return loss, gx, gw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "n,d,v,cap",
+    [(4096, 4096, 128256, None), (2048, 2304, 256000, 30.0)],
+    ids=["llama3-N4096-V128256", "gemma2-N2048-V256000-softcap"],
+)
+@pytest.mark.parametrize("low_memory", [False, True], ids=["default", "low_memory"])
+def test_gpu_real_vocab_bf16(n, d, v, cap, low_memory):
+    x, w, _, labels = make_inputs(n, d, v, torch.bfloat16, ignore_frac=0.1, scale=1.0)
+    ref_loss, ref_gx, ref_gw = _chunked_fp32_reference(x, w, labels, cap)
+    out = linear_cross_entropy(x, w, labels, softcap=cap, low_memory=low_memory)
+    gx, gw = torch.autograd.grad(out.loss, (x, w))
+    # eager bf16, as transformers computes it: bf16 logits, fp32 loss
+    logits = x @ w.t()
+    lf = logits.float()
+    if cap:
+        lf = cap * torch.tanh(lf / cap)
+    eager = torch.nn.functional.cross_entropy(lf, labels)
+    egx, egw = torch.autograd.grad(eager, (x, w))
+    del logits, lf
+    assert_close_budget(out.loss, ref_loss, eager, torch.bfloat16, "loss")
+    assert_close_budget(gx, ref_gx, egx, torch.bfloat16, "grad_hidden")
+    assert_close_budget(gw, ref_gw, egw, torch.bfloat16, "grad_weight")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_logits_not_copied_to_fp32():
+    n, v = 4096, 128256
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = cross_entropy(logits, labels)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    # The gradient (one bf16 logits-sized buffer) is all; an fp32 copy would add 2x that.
+    assert extra < 1.2 * logits.numel() * 2, extra
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_cuda_graphs_and_no_sync():
+    x, w, _, labels = make_inputs(1024, 256, 32000, torch.bfloat16)
+    pos = torch.arange(1024, device="cuda") % 300
+
+    def step(x, w):
+        out = linear_cross_entropy(x, w, labels, reduction="sequence", position_ids=pos)
+        gx, gw = torch.autograd.grad(out.loss, (x, w))
+        return out.loss.detach(), gx, gw
+
+    eager = step(x, w)
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(x, w)
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+    # No host synchronisation anywhere in a training step.
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(x, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # CUDA graph capture and replay.
+    xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(xs, ws)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(xs, ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", ["everything", "none-zloss", "low_memory"])
+def test_pytorch_fallback_path_matches_reference(case, monkeypatch):
+    """CPU without TRITON_INTERPRET runs the chunked PyTorch path: same definition."""
+    import surgery.kernels.cross_entropy as ce_mod
+
+    monkeypatch.setattr(ce_mod, "use_triton", lambda t: False)
+    monkeypatch.setattr(ce_mod, "FALLBACK_ROWS", 7)  # several row blocks on a small input
+    x, w, b, labels = make_inputs(37, 67, 1001, torch.float32, bias=True)
+    check_against_reference(x, w, b, labels, torch.float32, **CASES[case])
