@@ -179,9 +179,10 @@ def token_weights(
         return None
     v = valid.to(torch.float32)
     if reduction in ("mean", "sum"):
-        if num_items_in_batch is not None:
-            denom = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=v.device)
-            return v / denom.clamp_min(1.0)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            return v / num_items_in_batch.to(v.device, torch.float32).clamp_min(1.0)
+        if num_items_in_batch is not None:  # a Python number: no host-to-device copy
+            return v / max(float(num_items_in_batch), 1.0)
         if reduction == "sum":
             return v
         return v / v.sum().clamp_min(1.0)
