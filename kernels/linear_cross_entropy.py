@@ -37,21 +37,29 @@ from .reference import LossOutput
 __all__ = ["DEFAULT_CHUNK_BYTES", "LOW_MEMORY_CHUNK_BYTES", "linear_cross_entropy"]
 
 DEFAULT_CHUNK_BYTES = 1 << 30  # logits of one token chunk (eager schedule)
-LOW_MEMORY_CHUNK_BYTES = 32 << 20  # logits of one slice (recompute schedule, low_memory=True)
+LOW_MEMORY_CHUNK_BYTES = 64 << 20  # logits of one slice (recompute schedule, low_memory=True)
 _ALIGN = 128
 
 
-def _rows_for(budget: int, row_bytes: int, total: int) -> int:
-    rows = max(_ALIGN, (budget // max(row_bytes, 1)) // _ALIGN * _ALIGN)
+# Smallest chunk (rows of the token chunk, columns of the vocabulary slice) worth a matrix
+# product: below this the products run far under peak and, in the recompute schedule, re-reading
+# the fp32 hidden-gradient accumulator per slice (N x D x 8 bytes) costs more than the product.
+MIN_CHUNK_ROWS = 1024
+MIN_SLICE_COLS = 4096
+
+
+def _rows_for(budget: int, row_bytes: int, total: int, minimum: int = _ALIGN) -> int:
+    rows = max(minimum, (budget // max(row_bytes, 1)) // _ALIGN * _ALIGN)
     return min(rows, max(total, 1))
 
 
-def plan_token_chunk(n: int, v: int, d: int, elem: int, fp32_weight: bool, budget: int) -> int:
-    """Tokens per chunk for the eager schedule. One chunk needs no fp32 weight-gradient
-    accumulator, so it is taken whenever its logits cost no more than several chunks would."""
-    if n * v * elem <= budget + (0 if fp32_weight else v * d * 4):
+def plan_token_chunk(n: int, v: int, d: int, elem: int, accumulate_fp32: bool, budget: int) -> int:
+    """Tokens per chunk for the eager schedule. Several chunks need an fp32 weight-gradient
+    accumulator (when ``accumulate_fp32``), so one chunk is taken whenever its logits cost no
+    more than that would."""
+    if n * v * elem <= budget + (v * d * 4 if accumulate_fp32 else 0):
         return max(n, 1)
-    return _rows_for(budget, v * elem, n)
+    return _rows_for(budget, v * elem, n, MIN_CHUNK_ROWS)
 
 
 @functools.cache
@@ -108,7 +116,8 @@ def lce_fwd(
     dev = x.device
     grads = weights is not None and (need_dx or need_dw or need_db)
     need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
-    chunk = plan_token_chunk(n, v, d, x.element_size(), w.dtype == torch.float32, chunk_bytes)
+    accumulate_fp32 = need_dw and w.dtype != torch.float32
+    chunk = plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
     single = chunk >= n
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     ce = torch.empty(n, dtype=torch.float32, device=dev)
@@ -175,7 +184,7 @@ def lce_bwd_recompute(
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
-    cols = _rows_for(chunk_bytes, n * x.element_size(), v)
+    cols = _rows_for(chunk_bytes, n * x.element_size(), v, MIN_SLICE_COLS)
     dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
@@ -277,9 +286,12 @@ def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_by
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, low_memory):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_db = bias is not None and ctx.needs_input_grad[2]
+    def forward(
+        ctx, x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, low_memory, needs
+    ):
+        # `needs` is taken before apply(): inside forward grad mode is off, and needs_input_grad
+        # does not see an outer torch.no_grad().
+        need_dx, need_dw, need_db = needs
         eager = weights is not None and not low_memory and (need_dx or need_dw or need_db)
         ce, zl, lse, dx, dw, db = _lce_fwd_op(
             x, w, bias, targets, weights if eager else None, softcap, eps, z_scale,
@@ -320,7 +332,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dx = _add(dx, rdx if need_dx else None)
             dw = _add(dw, rdw if need_dw else None)
             db = _add(db, rdb if need_db else None)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -393,7 +405,8 @@ def linear_cross_entropy(
             boundary when position_ids / cu_seqlens are given) without copying ``hidden``.
         low_memory: recompute the logits in the backward one vocabulary slice at a time: no fp32
             weight-gradient accumulator and smaller chunks, at the cost of a fourth product.
-        chunk_bytes: logits bytes per chunk (default 1 GiB, 32 MiB with ``low_memory``).
+        chunk_bytes: logits bytes per chunk (default 1 GiB, 64 MiB with ``low_memory``; chunks
+            never go below 1024 tokens or 4096 vocabulary columns).
 
     Returns:
         ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".
@@ -430,6 +443,12 @@ def linear_cross_entropy(
     )
     if chunk_bytes is None:
         chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+    grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and x.requires_grad,
+        grad_on and w.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
     loss, z = LinearCrossEntropyFunction.apply(
         x,
         w,
@@ -441,6 +460,7 @@ def linear_cross_entropy(
         float(z_loss_scale),
         int(chunk_bytes),
         bool(low_memory),
+        needs,
     )
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
