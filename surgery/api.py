@@ -1,0 +1,359 @@
+"""``patch`` / ``unpatch`` / ``patched`` on one model instance, and ``apply_<arch>`` / ``revert``
+for the models built afterwards.
+
+Patching sets ``forward`` on instances (``types.MethodType``) and keeps the previous instance
+attribute (usually none: the class forward) to restore. It adds no parameters, buffers or
+submodules: what a patched forward needs lives in plain attributes of the instance's ``__dict__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from torch import nn
+
+from surgery.models import (
+    GEMMA,
+    GEMMA2,
+    GEMMA3,
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    ArchitectureSpec,
+)
+
+from .attention import BINDING_ATTR, AttentionBinding, attention_forward
+from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, causal_lm_forward, lm_head_forward
+from .options import PatchOptions
+from .registry import UnsupportedModelError, find_causal_lm
+
+__all__ = [
+    "apply_gemma",
+    "apply_gemma2",
+    "apply_gemma3",
+    "apply_llama",
+    "apply_mistral",
+    "apply_qwen2",
+    "apply_qwen3",
+    "is_patched",
+    "patch",
+    "patch_options",
+    "patched",
+    "revert",
+    "unpatch",
+]
+
+M = TypeVar("M", bound=nn.Module)
+
+ORIGINAL_ATTR = "_surgery_original_forward"
+ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
+_PATCHED_FUNCTIONS = (causal_lm_forward, attention_forward, lm_head_forward)
+_EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR)
+
+
+# ---------------------------------------------------------------------------------------------
+# swapping one module's forward
+
+
+def _positional(sig: inspect.Signature, drop_self: bool) -> list[inspect.Parameter]:
+    params = list(sig.parameters.values())
+    return params[1:] if drop_self else params
+
+
+def _check_signature(module: nn.Module, original: Callable, replacement: Callable) -> None:
+    """The replacement must accept every argument the original accepts, in the same positions
+    (STYLE.md 4): a transformers release that changes a forward fails here, not silently."""
+    orig = _positional(inspect.signature(original), drop_self=not inspect.ismethod(original))
+    repl = _positional(inspect.signature(replacement), drop_self=True)
+    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    repl_positional = [p.name for p in repl if p.kind in positional_kinds]
+    repl_names = {p.name for p in repl}
+    repl_var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in repl)
+    i = 0
+    for p in orig:
+        if p.kind in positional_kinds:
+            ok = i < len(repl_positional) and repl_positional[i] == p.name
+            i += 1
+        elif p.kind == inspect.Parameter.KEYWORD_ONLY:
+            ok = p.name in repl_names or repl_var_kw
+        elif p.kind == inspect.Parameter.VAR_KEYWORD:
+            ok = repl_var_kw
+        else:  # *args: the replacement takes the named positionals only
+            ok = False
+        if not ok:
+            raise RuntimeError(
+                f"surgery cannot patch {type(module).__name__}.forward: its signature "
+                f"{inspect.signature(original)} does not match the replacement "
+                f"{replacement.__name__}{inspect.signature(replacement)} at {p.name!r}; this "
+                "transformers version is not supported"
+            )
+
+
+def _swap_forward(module: nn.Module, function: Callable, extra: dict[str, Any]) -> None:
+    if ORIGINAL_ATTR in module.__dict__:
+        return  # already patched: a no-op
+    previous = module.__dict__.get("forward")  # an instance-level forward someone set, or None
+    _check_signature(module, previous if previous is not None else type(module).forward, function)
+    module.__dict__.update(extra)
+    module.__dict__[ORIGINAL_ATTR] = previous
+    module.__dict__["forward"] = types.MethodType(function, module)
+
+
+def _is_ours(module: nn.Module) -> bool:
+    current = module.__dict__.get("forward")
+    return (
+        getattr(current, "__func__", None) in _PATCHED_FUNCTIONS
+        and getattr(current, "__self__", None) is module
+    )
+
+
+def _restore_forward(module: nn.Module) -> None:
+    if ORIGINAL_ATTR not in module.__dict__:
+        return
+    if not _is_ours(module):
+        warnings.warn(
+            f"surgery.unpatch: {type(module).__name__}.forward was replaced after surgery.patch "
+            "(by another library?); leaving that module as it is",
+            stacklevel=3,
+        )
+        return
+    previous = module.__dict__.pop(ORIGINAL_ATTR)
+    if previous is None:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = previous
+    for name in _EXTRA_ATTRS:
+        module.__dict__.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# one model
+
+
+def _lm_head_linears(lm: nn.Module) -> list[nn.Linear]:
+    """The vocabulary projections under ``lm.lm_head``: the head itself, or the copies inside a PEFT
+    ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer (whose own A/B projections have
+    other shapes and are left alone)."""
+    config = lm.config
+    return [
+        m
+        for m in lm.lm_head.modules()
+        if type(m) is nn.Linear
+        and m.out_features == config.vocab_size
+        and m.in_features == config.hidden_size
+    ]
+
+
+def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> None:
+    if options.rope:
+        binding = AttentionBinding(
+            spec=spec,
+            rotary=getattr(lm.model, spec.rotary_attr),
+            eager_attention=spec.eager_attention(),
+            fallback_rope=spec.rotary_pos_emb(),
+        )
+        attention_class = spec.attention_class()
+        for module in lm.modules():
+            if isinstance(module, attention_class):
+                _swap_forward(module, attention_forward, {BINDING_ATTR: binding})
+    if options.fused_linear_cross_entropy:
+        for head in _lm_head_linears(lm):
+            _swap_forward(head, lm_head_forward, {LM_HEAD_ATTR: True})
+    if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
+        # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
+        # use it. With accepts_loss_kwargs False the HF Trainer passes none and divides each
+        # micro-batch's loss by the number of accumulation steps.
+        lm.__dict__[ACCEPTS_ATTR] = (
+            "accepts_loss_kwargs" in lm.__dict__,
+            lm.__dict__.get("accepts_loss_kwargs"),
+        )
+        lm.__dict__["accepts_loss_kwargs"] = False
+    _swap_forward(lm, causal_lm_forward, {STATE_ATTR: PatchState(spec=spec, options=options)})
+
+
+def _unpatch_lm(lm: nn.Module) -> None:
+    for module in lm.modules():
+        _restore_forward(module)
+    if ACCEPTS_ATTR in lm.__dict__:
+        had, value = lm.__dict__.pop(ACCEPTS_ATTR)
+        if had:
+            lm.__dict__["accepts_loss_kwargs"] = value
+        else:
+            lm.__dict__.pop("accepts_loss_kwargs", None)
+
+
+def patch(
+    model: M,
+    *,
+    rope: bool = True,
+    fused_linear_cross_entropy: bool = True,
+    loss_reduction: str = "mean",
+    z_loss_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_logits: bool = False,
+    strict: bool = True,
+) -> M:
+    """Patch ``model`` in place and return it (the same object).
+
+    ``model`` is a supported transformers causal LM, or anything containing one (a ``PeftModel``).
+    The options are those of ``PatchOptions``. Patching again with the same options is a no-op (it
+    also patches an lm_head copy that PEFT added since); with other options the model is unpatched
+    and patched anew. An unsupported model raises ``UnsupportedModelError`` naming the supported
+    architectures, or with ``strict=False`` warns and returns the model untouched.
+    """
+    options = PatchOptions(
+        rope=rope,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        loss_reduction=loss_reduction,  # type: ignore[arg-type]
+        z_loss_scale=float(z_loss_scale),
+        label_smoothing=float(label_smoothing),
+        return_logits=return_logits,
+    )
+    try:
+        lm, spec = find_causal_lm(model)
+    except UnsupportedModelError as err:
+        if strict:
+            raise
+        warnings.warn(f"{err}; the model is left unpatched", stacklevel=2)
+        return model
+    state = lm.__dict__.get(STATE_ATTR)
+    if state is not None and state.options != options:
+        _unpatch_lm(lm)
+    _patch_lm(lm, spec, options)
+    return model
+
+
+def unpatch(model: M) -> M:
+    """Restore every forward that ``patch`` replaced (the original objects) and return ``model``.
+    A model that is not patched is returned as it is."""
+    try:
+        lm, _ = find_causal_lm(model)
+    except UnsupportedModelError:
+        return model
+    _unpatch_lm(lm)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` (or the causal LM inside it) is patched."""
+    try:
+        lm, _ = find_causal_lm(model)
+    except UnsupportedModelError:
+        return False
+    return STATE_ATTR in lm.__dict__
+
+
+def patch_options(model: nn.Module) -> PatchOptions | None:
+    """The options ``model`` is patched with, or None."""
+    try:
+        lm, _ = find_causal_lm(model)
+    except UnsupportedModelError:
+        return None
+    state = lm.__dict__.get(STATE_ATTR)
+    return None if state is None else state.options
+
+
+@contextmanager
+def patched(model: M, **options: Any) -> Iterator[M]:
+    """``with surgery.patched(model, **options):`` patches for the block, then puts back what was
+    there before (unpatched, or patched with its previous options)."""
+    previous = patch_options(model)
+    patch(model, **options)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+        if previous is not None:
+            patch(model, **dataclasses.asdict(previous))
+
+
+# ---------------------------------------------------------------------------------------------
+# classes: models built afterwards
+
+_APPLIED: dict[type, Callable] = {}
+
+
+def _apply(spec: ArchitectureSpec, options: dict[str, Any]) -> None:
+    options.pop("strict", None)
+    PatchOptions(**options)  # fail now on a bad option, not in a later from_pretrained
+    cls = spec.causal_lm_class()
+    _revert_class(cls)
+    original_init = cls.__dict__["__init__"]  # every supported causal LM defines its own
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        patch(self, **options)
+
+    cls.__init__ = __init__
+    _APPLIED[cls] = original_init
+
+
+def _revert_class(cls: type) -> None:
+    if cls not in _APPLIED:
+        return
+    cls.__init__ = _APPLIED.pop(cls)
+
+
+def revert() -> None:
+    """Undo every ``apply_<arch>``: the classes get their own ``__init__`` back. Models built while
+    applied stay patched until ``unpatch(model)``."""
+    for cls in list(_APPLIED):
+        _revert_class(cls)
+
+
+def _apply_doc(spec: ArchitectureSpec) -> str:
+    return (
+        f"Patch every ``{spec.causal_lm}`` built from now on (``from_pretrained``, "
+        "``from_config``, the constructor) with ``patch(model, **options)``; ``surgery.revert()`` "
+        "undoes it. Applying again replaces the options."
+    )
+
+
+def apply_llama(**options: Any) -> None:
+    _apply(LLAMA, options)
+
+
+def apply_mistral(**options: Any) -> None:
+    _apply(MISTRAL, options)
+
+
+def apply_qwen2(**options: Any) -> None:
+    _apply(QWEN2, options)
+
+
+def apply_qwen3(**options: Any) -> None:
+    _apply(QWEN3, options)
+
+
+def apply_gemma(**options: Any) -> None:
+    _apply(GEMMA, options)
+
+
+def apply_gemma2(**options: Any) -> None:
+    _apply(GEMMA2, options)
+
+
+def apply_gemma3(**options: Any) -> None:
+    _apply(GEMMA3, options)
+
+
+for _fn, _spec in (
+    (apply_llama, LLAMA),
+    (apply_mistral, MISTRAL),
+    (apply_qwen2, QWEN2),
+    (apply_qwen3, QWEN3),
+    (apply_gemma, GEMMA),
+    (apply_gemma2, GEMMA2),
+    (apply_gemma3, GEMMA3),
+):
+    assert _fn.__name__ == _spec.apply_name
+    _fn.__doc__ = _apply_doc(_spec)

@@ -1,0 +1,117 @@
+"""The one generic attention forward: q/k/v projections, optional q/k norm, RoPE through
+``apply_rope`` from the position ids, the KV cache, and transformers' attention interface.
+
+The model's rotary module still runs once per forward (it applies dynamic RoPE updates to its
+frequencies); the attention reads the frequencies from it at call time instead of using the cos/sin
+tables it produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from surgery.kernels import apply_rope
+from surgery.models import ArchitectureSpec
+
+__all__ = ["AttentionBinding", "attention_forward"]
+
+
+@dataclass(frozen=True)
+class AttentionBinding:
+    """What one patched attention module needs besides itself. Kept in the module's ``__dict__``
+    (not as a submodule), so ``state_dict`` and ``named_modules`` are unchanged, while ``deepcopy``
+    (PEFT's ``modules_to_save``, reference models) maps ``rotary`` to the copy's rotary module."""
+
+    spec: ArchitectureSpec
+    rotary: nn.Module
+    eager_attention: Callable
+    fallback_rope: Callable
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``, for a caller that passes no
+    position ids (the decoder layers of every supported model do)."""
+
+
+BINDING_ATTR = "_surgery_attention"
+
+
+def _read_path(obj, path: str):
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def rope_frequencies(module: nn.Module, binding: AttentionBinding) -> tuple[torch.Tensor, float]:
+    rotary = binding.rotary
+    if binding.spec.rope_per_layer_type:
+        layer_type = module.layer_type
+        return (
+            getattr(rotary, f"{layer_type}_inv_freq"),
+            getattr(rotary, f"{layer_type}_attention_scaling"),
+        )
+    return rotary.inv_freq, rotary.attention_scaling
+
+
+def attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    binding: AttentionBinding = self.__dict__[BINDING_ATTR]
+    spec = binding.spec
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query = self.q_proj(hidden_states).view(hidden_shape)
+    key = self.k_proj(hidden_states).view(hidden_shape)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        inv_freq, scaling = rope_frequencies(self, binding)
+        rotary_dim = 2 * inv_freq.shape[-1]
+        query, key = apply_rope(
+            query,
+            key,
+            position_ids,
+            inv_freq,
+            attention_scaling=scaling,
+            rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
+        )
+    else:
+        cos, sin = position_embeddings
+        query, key = binding.fallback_rope(query, key, cos, sin)
+
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, binding.eager_attention
+    )
+    extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
+    attn_output, attn_weights = interface(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights

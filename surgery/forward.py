@@ -1,0 +1,188 @@
+"""The one generic causal-LM forward every architecture shares, and the lm_head forward that takes
+the loss arguments.
+
+The causal-LM forward runs the base model (``self.model``), then either the fused loss or logits:
+
+- training with labels (``fused_linear_cross_entropy=True``, ``return_logits=False``): the final
+  hidden states go into ``linear_cross_entropy`` *through the lm_head module's call*
+  (``self.lm_head(hidden, labels=...)``), so module hooks such as FSDP2's all-gather and reshard
+  run around it and a tied head reads the shared weight; ``logits`` is None;
+- otherwise: logits as transformers computes them (with the final softcap, if any), and when labels
+  are given the loss through ``cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
+
+from surgery.kernels import cross_entropy, linear_cross_entropy
+from surgery.models import ArchitectureSpec
+
+from .options import PatchOptions
+
+__all__ = ["CausalLMOutputWithZLoss", "PatchState", "causal_lm_forward", "lm_head_forward"]
+
+STATE_ATTR = "_surgery_state"
+LM_HEAD_ATTR = "_surgery_lm_head"
+
+
+@dataclass
+class CausalLMOutputWithZLoss(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``z_loss``: the z-loss term already inside ``loss`` (same
+    reduction, detached, for logging); None unless ``z_loss_scale > 0`` and a loss was computed."""
+
+    z_loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PatchState:
+    """Kept in the patched causal LM's ``__dict__``; the forward reads it at call time."""
+
+    spec: ArchitectureSpec
+    options: PatchOptions
+
+
+def lm_head_forward(
+    self: nn.Linear, input: torch.Tensor, labels: torch.Tensor | None = None, **loss
+):
+    """``nn.Linear.forward`` that, given ``labels``, returns the ``LossOutput`` of
+    ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product. Called
+    through the module, so the weight is whatever the module holds during its forward (FSDP2
+    unshards it there)."""
+    if labels is None:
+        return type(self).forward(self, input)
+    return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
+
+
+def head_takes_loss(head: nn.Module) -> bool:
+    """Whether ``head(hidden, labels=...)`` reaches only patched lm_head Linears: every module
+    under ``head`` that owns parameters is one (PEFT's ``ModulesToSaveWrapper`` dispatches to
+    such copies).
+    A LoRA (or any other adapter) layer on the head owns other parameters: then the loss is computed
+    from the logits the wrapped head returns, so the adapter is trained, never dropped."""
+    for module in head.modules():
+        if module._parameters and LM_HEAD_ATTR not in module.__dict__:
+            return False
+    return True
+
+
+def _keep_last(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    # transformers' meaning: 0 keeps every position, k > 0 the last k, a tensor the listed indices.
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
+    return hidden[:, logits_to_keep, :]
+
+
+def _logits(self, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = self.lm_head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _warn_unfused(head: nn.Module) -> None:
+    # Python's default warning filter shows it once per process.
+    warnings.warn(
+        f"surgery: lm_head is a {type(head).__name__} holding parameters of its own (e.g. a LoRA "
+        "adapter) or modules added after surgery.patch; the loss is computed from its logits "
+        "(correct, but not fused). Leave lm_head out of the adapter's target_modules (use "
+        "modules_to_save=['lm_head'] to train it), or call surgery.patch again after wrapping.",
+        stacklevel=3,
+    )
+
+
+@can_return_tuple
+def causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs,
+) -> CausalLMOutputWithZLoss:
+    state: PatchState = self.__dict__[STATE_ATTR]
+    options = state.options
+    # transformers' loss kwargs: the base model has no use for them.
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+
+    # A packed batch (position ids, no mask, no cache yet) in a training or loss call:
+    # transformers only builds its block-diagonal packed mask (sdpa, eager, flex) when no KV cache
+    # exists, and with use_cache on it creates one first, so tokens would attend across sequences.
+    # A loss call has no use for the cache; without it every sequence sees only itself (flash
+    # attention reads the boundaries from position_ids / cu_seq_lens either way).
+    if (
+        past_key_values is None
+        and attention_mask is None
+        and position_ids is not None
+        and (labels is not None or self.training)
+    ):
+        use_cache = False
+
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden = _keep_last(outputs.last_hidden_state, logits_to_keep)
+    softcap = (
+        getattr(self.config, state.spec.logit_softcap, None) if state.spec.logit_softcap else None
+    )
+
+    loss = z_loss = logits = None
+    if labels is None:
+        logits = _logits(self, hidden, softcap)
+    else:
+        targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+        targets = targets.to(hidden.device)
+        # Sequence boundaries: for "sequence", and so that the prediction of a sequence's first
+        # token from the previous sequence's last token is never trained on packed rows.
+        whole_rows = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        sequence = options.loss_reduction == "sequence"
+        loss_options = dict(
+            ignore_index=ignore_index,
+            reduction=options.loss_reduction,
+            # num_items_in_batch counts tokens; a per-sequence mean has no use for it (the model
+            # says accepts_loss_kwargs=False instead, see api.patch).
+            num_items_in_batch=None if sequence else num_items_in_batch,
+            position_ids=position_ids if whole_rows else None,
+            cu_seqlens=kwargs.get("cu_seq_lens_q") if whole_rows else None,
+            z_loss_scale=options.z_loss_scale,
+            label_smoothing=options.label_smoothing,
+            shift=shift,
+        )
+        fused = self.training and options.fused_linear_cross_entropy and not options.return_logits
+        if fused and head_takes_loss(self.lm_head):
+            out = self.lm_head(hidden, labels=targets, softcap=softcap, **loss_options)
+        else:
+            if fused:
+                _warn_unfused(self.lm_head)
+            logits = _logits(self, hidden, softcap)
+            out = cross_entropy(logits, targets, **loss_options)
+        loss = out.loss
+        if options.z_loss_scale > 0:
+            z_loss = out.z_loss.detach()
+
+    return CausalLMOutputWithZLoss(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        z_loss=z_loss,
+    )

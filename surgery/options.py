@@ -1,0 +1,46 @@
+"""What ``surgery.patch`` can be asked to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["LOSS_REDUCTIONS", "PatchOptions"]
+
+LOSS_REDUCTIONS = ("mean", "sequence")
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """Options of one patch; read by the patched forwards at call time.
+
+    - ``rope``: apply RoPE with ``apply_rope`` from the position ids (swaps the attention forward).
+    - ``fused_linear_cross_entropy``: in training with labels, feed hidden states straight into
+      ``linear_cross_entropy`` through the lm_head module; logits are never materialised.
+    - ``loss_reduction``: ``"mean"`` (transformers' token mean, honouring ``num_items_in_batch``) or
+      ``"sequence"`` (mean over each sequence's tokens, then over sequences: packing-aware).
+    - ``z_loss_scale``: weight of ``logsumexp(logits)**2`` added to the loss (reported in
+      ``z_loss``).
+    - ``label_smoothing``: as in ``torch.nn.functional.cross_entropy``.
+    - ``return_logits``: also return logits in training (then the loss is computed from them).
+    """
+
+    rope: bool = True
+    fused_linear_cross_entropy: bool = True
+    loss_reduction: Literal["mean", "sequence"] = "mean"
+    z_loss_scale: float = 0.0
+    label_smoothing: float = 0.0
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}"
+            )
+        if not self.z_loss_scale >= 0.0:
+            raise ValueError(f"z_loss_scale must be >= 0, got {self.z_loss_scale}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        for name in ("rope", "fused_linear_cross_entropy", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,0 +1,211 @@
+"""Every supported architecture, patched against the same model unpatched (fp32, CPU): loss and the
+gradient of every parameter on padded batches, on packed batches (against the sequences run one by
+one), eval logits, generation, z-loss, the per-sequence reduction and call-time RoPE frequencies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import surgery
+from surgery import attention as surgery_attention
+from surgery import forward as surgery_forward
+from tests.utils import TOLERANCES
+
+from .tiny import (
+    ARCHS,
+    assert_grads_close,
+    attn_for,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_model,
+    twin,
+)
+
+TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
+LENGTHS = [7, 5, 3]  # odd, unequal, one shorter than the sliding window (5)
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Counts calls of the kernels that the patched forwards must reach."""
+    calls = {"apply_rope": 0, "linear_cross_entropy": 0, "cross_entropy": 0}
+
+    def count(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    count(surgery_attention, "apply_rope")
+    count(surgery_forward, "linear_cross_entropy")
+    count(surgery_forward, "cross_entropy")
+    return calls
+
+
+# sdpa for every architecture (Gemma2 has eager only), eager for two more.
+PADDED_CASES = [(arch, attn_for(arch, "sdpa")) for arch in ARCHS] + [
+    ("llama", "eager"),
+    ("gemma3_text", "eager"),
+]
+
+
+@pytest.mark.parametrize(("arch", "attn"), PADDED_CASES, ids=[f"{a}-{m}" for a, m in PADDED_CASES])
+def test_padded_batch_matches_unpatched(arch, attn, spies, interpreted):
+    model = tiny_model(arch, attn).train()
+    reference = twin(model)
+    surgery.patch(model)
+    batch = padded_batch(sequences(LENGTHS))
+
+    loss, grads = loss_and_grads(model, **batch.kwargs())
+    want_loss, want_grads = loss_and_grads(reference, **batch.kwargs())
+
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    assert spies["apply_rope"] == model.config.num_hidden_layers
+    assert spies["linear_cross_entropy"] == 1 and spies["cross_entropy"] == 0
+    assert model(**batch.kwargs()).logits is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_batch_matches_sequences_one_by_one(arch, interpreted):
+    """One packed row (position ids restarting, no attention mask, use_cache on in the config)
+    gives the loss and gradients of the same sequences run one by one: nothing attends across a
+    boundary."""
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    assert model.config.use_cache
+    surgery.patch(model)
+    seqs = sequences(LENGTHS)
+    packed = packed_batch(seqs)
+
+    loss, grads = loss_and_grads(model, **packed.kwargs())
+
+    # The same token mean, from each sequence alone (sum of its token losses over all tokens).
+    n_tokens = sum(len(s) - 1 for s in seqs)
+    reference.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in seqs:
+        out = reference(input_ids=s[None], labels=s[None])
+        part = out.loss * (len(s) - 1) / n_tokens
+        part.backward()
+        total += part.detach()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+
+    torch.testing.assert_close(loss, torch.as_tensor(total), **TOL)
+    assert_grads_close(grads, want, **TOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_packed_batch_unmasked_first_labels(arch):
+    """Without the collator's -100 on each sequence's first label, the prediction across a boundary
+    is still never trained: the loss equals the masked one."""
+    model = surgery.patch(tiny_model(arch).train())
+    seqs = sequences(LENGTHS)
+    masked = model(**packed_batch(seqs, mask_first=True).kwargs()).loss
+    unmasked = model(**packed_batch(seqs, mask_first=False).kwargs()).loss
+    torch.testing.assert_close(unmasked, masked, **TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sequence_reduction_equals_unpacked_mean(arch):
+    model = surgery.patch(tiny_model(arch).train(), loss_reduction="sequence")
+    reference = twin(tiny_model(arch))  # same seed: same weights
+    seqs = sequences(LENGTHS)
+    loss = model(**packed_batch(seqs).kwargs()).loss
+    want = torch.stack([reference(input_ids=s[None], labels=s[None]).loss for s in seqs]).mean()
+    torch.testing.assert_close(loss, want, **TOL)
+    assert model.accepts_loss_kwargs is False
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eval_logits_and_loss_match_unpatched(arch, spies):
+    model = tiny_model(arch).eval()
+    reference = twin(model)
+    surgery.patch(model)
+    batch = padded_batch(sequences(LENGTHS))
+    with torch.no_grad():
+        out = model(**batch.kwargs())
+        want = reference(**batch.kwargs())
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    torch.testing.assert_close(out.loss, want.loss, **TOL)
+    torch.testing.assert_close(out.logits, want.logits, **TOL)
+    torch.testing.assert_close(logits, want.logits, **TOL)
+    assert spies["cross_entropy"] == 1 and spies["linear_cross_entropy"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_generate_matches_unpatched(arch):
+    model = tiny_model(arch).eval()
+    reference = twin(model)
+    surgery.patch(model)
+    prompt = padded_batch(sequences([6]))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
+    want = reference.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_z_loss_in_output(arch):
+    scale = 1e-2
+    model = surgery.patch(tiny_model(arch).train(), z_loss_scale=scale)
+    reference = twin(tiny_model(arch))
+    batch = padded_batch(sequences(LENGTHS))
+    out = model(**batch.kwargs())
+    with torch.no_grad():
+        logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        valid = batch.labels[:, 1:] != -100
+        z = torch.logsumexp(logits[:, :-1].float(), -1).square()[valid].mean() * scale
+        ce = reference(**batch.kwargs()).loss
+    assert out.z_loss is not None and not out.z_loss.requires_grad
+    torch.testing.assert_close(out.z_loss, z, **TOL)
+    torch.testing.assert_close(out.loss.detach(), ce + z, **TOL)
+    assert surgery.patch(tiny_model(arch).train())(**batch.kwargs()).z_loss is None
+
+
+def test_dynamic_rope_frequencies_read_at_call_time():
+    """Dynamic NTK RoPE rewrites the rotary module's frequencies past max_position_embeddings; the
+    patched attention must use the rewritten ones."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from .tiny import _COMMON, HEAD_DIM
+
+    config = LlamaConfig(
+        **{**_COMMON, "max_position_embeddings": 8},
+        head_dim=HEAD_DIM,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    reference = twin(model)
+    surgery.patch(model)
+    batch = padded_batch(sequences([21, 17]))
+    loss, grads = loss_and_grads(model, **batch.kwargs())
+    want_loss, want_grads = loss_and_grads(reference, **batch.kwargs())
+    assert not torch.equal(
+        model.model.rotary_emb.inv_freq, model.model.rotary_emb.original_inv_freq
+    )
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text"])
+def test_tied_lm_head_stays_tied(arch):
+    spec = surgery.supported()[arch]
+    model = surgery.patch(tiny_model(arch).train())
+    assert spec.tied_lm_head
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = twin(tiny_model(arch))
+    batch = padded_batch(sequences(LENGTHS))
+    _, grads = loss_and_grads(model, **batch.kwargs())
+    _, want = loss_and_grads(reference, **batch.kwargs())
+    # one gradient, from the embedding lookup and the head together
+    torch.testing.assert_close(
+        grads["model.embed_tokens.weight"], want["model.embed_tokens.weight"], **TOL
+    )

@@ -1,0 +1,289 @@
+"""The public API: patch / unpatch / patched / apply_<arch> / revert / supported, what patching
+leaves alone (state_dict, saving and loading), options, gradient checkpointing, deepcopy."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery.api import ORIGINAL_ATTR
+from tests.models.tiny import (
+    ARCHS,
+    assert_grads_close,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_config,
+    tiny_model,
+    twin,
+)
+from tests.utils import TOLERANCES
+
+TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
+BATCH = padded_batch(sequences([7, 5, 3]))
+
+
+def instance_forwards(model: nn.Module) -> dict[str, object]:
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+def surgery_attrs(model: nn.Module) -> list[str]:
+    return [f"{n}.{a}" for n, m in model.named_modules() for a in m.__dict__ if "surgery" in a]
+
+
+def test_supported_lists_every_architecture():
+    specs = surgery.supported()
+    assert set(specs) == {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+    assert set(specs) == set(ARCHS)
+    for model_type, spec in specs.items():
+        assert spec.model_type == model_type
+        assert hasattr(surgery, spec.apply_name)
+        assert tiny_config(model_type).model_type == model_type
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_patch_returns_same_object_and_keeps_state_dict(arch):
+    model = tiny_model(arch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules_before = [n for n, _ in model.named_modules()]
+    params_before = [n for n, _ in model.named_parameters()]
+    assert surgery.patch(model) is model
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    assert [n for n, _ in model.named_modules()] == modules_before
+    assert [n for n, _ in model.named_parameters()] == params_before
+
+
+def test_patch_twice_is_a_noop_and_unpatch_restores_exactly():
+    model = tiny_model("qwen3")
+    original = instance_forwards(model)
+    assert all(f is None for f in original.values())  # every forward is the class's
+    surgery.patch(model)
+    once = instance_forwards(model)
+    patched_names = {n for n, f in once.items() if f is not None}
+    assert "" in patched_names and "lm_head" in patched_names
+    assert {"model.layers.0.self_attn", "model.layers.1.self_attn"} <= patched_names
+    assert surgery.is_patched(model)
+
+    surgery.patch(model)
+    twice = instance_forwards(model)
+    assert all(twice[n] is once[n] for n in once)
+
+    surgery.unpatch(model)
+    assert instance_forwards(model) == original
+    assert surgery_attrs(model) == []
+    assert not surgery.is_patched(model)
+    assert model.forward.__func__ is type(model).forward
+
+
+def test_unpatch_restores_a_previous_instance_forward():
+    model = tiny_model("llama")
+    wrapped = model.forward  # e.g. another library's instance-level wrapper
+
+    def outer(*args, **kwargs):
+        return wrapped(*args, **kwargs)
+
+    model.forward = outer
+    surgery.patch(model, rope=False, fused_linear_cross_entropy=False)
+    assert model.__dict__[ORIGINAL_ATTR] is outer
+    surgery.unpatch(model)
+    assert model.__dict__["forward"] is outer
+
+
+def test_patch_with_other_options_repatches():
+    model = surgery.patch(tiny_model("llama").train())
+    surgery.patch(model, rope=False, z_loss_scale=1e-3)
+    assert surgery.patch_options(model) == surgery.PatchOptions(rope=False, z_loss_scale=1e-3)
+    assert "forward" not in model.model.layers[0].self_attn.__dict__
+    assert model(**BATCH.kwargs()).z_loss is not None
+
+
+def test_patched_context_restores_previous_state():
+    model = tiny_model("mistral")
+    with surgery.patched(model, z_loss_scale=1e-3) as m:
+        assert m is model and surgery.patch_options(model).z_loss_scale == 1e-3
+    assert not surgery.is_patched(model)
+    surgery.patch(model, label_smoothing=0.1)
+    with surgery.patched(model, loss_reduction="sequence"):
+        assert surgery.patch_options(model).loss_reduction == "sequence"
+        assert model.accepts_loss_kwargs is False
+    assert surgery.patch_options(model) == surgery.PatchOptions(label_smoothing=0.1)
+    assert "accepts_loss_kwargs" not in model.__dict__
+
+
+def test_unsupported_architecture():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(surgery.UnsupportedModelError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+        surgery.patch(model)
+    before = instance_forwards(model)
+    with pytest.warns(UserWarning, match="left unpatched"):
+        assert surgery.patch(model, strict=False) is model
+    assert instance_forwards(model) == before
+    assert surgery.unpatch(model) is model
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"loss_reduction": "sum"}, {"z_loss_scale": -1.0}, {"label_smoothing": 1.0}, {"rope": 1}],
+    ids=["reduction-sum", "negative-z", "smoothing-1", "rope-int"],
+)
+def test_bad_options_raise(options):
+    model = tiny_model("llama")
+    with pytest.raises((ValueError, TypeError)):
+        surgery.patch(model, **options)
+    assert not surgery.is_patched(model)
+
+
+def test_signature_mismatch_raises():
+    from surgery.api import _check_signature
+    from surgery.attention import attention_forward
+
+    class Attention(nn.Module):
+        def forward(self, hidden_states, attention_mask, position_embeddings, **kwargs):
+            return hidden_states
+
+    with pytest.raises(RuntimeError, match="not supported"):
+        _check_signature(Attention(), Attention.forward, attention_forward)
+
+
+def test_apply_and_revert_class_level():
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
+
+    own_init = LlamaForCausalLM.__dict__["__init__"]
+    try:
+        surgery.apply_llama(z_loss_scale=1e-3)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        assert surgery.patch_options(model) == surgery.PatchOptions(z_loss_scale=1e-3)
+        assert not surgery.is_patched(Qwen2ForCausalLM(tiny_config("qwen2")))
+        surgery.apply_llama()  # again: replaces the options
+        assert (
+            surgery.patch_options(LlamaForCausalLM(tiny_config("llama"))) == surgery.PatchOptions()
+        )
+    finally:
+        surgery.revert()
+    assert LlamaForCausalLM.__dict__["__init__"] is own_init
+    assert not surgery.is_patched(LlamaForCausalLM(tiny_config("llama")))
+    assert surgery.is_patched(model)  # built while applied: stays patched until unpatch
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = surgery.patch(tiny_model("gemma2"))
+    model.save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert not surgery.is_patched(loaded)
+    want = model.state_dict()
+    assert list(loaded.state_dict()) == list(want)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    # ... and loading while apply_gemma2 is active gives a patched model that computes the same
+    try:
+        surgery.apply_gemma2()
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    finally:
+        surgery.revert()
+    assert surgery.is_patched(again)
+    model.train(), again.train()
+    torch.testing.assert_close(again(**BATCH.kwargs()).loss, model(**BATCH.kwargs()).loss, **TOL)
+
+
+def test_safetensors_round_trip(tmp_path):
+    from safetensors.torch import load_model, save_model
+
+    model = surgery.patch(tiny_model("llama"))
+    save_model(model, str(tmp_path / "model.safetensors"))
+    fresh = surgery.patch(tiny_model("llama", seed=1))
+    missing, unexpected = load_model(fresh, str(tmp_path / "model.safetensors"))
+    assert not missing and not unexpected
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_gradient_checkpointing(arch):
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    surgery.patch(model)
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.18
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.is_gradient_checkpointing
+    batch = packed_batch(sequences([7, 5, 3]))
+    loss, grads = loss_and_grads(model, **batch.kwargs())
+    want_loss, want = loss_and_grads(surgery.patch(reference), **batch.kwargs())
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want, **TOL)
+
+
+def test_deepcopy_of_patched_model_is_patched_on_its_own_modules():
+    model = surgery.patch(tiny_model("gemma3_text").train())
+    clone = copy.deepcopy(model)
+    assert surgery.is_patched(clone)
+    attn = clone.model.layers[0].self_attn
+    assert attn.forward.__self__ is attn
+    assert attn.__dict__["_surgery_attention"].rotary is clone.model.rotary_emb
+    assert clone.lm_head.forward.__self__ is clone.lm_head
+    torch.testing.assert_close(clone(**BATCH.kwargs()).loss, model(**BATCH.kwargs()).loss, **TOL)
+
+
+def test_return_logits_and_return_dict():
+    model = surgery.patch(tiny_model("llama").train(), return_logits=True)
+    reference = twin(tiny_model("llama")).train()
+    out = model(**BATCH.kwargs())
+    want = reference(**BATCH.kwargs())
+    torch.testing.assert_close(out.logits, want.logits, **TOL)
+    torch.testing.assert_close(out.loss, want.loss, **TOL)
+    as_tuple = model(**BATCH.kwargs(), return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], want.loss, **TOL)
+
+
+def test_hf_loss_kwargs_keep_their_meaning():
+    """num_items_in_batch (sum / n), shift_labels (pre-shifted), logits_to_keep (no labels)."""
+    model = surgery.patch(tiny_model("qwen2").train())
+    reference = twin(tiny_model("qwen2")).train()
+    kwargs = BATCH.kwargs()
+    got = model(**kwargs, num_items_in_batch=40).loss
+    want = reference(**kwargs, num_items_in_batch=40).loss
+    torch.testing.assert_close(got, want, **TOL)
+
+    shifted = torch.nn.functional.pad(BATCH.labels, (0, 1), value=-100)[:, 1:]
+    got = model(
+        input_ids=BATCH.input_ids,
+        attention_mask=BATCH.attention_mask,
+        labels=BATCH.labels,
+        shift_labels=shifted,
+    ).loss
+    torch.testing.assert_close(got, reference(**kwargs).loss, **TOL)
+
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        last = model(
+            input_ids=BATCH.input_ids, attention_mask=BATCH.attention_mask, logits_to_keep=1
+        )
+        full = reference(input_ids=BATCH.input_ids, attention_mask=BATCH.attention_mask)
+    torch.testing.assert_close(last.logits, full.logits[:, -1:], **TOL)
+
+
+def test_sequence_reduction_ignores_num_items_in_batch():
+    model = surgery.patch(tiny_model("llama").train(), loss_reduction="sequence")
+    batch = packed_batch(sequences([7, 5, 3]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = model(**batch.kwargs()).loss
+        b = model(**batch.kwargs(), num_items_in_batch=1000).loss
+    torch.testing.assert_close(a, b, **TOL)

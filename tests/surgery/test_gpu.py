@@ -1,0 +1,104 @@
+"""On the GPU machine (skipped without CUDA): bf16 training steps of every architecture against an
+fp32 reference within the error budget of tests/utils.py, packed batches, and torch.compile."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import surgery
+from tests.models.tiny import ARCHS, attn_for, packed_batch, padded_batch, tiny_config
+from tests.utils import TOLERANCES, assert_close_budget, rel_err
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 32_000  # a real vocabulary size
+LENGTHS = [301, 200, 57]  # packed into one row of 558 tokens
+
+
+def gpu_model(arch: str, attn: str = "sdpa", dtype=torch.float32):
+    config = tiny_config(arch)
+    config.vocab_size = VOCAB
+    config.hidden_size = 128
+    config.intermediate_size = 256
+    config.sliding_window = 64
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_for(arch, attn))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.to("cuda", dtype).train()
+
+
+def step(model, batch, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch.kwargs(), **kwargs)
+    out.loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    return out.loss.detach().float(), grads
+
+
+def batch_of(kind: str):
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in LENGTHS]
+    return (packed_batch(seqs) if kind == "packed" else padded_batch(seqs)).to("cuda")
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_step_within_budget(arch, kind):
+    """Patched bf16 against unpatched fp32: the error may exceed unpatched bf16's own error by the
+    budget's factor and floor (loss and the concatenated gradient of every parameter)."""
+    fp32 = gpu_model(arch)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    patched = surgery.patch(copy.deepcopy(bf16))
+    batch = batch_of(kind)
+    # unpatched transformers keeps packed sequences apart only without a KV cache
+    ref_loss, ref_grads = step(fp32, batch, use_cache=False)
+    eager_loss, eager_grads = step(bf16, batch, use_cache=False)
+    loss, grads = step(patched, batch)
+    assert_close_budget(loss, ref_loss, eager_loss, torch.bfloat16, what=f"{arch} loss")
+    assert_close_budget(grads, ref_grads, eager_grads, torch.bfloat16, what=f"{arch} grads")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_packed_fp32_matches_sequences_one_by_one(arch):
+    model = surgery.patch(gpu_model(arch))
+    reference = gpu_model(arch)
+    batch = batch_of("packed")
+    loss, grads = step(model, batch)
+    seqs, start = [], 0
+    for n in LENGTHS:
+        seqs.append(batch.input_ids[0, start : start + n])
+        start += n
+    n_tokens = sum(n - 1 for n in LENGTHS)
+    reference.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in seqs:
+        part = reference(input_ids=s[None], labels=s[None]).loss * (len(s) - 1) / n_tokens
+        part.backward()
+        total += part.detach()
+    want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(loss, torch.as_tensor(total), rtol=tol["rtol"], atol=tol["atol"])
+    assert rel_err(grads, want) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_torch_compile_training_step(arch):
+    model = surgery.patch(gpu_model(arch, dtype=torch.bfloat16))
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model)
+    batch = batch_of("packed")
+    for _ in range(2):  # the second call runs the compiled graph without recompiling
+        loss, grads = step(compiled, batch)
+    want_loss, want_grads = step(eager, batch)
+    assert torch.isfinite(loss) and torch.isfinite(grads).all()
+    tol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(loss, want_loss, rtol=tol["rtol"], atol=tol["atol"])
+    assert rel_err(grads, want_grads) < tol["rtol"]
