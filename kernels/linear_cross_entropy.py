@@ -55,9 +55,10 @@ def _rows_for(budget: int, row_bytes: int, total: int, minimum: int = _ALIGN) ->
 
 def plan_token_chunk(n: int, v: int, d: int, elem: int, accumulate_fp32: bool, budget: int) -> int:
     """Tokens per chunk for the eager schedule. Several chunks need an fp32 weight-gradient
-    accumulator (when ``accumulate_fp32``), so one chunk is taken whenever its logits cost no
-    more than that would."""
-    if n * v * elem <= budget + (v * d * 4 if accumulate_fp32 else 0):
+    accumulator (when ``accumulate_fp32``) that is read and written once per chunk (V x D x 8
+    bytes: 4.7 GB per chunk for Gemma 2's head), so one chunk is taken unless several would hold
+    less than half of its memory."""
+    if n * v * elem <= 2 * (budget + (v * d * 4 if accumulate_fp32 else 0)):
         return max(n, 1)
     return _rows_for(budget, v * elem, n, MIN_CHUNK_ROWS)
 
