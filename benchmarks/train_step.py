@@ -1,0 +1,803 @@
+"""End-to-end training step: unpatched transformers vs ``surgery.patch`` vs Liger's patch, on
+models built from configs with random weights (no downloads), bf16, AdamW.
+
+    python benchmarks/train_step.py --out benchmarks/results                 # all models
+    python benchmarks/train_step.py --models llama --out DIR                 # split across calls
+    python benchmarks/train_step.py --models gemma2,qwen2 --out DIR
+    python benchmarks/train_step.py --models llama --profile-only --out DIR  # profiler tables
+    python benchmarks/train_step.py --smoke                                  # CPU, tiny, plumbing
+
+Each (model, contender) runs in a fresh subprocess (``--worker``), with the same seed and so the
+same initial weights and batches, so that memory starts clean and process-wide patches (Liger
+rebinds names inside transformers modules) cannot leak into the next contender.
+
+One step is: forward with labels, ``loss.backward()``, ``optimizer.step()``,
+``optimizer.zero_grad(set_to_none=True)``; AdamW (fused on CUDA), lr 1e-5.
+
+Scenarios, in this order (the ones most likely to run out of memory last):
+- padded 2x4096: right padding (rows hold 100%, 87.5%, 75%, 62.5%, ... of the row), attention
+  mask, labels -100 on padding;
+- packed 2x4096: each row is several documents of 512-2048 tokens, ``position_ids`` restarting at
+  every document, no attention mask, the first token of each document not predicted;
+- padded 4x4096 and 8x4096: the same as padded 2x4096 with more rows;
+- longest sequence at batch 1 (one document, no padding): 4096, 8192, ... 65536 until one does not
+  fit; one step each.
+
+Figures: tokens/s = batch x seq (padding included) / median step time of the timed steps after
+warm-up; peak GiB = ``torch.cuda.max_memory_allocated()`` over the scenario's steps (absolute:
+weights, gradients, AdamW state and activations), after ``reset_peak_memory_stats()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    GIB,
+    RESULTS_DIR,
+    environment,
+    fmt,
+    import_surgery,
+    short_error,
+    table,
+    write_json,
+)
+
+# Shapes from the public configs (Llama-3.2-1B, Gemma-2-2B, Qwen2.5-1.5B); all tie the embeddings.
+# Gemma-2 keeps 8 of its 26 layers, as BENCHMARKS.md's figures did, so that the unpatched run fits.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama",
+        "attn": "sdpa",
+        "config": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "intermediate_size": 8192,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": True,
+        },
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "attn": "eager",
+        "config": {
+            "hidden_size": 2304,
+            "num_hidden_layers": 8,
+            "intermediate_size": 9216,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 256000,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": True,
+        },
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "attn": "sdpa",
+        "config": {
+            "hidden_size": 1536,
+            "num_hidden_layers": 28,
+            "intermediate_size": 8960,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": True,
+        },
+    },
+}
+SMOKE_CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+}
+SMOKE_GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64}
+
+CONTENDERS = ["unpatched", "surgery", "liger"]
+# liger_rope_flce: Liger with only RoPE and the fused loss, the same kernels surgery swaps.
+EXTRA_CONTENDERS = ["liger_rope_flce"]
+
+SEQ = 4096
+SCENARIOS = [("padded", 2), ("packed", 2), ("padded", 4), ("padded", 8)]
+MAX_SEQS = [4096, 8192, 16384, 32768, 65536]
+SMOKE_SEQ = 32
+SMOKE_SCENARIOS = [("padded", 2), ("packed", 2)]
+SMOKE_MAX_SEQS = [32, 64]
+
+
+class Unavailable(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------
+# worker: one model, one contender, in its own process
+
+
+def _emit(kind: str, payload: Any) -> None:
+    print(f"@@{kind} {json.dumps(payload, default=str)}", flush=True)
+
+
+def build_model(name: str, smoke: bool, device):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = MODELS[name]
+    cfg_kwargs = dict(spec["config"])
+    if smoke:
+        cfg_kwargs.update(SMOKE_CONFIG)
+        if name == "gemma2":
+            cfg_kwargs.update(SMOKE_GEMMA2)
+    cfg_kwargs["use_cache"] = False
+    config = AutoConfig.for_model(spec["model_type"], **cfg_kwargs)
+    with device:
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.bfloat16, attn_implementation=spec["attn"]
+            )
+        except TypeError:  # transformers before `dtype` replaced `torch_dtype`
+            model = AutoModelForCausalLM.from_config(
+                config, torch_dtype=torch.bfloat16, attn_implementation=spec["attn"]
+            )
+    # No model.to(dtype): it would also cast the fp32 RoPE inv_freq buffer, which from_config /
+    # from_pretrained with dtype=bf16 keep in fp32.
+    model.train()
+    return model
+
+
+def apply_contender(model, contender: str) -> dict[str, Any]:
+    """Patch ``model`` in place for ``contender``; returns which kernels are on."""
+    if contender == "unpatched":
+        return {}
+    if contender == "surgery":
+        surgery = import_surgery()
+        if not hasattr(surgery, "patch"):
+            raise Unavailable("surgery.patch does not exist yet")
+        surgery.patch(model)
+        opts = surgery.patch_options(model) if hasattr(surgery, "patch_options") else None
+        if is_dataclass(opts):
+            return {k: v for k, v in asdict(opts).items() if not callable(v)}
+        return {"patched": True, "options": repr(opts)}
+    if contender in ("liger", "liger_rope_flce"):
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        except ImportError as e:
+            raise Unavailable(f"liger-kernel not importable: {short_error(e)}") from e
+        model_type = model.config.model_type
+        if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise Unavailable(f"Liger has no patch for {model_type}")
+        kwargs: dict[str, Any] = {"rope": True, "fused_linear_cross_entropy": True}
+        if contender == "liger_rope_flce":
+            kwargs.update(rms_norm=False, swiglu=False, geglu=False)
+        params = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
+        on = {k: kwargs.get(k, p.default) for k, p in params.items() if isinstance(p.default, bool)}
+        _apply_liger_kernel_to_instance(model=model, **kwargs)
+        return on
+    raise ValueError(f"unknown contender {contender!r}")
+
+
+def make_batch(kind: str, batch: int, seq: int, vocab: int, device, seed: int):
+    """Token ids and labels for one scenario; deterministic in ``seed`` (the same for every
+    contender). Ids are uniform over the vocabulary, which only matters for the loss value."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    out: dict[str, Any] = {}
+    if kind == "padded":
+        mask = torch.zeros(batch, seq, dtype=torch.long)
+        for r in range(batch):
+            length = seq - (r % 4) * seq // 8
+            mask[r, :length] = 1
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = labels.masked_fill(mask == 0, -100)
+        out["attention_mask"] = mask
+    elif kind == "packed":
+        pos = torch.empty(batch, seq, dtype=torch.long)
+        lo, hi = max(1, seq // 8), max(2, seq // 2)
+        for r in range(batch):
+            t = 0
+            while t < seq:
+                n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), seq - t)
+                pos[r, t : t + n] = torch.arange(n)
+                labels[r, t] = -100  # never predict a document's first token from the one before
+                t += n
+        out["position_ids"] = pos
+    elif kind != "single":
+        raise ValueError(kind)
+    out["input_ids"] = ids
+    out["labels"] = labels
+    real_tokens = int((labels != -100).sum()) if kind == "padded" else batch * seq
+    return {k: v.to(device) for k, v in out.items()}, real_tokens
+
+
+def worker(job: dict[str, Any]) -> None:
+    smoke = job["smoke"]
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    result: dict[str, Any] = {"model": job["model"], "contender": job["contender"]}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def clean():
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    try:
+        torch.manual_seed(job["seed"])
+        t0 = time.perf_counter()
+        model = build_model(job["model"], smoke, device)
+        result["params"] = sum(p.numel() for p in model.parameters())
+        result["build_s"] = round(time.perf_counter() - t0, 1)
+        result["kernels_on"] = apply_contender(model, job["contender"])
+    except Unavailable as e:
+        _emit("RESULT", {**result, "status": "unavailable", "error": str(e)})
+        return
+    except Exception as e:
+        _emit("RESULT", {**result, "status": "error", "error": short_error(e)})
+        raise
+    vocab = model.config.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+
+    def step(batch) -> float:
+        out = model(**batch)
+        loss = out.loss
+        del out  # the unpatched output holds the logits; do not keep them into the next step
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    seq = SMOKE_SEQ if smoke else SEQ
+    warmup, timed = job["warmup"], job["steps"]
+    first = True
+    if job.get("profile"):
+        profile_step(model, step, device, vocab, seq, job)
+        _emit("RESULT", {**result, "status": "ok"})
+        return
+
+    scenarios = []
+    for kind, batch in SMOKE_SCENARIOS if smoke else SCENARIOS:
+        if job["quick"] and batch == 4:
+            continue
+        name = f"{kind} {batch}x{seq}"
+        rec: dict[str, Any] = {"scenario": name, "kind": kind, "batch": batch, "seq": seq}
+        try:
+            data, real = make_batch(kind, batch, seq, vocab, device, job["seed"] + batch)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            losses = []
+            for _ in range(warmup + (1 if first else 0)):
+                losses.append(step(data))
+            first = False
+            times = []
+            for _ in range(timed):
+                sync()
+                t = time.perf_counter()
+                losses.append(step(data))
+                sync()
+                times.append(time.perf_counter() - t)
+            med = sorted(times)[len(times) // 2]
+            rec.update(
+                status="ok",
+                step_ms=med * 1e3,
+                step_ms_all=[round(s * 1e3, 2) for s in times],
+                tokens_per_s=batch * seq / med,
+                real_tokens_per_s=real / med,
+                loss_first=losses[0],
+                loss_last=losses[-1],
+            )
+            if cuda:
+                rec["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+                rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            del data
+        except torch.OutOfMemoryError as e:
+            rec.update(status="oom", error=short_error(e, 160))
+        except Exception as e:
+            rec.update(status="error", error=short_error(e))
+        opt.zero_grad(set_to_none=True)
+        clean()
+        scenarios.append(rec)
+        _emit("SCENARIO", rec)
+    result["scenarios"] = scenarios
+
+    fits, first_oom = [], None
+    for L in SMOKE_MAX_SEQS if smoke else MAX_SEQS:
+        rec = {"seq": L}
+        try:
+            data, _ = make_batch("single", 1, L, vocab, device, job["seed"] + L)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t = time.perf_counter()
+            rec["loss"] = step(data)
+            sync()
+            rec["step_s"] = time.perf_counter() - t  # one step; includes any first-shape JIT
+            if cuda:
+                rec["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            rec["status"] = "ok"
+            fits.append(rec)
+            del data
+        except torch.OutOfMemoryError as e:
+            rec.update(status="oom", error=short_error(e, 160))
+            first_oom = rec
+        except Exception as e:
+            rec.update(status="error", error=short_error(e))
+            first_oom = rec
+        opt.zero_grad(set_to_none=True)
+        clean()
+        _emit("MAXSEQ", rec)
+        if first_oom is not None:
+            break
+    result["max_seq"] = {
+        "fits": fits,
+        "stopped_at": first_oom,
+        "longest": fits[-1]["seq"] if fits else None,
+    }
+    result["status"] = "ok"
+    _emit("RESULT", result)
+
+
+def profile_step(model, step, device, vocab, seq, job) -> None:
+    """torch.profiler tables of one training step (padded 2 x seq) after warm-up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    data, _ = make_batch("padded", 2, seq, vocab, device, job["seed"] + 2)
+    for _ in range(max(2, job["warmup"])):
+        step(data)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+        step(data)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    sections = []
+    for title, keys in [
+        ("top ops by GPU time", ["device_time_total", "cuda_time_total", "cpu_time_total"]),
+        (
+            "top ops by memory allocated (self)",
+            ["self_device_memory_usage", "self_cuda_memory_usage", "self_cpu_memory_usage"],
+        ),
+    ]:
+        for key in keys:
+            try:
+                sections.append(f"== {title} (sort_by={key})\n" + events.table(key, row_limit=30))
+                break
+            except (AttributeError, KeyError, ValueError, RuntimeError):
+                continue
+    out = Path(job["out"]) / f"profile_{job['model']}_{job['contender']}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"one training step, {job['model']} ({job['contender']}), padded 2x{seq}, bf16, AdamW;"
+        f" after {max(2, job['warmup'])} warm-up steps\n\n"
+    )
+    out.write_text(header + "\n\n".join(sections) + "\n")
+    print(f"wrote {out}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# parent: one subprocess per (model, contender)
+
+
+def run_worker(job: dict[str, Any], timeout_s: float, label: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump():
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    result: dict[str, Any] | None = None
+    partial: dict[str, Any] = {"scenarios": [], "max_seq_tries": []}
+    tail: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            timed_out = True
+            proc.kill()
+            break
+        if line is None:
+            break
+        line = line.rstrip("\n")
+        if line.startswith("@@RESULT "):
+            result = json.loads(line[len("@@RESULT ") :])
+        elif line.startswith("@@SCENARIO "):
+            rec = json.loads(line[len("@@SCENARIO ") :])
+            partial["scenarios"].append(rec)
+            print(f"  [{label}] {scenario_line(rec)}", flush=True)
+        elif line.startswith("@@MAXSEQ "):
+            rec = json.loads(line[len("@@MAXSEQ ") :])
+            partial["max_seq_tries"].append(rec)
+            print(f"  [{label}] batch 1 x {rec['seq']}: {maxseq_line(rec)}", flush=True)
+        else:
+            if line.startswith("wrote "):
+                print(f"  [{label}] {line}", flush=True)
+            tail.append(line)
+            del tail[:-40]
+    proc.wait(timeout=30)
+    if result is None:
+        result = {
+            "model": job["model"],
+            "contender": job["contender"],
+            "status": "timeout" if timed_out else "error",
+            "error": (f"worker passed {timeout_s:.0f} s" if timed_out else "worker died")
+            + f" (exit {proc.returncode})",
+            "scenarios": partial["scenarios"],
+            "max_seq": {"fits": [r for r in partial["max_seq_tries"] if r.get("status") == "ok"]},
+        }
+    if result.get("status") != "ok":
+        result["log_tail"] = tail[-15:]
+    return result
+
+
+def scenario_line(rec: dict[str, Any]) -> str:
+    if rec.get("status") != "ok":
+        return f"{rec['scenario']}: {rec.get('status')} {rec.get('error', '')}"
+    return (
+        f"{rec['scenario']}: {rec['tokens_per_s'] / 1e3:.1f}k tok/s"
+        f" (step {rec['step_ms']:.0f} ms), peak {fmt(rec.get('peak_gib'), '.1f')} GiB,"
+        f" loss {rec['loss_first']:.3f}"
+    )
+
+
+def maxseq_line(rec: dict[str, Any]) -> str:
+    if rec.get("status") != "ok":
+        return f"{rec.get('status')} {rec.get('error', '')}"
+    return f"fits, peak {fmt(rec.get('peak_gib'), '.1f')} GiB, step {rec['step_s']:.2f} s"
+
+
+def render_tables(results: list[dict[str, Any]]) -> str:
+    base: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in results:
+        if r["contender"] == "unpatched":
+            for s in r.get("scenarios", []):
+                base[(r["model"], s["scenario"])] = s
+    rows = []
+    for r in results:
+        if r.get("status") not in ("ok", None) and not r.get("scenarios"):
+            rows.append([r["model"], "-", r["contender"], "-", "-", "-", "-", "-", r.get("error")])
+            continue
+        for s in r.get("scenarios", []):
+            b = base.get((r["model"], s["scenario"]), {})
+            ok = s.get("status") == "ok"
+            tps = s.get("tokens_per_s") if ok else None
+            peak = s.get("peak_gib") if ok else None
+            rows.append(
+                [
+                    r["model"],
+                    s["scenario"],
+                    r["contender"],
+                    fmt(tps / 1e3 if tps else None, ".1f"),
+                    fmt(tps / b["tokens_per_s"] if tps and b.get("tokens_per_s") else None, ".2f"),
+                    fmt(peak, ".1f"),
+                    fmt(peak / b["peak_gib"] if peak and b.get("peak_gib") else None, ".2f"),
+                    fmt(s.get("loss_first"), ".4f"),
+                    "ok" if ok else f"{s.get('status')}",
+                ]
+            )
+    t1 = table(
+        [
+            "model",
+            "scenario",
+            "contender",
+            "k tok/s",
+            "x unpatched",
+            "peak GiB",
+            "x unpatched",
+            "loss step 1",
+            "status",
+        ],
+        rows,
+    )
+    rows2 = []
+    for r in results:
+        ms = r.get("max_seq") or {}
+        fits = ms.get("fits") or []
+        last = fits[-1] if fits else {}
+        stop = ms.get("stopped_at") or {}
+        rows2.append(
+            [
+                r["model"],
+                r["contender"],
+                fmt(last.get("seq")),
+                fmt(last.get("peak_gib"), ".1f"),
+                fmt(last.get("step_s"), ".2f"),
+                f"{stop.get('seq')}: {stop.get('status')}" if stop else "-",
+            ]
+        )
+    t2 = table(
+        ["model", "contender", "longest seq (batch 1)", "its peak GiB", "its step s", "stopped at"],
+        rows2,
+    )
+    return t1 + "\n\n" + t2
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: {short_error(e)}"
+    contenders = list(dict.fromkeys(r["contender"] for r in results))
+    groups = list(
+        dict.fromkeys(
+            (r["model"], s["scenario"]) for r in results for s in r.get("scenarios", []) or []
+        )
+    )
+    if not groups:
+        return "no plot: nothing measured"
+    fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.3 * len(groups)), 12))
+    width = 0.8 / max(1, len(contenders))
+    for i, c in enumerate(contenders):
+        xs, tps, peak = [], [], []
+        for g, (m, sc) in enumerate(groups):
+            for r in results:
+                if r["model"] != m or r["contender"] != c:
+                    continue
+                for s in r.get("scenarios", []) or []:
+                    if s["scenario"] == sc and s.get("status") == "ok":
+                        xs.append(g + (i - (len(contenders) - 1) / 2) * width)
+                        tps.append(s["tokens_per_s"] / 1e3)
+                        peak.append(s.get("peak_gib") or float("nan"))
+        axes[0].bar(xs, tps, width, label=c, color=f"C{i}")
+        axes[1].bar(xs, peak, width, label=c, color=f"C{i}")
+    for ax, ylabel in [(axes[0], "k tokens/s"), (axes[1], "peak GiB (absolute)")]:
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{m}\n{s}" for m, s in groups], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_title("Training step: throughput and peak memory (bf16, AdamW)")
+    models = list(dict.fromkeys(r["model"] for r in results))
+    for i, c in enumerate(contenders):
+        xs, vals = [], []
+        for g, m in enumerate(models):
+            for r in results:
+                if r["model"] == m and r["contender"] == c:
+                    longest = (r.get("max_seq") or {}).get("longest")
+                    if longest:
+                        xs.append(g + (i - (len(contenders) - 1) / 2) * width)
+                        vals.append(longest)
+        axes[2].bar(xs, vals, width, label=c, color=f"C{i}")
+    axes[2].set_yscale("log", base=2)
+    axes[2].set_xticks(range(len(models)))
+    axes[2].set_xticklabels(models)
+    axes[2].set_ylabel("longest seq that fits, batch 1")
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def merge(paths: list[Path], out_dir: Path) -> int:
+    """One train_step.json, png and table from the files of split runs (e.g. one GPU call per
+    model); each part keeps its own environment record under ``parts``."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    merged: dict[str, Any] = {
+        "benchmark": "train_step",
+        "merged_from": [str(p) for p in paths],
+        "parts": [
+            {k: d.get(k) for k in ("environment", "settings", "total_seconds")} for d in docs
+        ],
+        "definitions": docs[0].get("definitions"),
+        "models": {k: v for d in docs for k, v in (d.get("models") or {}).items()},
+        "results": [r for d in docs for r in d.get("results", [])],
+    }
+    profiles = [d["profile"] for d in docs if d.get("profile")]
+    if profiles:
+        merged["profile"] = profiles
+    gpus = {(d.get("environment") or {}).get("gpu") for d in docs}
+    if len(gpus) > 1:
+        print(f"warning: the parts ran on different GPUs {gpus}; ratios across parts mislead")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "train_step.json", merged)
+    note = plot(merged["results"], out_dir / "train_step.png")
+    if note:
+        print(note)
+    print(f"wrote {out_dir / 'train_step.json'}\n")
+    print(render_tables(merged["results"]))
+    return 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help=f"result folder (default {RESULTS_DIR})")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list from {list(MODELS)}")
+    p.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma list from {CONTENDERS + EXTRA_CONTENDERS}",
+    )
+    p.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps, skip batch 4")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per scenario (+1 first)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per scenario")
+    p.add_argument("--profile", action="store_true", help="also write profiler tables")
+    p.add_argument("--profile-only", action="store_true", help="only the profiler tables")
+    p.add_argument("--profile-contender", default="surgery", help="contender to profile")
+    p.add_argument("--worker-timeout-s", type=float, default=240.0)
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=480.0,
+        help="start no new worker after this many seconds (results so far are kept)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="CPU plumbing check with tiny configs")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="combine train_step*.json files of split runs into --out/train_step.json (+ png)",
+    )
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return 0
+    if args.merge:
+        return merge(args.merge, args.out or RESULTS_DIR)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print(
+            "train_step: no CUDA device. This benchmark measures GPU training steps; run it on the "
+            "GPU machine, or use --smoke for a CPU plumbing check with tiny configs.",
+            file=sys.stderr,
+        )
+        return 2
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    bad = [m for m in models if m not in MODELS] + [
+        c for c in contenders if c not in CONTENDERS + EXTRA_CONTENDERS
+    ]
+    if bad:
+        print(f"unknown model(s)/contender(s): {bad}", file=sys.stderr)
+        return 2
+    out_dir = args.out or (Path("/tmp/surgery-bench-smoke") if args.smoke else RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
+    base_job = {
+        "smoke": args.smoke,
+        "quick": args.quick,
+        "warmup": warmup,
+        "steps": steps,
+        "seed": args.seed,
+        "out": str(out_dir),
+    }
+    print(
+        f"train_step: models {models}, contenders {contenders}, {warmup}+1 warm-up and {steps}"
+        f" timed steps per scenario; about 40-60 s per (model, contender) on an H100",
+        flush=True,
+    )
+    doc: dict[str, Any] = {
+        "benchmark": "train_step",
+        "environment": environment(),
+        "settings": {**base_job, "models": models, "contenders": contenders},
+        "models": {m: MODELS[m] for m in models},
+        "definitions": {
+            "step": "forward with labels, loss.backward(), AdamW step (fused on CUDA),"
+            " zero_grad(set_to_none=True); bf16 weights, random init from the config, seed fixed",
+            "tokens_per_s": "batch x seq (padding included) / median time of the timed steps",
+            "real_tokens_per_s": "tokens with a label (padding excluded) / median step time",
+            "peak_gib": "torch.cuda.max_memory_allocated() over the scenario's steps after"
+            " reset_peak_memory_stats(): absolute, weights + grads + AdamW state + activations",
+            "max_seq": "batch 1, one document, no padding; one step per length, ascending,"
+            " stopping at the first that runs out of memory",
+            "scenarios": __doc__,
+        },
+        "results": [],
+    }
+    # A subset of the models gets its own file name, so split runs can sit side by side (--merge).
+    stem = "train_step" if models == list(MODELS) else "train_step-" + "-".join(models)
+    json_path = out_dir / f"{stem}.json"
+    t_start = time.perf_counter()
+    if not args.profile_only:
+        for m in models:
+            for c in contenders:
+                label = f"{m}/{c}"
+                if time.perf_counter() - t_start > args.time_budget_s:
+                    res = {"model": m, "contender": c, "status": "skipped", "error": "time budget"}
+                    print(f"[{label}] skipped: time budget", flush=True)
+                else:
+                    t0 = time.perf_counter()
+                    print(f"[{label}] starting", flush=True)
+                    res = run_worker(
+                        {**base_job, "model": m, "contender": c}, args.worker_timeout_s, label
+                    )
+                    res["wall_s"] = round(time.perf_counter() - t0, 1)
+                    longest = (res.get("max_seq") or {}).get("longest")
+                    print(
+                        f"[{label}] {res.get('status')} in {res['wall_s']:.0f} s;"
+                        f" kernels {res.get('kernels_on')}; longest seq at batch 1: {longest}"
+                        + (f"; {res.get('error')}" if res.get("error") else ""),
+                        flush=True,
+                    )
+                doc["results"].append(res)
+                doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+                write_json(json_path, doc)
+    if args.profile or args.profile_only:
+        m = models[0]
+        label = f"{m}/{args.profile_contender} profile"
+        print(f"[{label}] starting", flush=True)
+        res = run_worker(
+            {**base_job, "model": m, "contender": args.profile_contender, "profile": True},
+            args.worker_timeout_s,
+            label,
+        )
+        doc["profile"] = {k: v for k, v in res.items() if k != "scenarios"}
+        write_json(json_path, doc)
+    if doc["results"]:
+        note = plot(doc["results"], out_dir / f"{stem}.png")
+        if note:
+            print(note)
+    doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    write_json(json_path, doc)
+    print(f"\nwrote {json_path} ({doc['total_seconds']:.0f} s)\n")
+    if doc["results"]:
+        print(render_tables(doc["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
