@@ -32,13 +32,49 @@ from .cross_entropy import (
     reduce_losses,
     upstream_coefficients,
 )
+from .dispatch import triton_available, use_triton
 from .reference import LossOutput
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "LOW_MEMORY_CHUNK_BYTES", "linear_cross_entropy"]
 
 DEFAULT_CHUNK_BYTES = 1 << 30  # logits of one token chunk (eager schedule)
 LOW_MEMORY_CHUNK_BYTES = 64 << 20  # logits of one slice (recompute schedule, low_memory=True)
 _ALIGN = 128
+
+
+SCALE_BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def scale_by_upstream_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
+        """x *= g in place, g read from device memory. The upstream gradient of a training loss
+        is almost always exactly 1: then every program returns at once and the weight-gradient
+        pass (V x D, read and written) costs nothing, with no host synchronisation to find out."""
+        g = tl.load(g_ptr).to(tl.float32)
+        if g != 1.0:
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """In-place ``t *= g`` for a 0-dim upstream gradient ``g`` (a no-op on the device if g == 1)."""
+    if t.numel() == 0:
+        return t
+    if not use_triton(t) or not t.is_contiguous():
+        return t.mul_(g.to(t.dtype))
+    g32 = g.detach().reshape(1).to(torch.float32)
+    n = t.numel()
+    scale_by_upstream_kernel[(triton.cdiv(n, SCALE_BLOCK),)](t, g32, n, BLOCK=SCALE_BLOCK)
+    return t
 
 
 # Smallest chunk (rows of the token chunk, columns of the vocabulary slice) worth a matrix
@@ -314,7 +350,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if eager is not None:
             if g_loss is not None:
                 # The stored gradients are for unit upstream gradient: scale in place.
-                dx, dw, db = (t.mul_(g_loss.to(t.dtype)) if t.numel() else None for t in eager)
+                dx, dw, db = (scale_by_upstream_(t, g_loss) if t.numel() else None for t in eager)
             # z_loss is usually only logged; a gradient reaching it on its own is recomputed.
             if g_z is not None and z_scale > 0.0:
                 g_only_z = (None, g_z)
