@@ -2,7 +2,7 @@
 
 Order (STYLE.md 2): Triton kernels -> host launchers (``rope_fwd``, ``rope_bwd``,
 ``rope_cos_sin_fwd``, ``rope_cos_sin_bwd``) -> torch.library ops with their autograd ->
-``apply_rope`` and ``apply_rotary_pos_emb``, with the reference ``apply_rope_reference`` beside them.
+``apply_rope`` and ``apply_rotary_pos_emb``, with the reference ``apply_rope_reference`` last.
 
 For channel pairs (j, j + r/2), j < r/2, of the first r = ``rotary_dim`` channels of each head:
 
@@ -16,6 +16,9 @@ same kernel with the angle negated: dx = s R(-angle) dout.
 ``apply_rope`` computes cos/sin in the kernel from ``position_ids``, once per (token, frequency)
 and reused across every head of q and k in the program, so no (B, T, D) cos/sin tensors exist,
 and packed rows whose positions restart at 0 (or start at a cache offset) are rotated right.
+On NVIDIA GPUs cos/sin come from the SFU after a range reduction to [-pi, pi]: absolute error
+below 1e-6, invisible next to bf16/fp16 rounding (2e-3/2.4e-4) and to the fp32 rounding of the
+angle itself (position * 6e-8 rad) that transformers' own path carries too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from .dispatch import interpreter_enabled, triton_available, use_triton
 if triton_available():
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 else:  # pragma: no cover - CPU installs without triton use the PyTorch path
     triton = None
 
@@ -49,6 +51,34 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _round_to(x, out_ty: tl.constexpr, INTERPRETED: tl.constexpr):
+        # fp32 -> out_ty, round to nearest even. The interpreter's fp32 -> bf16 cast truncates
+        # (GPUs round), which would double the error CI sees: round the bits first there.
+        if INTERPRETED and out_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(out_ty)
+
+    @triton.jit
+    def _cos_sin_sfu(angle):
+        # cos/sin of fp32 angles in ~10 instructions instead of libdevice's ~40 plus a slow path:
+        # reduce to [-pi, pi] with 2*pi split in two (the FMAs keep k * 2pi_hi exact, so the
+        # residue is right to ~1e-7 for any angle a position reaches), then the SFU's sin/cos,
+        # absolute error < 2**-20.9 on [-pi, pi]: far below bf16/fp16 rounding, and below the
+        # fp32 rounding of the angle itself beyond the first positions.
+        k = tl.floor(angle * 0.15915494309189535 + 0.5)
+        r = tl.fma(-k, 6.2831854820251465, angle)
+        r = tl.fma(-k, -1.7484556025237907e-07, r)
+        cos = tl.inline_asm_elementwise(
+            "cos.approx.ftz.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1
+        )
+        sin = tl.inline_asm_elementwise(
+            "sin.approx.ftz.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return cos, sin
 
     @triton.jit
     def _rotate_block(
@@ -73,6 +103,7 @@ if triton is not None:
         PASS: tl.constexpr,
         PASS_PAD: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         # One [BLOCK_T, BLOCK_H, HALF] tile per half of the rotated channels; x and o already
         # point at this program's batch row. 64-bit offsets: a (B, H, T, D) view of a large
@@ -89,8 +120,10 @@ if triton is not None:
         x1 = tl.load(x_lo, mask=mask_f, other=0.0).to(tl.float32)
         x2 = tl.load(x_lo + HALF * sx_d, mask=mask_f, other=0.0).to(tl.float32)
         out_ty = o_ptr.dtype.element_ty
-        tl.store(o_lo, (x1 * cos_lo - x2 * sin_lo).to(out_ty), mask=mask_f)
-        tl.store(o_lo + HALF * so_d, (x2 * cos_hi + x1 * sin_hi).to(out_ty), mask=mask_f)
+        out_lo = _round_to(x1 * cos_lo - x2 * sin_lo, out_ty, INTERPRETED)
+        out_hi = _round_to(x2 * cos_hi + x1 * sin_hi, out_ty, INTERPRETED)
+        tl.store(o_lo, out_lo, mask=mask_f)
+        tl.store(o_lo + HALF * so_d, out_hi, mask=mask_f)
         if PASS > 0:
             # Channels past rotary_dim are copied: the output is a new tensor.
             p3 = 2 * HALF + tl.arange(0, PASS_PAD)[None, None, :]
@@ -134,6 +167,7 @@ if triton is not None:
         PASS: tl.constexpr,
         PASS_PAD: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         # Head blocks of q and k form one list; program g of the head-group axis takes blocks
         # g, g + G, ... so a split stays balanced between q and k (GQA: k has fewer heads).
@@ -147,11 +181,12 @@ if triton is not None:
             if j < n_q_blocks:
                 _rotate_block(q_ptr, oq_ptr, j * BLOCK_H, n_q_heads, sq_h, sq_t, sq_d,
                               soq_h, soq_t, soq_d, t3, mask_t3, cos_lo, sin_lo, cos_hi, sin_hi,
-                              HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H)  # fmt: skip
+                              HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H, INTERPRETED)  # fmt: skip
             else:
                 _rotate_block(k_ptr, ok_ptr, (j - n_q_blocks) * BLOCK_H, n_k_heads, sk_h, sk_t,
                               sk_d, sok_h, sok_t, sok_d, t3, mask_t3, cos_lo, sin_lo, cos_hi,
-                              sin_hi, HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H)  # fmt: skip
+                              sin_hi, HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H,
+                              INTERPRETED)  # fmt: skip
 
     @triton.jit
     def rope_fwd_kernel(
@@ -191,7 +226,8 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         INVERSE: tl.constexpr,
-        LIBDEVICE_TRIG: tl.constexpr,
+        SFU_TRIG: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         """Grid (token blocks, head groups, batch). INVERSE rotates by -angle (the backward)."""
         pid_b = tl.program_id(2).to(tl.int64)
@@ -202,14 +238,12 @@ if triton is not None:
         inv_freq = tl.load(inv_freq_ptr + f * s_inv, mask=f < HALF, other=0.0).to(tl.float32)
         # Same fp32 product as transformers' rotary modules, so angles agree bit for bit.
         angle = pos.to(tl.float32)[:, None, None] * inv_freq[None, None, :]
-        if LIBDEVICE_TRIG:
-            # Full-range fp32 cos/sin (angles reach 1e5 rad at long context); not the SFU
-            # approximation. The interpreter has no libdevice, hence the switch.
-            cos = libdevice.cos(angle) * scale
-            sin = libdevice.sin(angle) * scale
+        if SFU_TRIG:
+            cos, sin = _cos_sin_sfu(angle)
         else:
-            cos = tl.cos(angle) * scale
-            sin = tl.sin(angle) * scale
+            cos, sin = tl.cos(angle), tl.sin(angle)
+        cos = cos * scale
+        sin = sin * scale
         if INVERSE:
             sin = -sin
         t3 = offs_t.to(tl.int64)[:, None, None]
@@ -217,7 +251,7 @@ if triton is not None:
                         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
                         soq_b, soq_h, soq_t, soq_d, sok_b, sok_h, sok_t, sok_d,
                         t3, mask_t[:, None, None], cos, sin, cos, sin,
-                        HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H)  # fmt: skip
+                        HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H, INTERPRETED)  # fmt: skip
 
     @triton.jit
     def rope_cos_sin_kernel(
@@ -259,6 +293,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         TRANSPOSE: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         """q * cos + rotate_half(q) * sin with cos/sin rows (B|1, T, r) read once per program.
 
@@ -286,7 +321,7 @@ if triton is not None:
                         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
                         soq_b, soq_h, soq_t, soq_d, sok_b, sok_h, sok_t, sok_d,
                         t3, mask_t[:, None, None], cos_lo, sin_lo, cos_hi, sin_hi,
-                        HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H)  # fmt: skip
+                        HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H, INTERPRETED)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,16 +332,23 @@ if triton is not None:
 @dataclass(frozen=True)
 class RopeLaunch:
     """Launch configuration (STYLE.md 8). ``head_groups=None`` picks enough programs to fill the
-    device; the defaults are the fixed known-good setting, others exist for tests and sweeps."""
+    device; the defaults are the fixed known-good setting, others exist for tests and sweeps.
 
-    block_t: int = 8
+    Default (bf16, D = 128): tiles of 4 tokens x 8 heads x 64 channel pairs, 16 elements per
+    thread and half; for sm_90 (Triton 3.9) that is 96 registers and no spills, so 5 programs of 4
+    warps fit an SM, each with 8 KiB of 128-bit loads in flight per head block.
+    """
+
+    block_t: int = 4
     # Elements of one half-tile (BLOCK_T x BLOCK_H x rotary_dim/2); sets BLOCK_H.
-    tile_elems: int = 4096
+    tile_elems: int = 2048
     head_groups: int | None = None
     num_warps: int = 4
 
 
 DEFAULT_LAUNCH = RopeLaunch()
+# The interpreter pays per program and per operation, not per element: few large programs.
+INTERPRETER_LAUNCH = RopeLaunch(block_t=32, tile_elems=1 << 14)
 # Programs per SM that the automatic head split aims for before it splits heads across programs.
 _PROGRAMS_PER_SM = 4
 
@@ -314,6 +356,10 @@ _PROGRAMS_PER_SM = 4
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_launch(x):
+    return DEFAULT_LAUNCH if x.is_cuda else INTERPRETER_LAUNCH
 
 
 def _grid(launch, B, T, Hq, Hk, half_pad, device):
@@ -347,8 +393,17 @@ def _rotate_torch(x, out, cos_lo, sin_lo, cos_hi, sin_hi, rotary_dim):
     out[..., rotary_dim:] = x[..., rotary_dim:]
 
 
-def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, launch):
-    oq, ok = torch.empty_like(q), torch.empty_like(k)
+def _outputs(q, k, out):
+    if out is None:
+        return torch.empty_like(q), torch.empty_like(k)
+    oq, ok = out
+    if oq.shape != q.shape or ok.shape != k.shape or oq.dtype != q.dtype or ok.dtype != k.dtype:
+        raise ValueError(f"out {_shape(oq)}, {_shape(ok)} must match q {_shape(q)}, k {_shape(k)}")
+    return out
+
+
+def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, launch, out):
+    oq, ok = _outputs(q, k, out)
     B, Hq, T, D = q.shape
     Hk = k.shape[1]
     if q.numel() == 0 and k.numel() == 0:
@@ -364,7 +419,7 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, 
         _rotate_torch(q, oq, cos, sin, cos, sin, rotary_dim)
         _rotate_torch(k, ok, cos, sin, cos, sin, rotary_dim)
         return oq, ok
-    launch = launch or DEFAULT_LAUNCH
+    launch = launch or _default_launch(q)
     half_pad = triton.next_power_of_2(half)
     grid, block_h = _grid(launch, B, T, Hq, Hk, half_pad, q.device)
     pass_dim = D - rotary_dim
@@ -393,7 +448,9 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, 
         BLOCK_T=launch.block_t,
         BLOCK_H=block_h,
         INVERSE=inverse,
-        LIBDEVICE_TRIG=not interpreter_enabled(),
+        # Inline PTX on NVIDIA only; the interpreter and ROCm take the precise tl.cos/tl.sin.
+        SFU_TRIG=not interpreter_enabled() and torch.version.hip is None,
+        INTERPRETED=interpreter_enabled(),
         num_warps=launch.num_warps,
     )
     return oq, ok
@@ -407,10 +464,12 @@ def rope_fwd(
     attention_scaling: float,
     rotary_dim: int,
     launch: RopeLaunch | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated copies of (B, Hq, T, D) ``q`` and (B, Hk, T, D) ``k``; inputs as validated by
-    ``apply_rope`` (no checks here)."""
-    return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, False, launch)
+    ``apply_rope`` (no checks here). ``out``: tensors to write instead of new ones (any strides;
+    never q or k themselves)."""
+    return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, False, launch, out)
 
 
 def rope_bwd(
@@ -421,14 +480,15 @@ def rope_bwd(
     attention_scaling: float,
     rotary_dim: int,
     launch: RopeLaunch | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``rope_fwd``'s inputs: the inverse rotation (scaled) of the output grads."""
     return _rope(grad_q, grad_k, position_ids, inv_freq, attention_scaling, rotary_dim, True,
-                 launch)  # fmt: skip
+                 launch, out)  # fmt: skip
 
 
-def _rope_cos_sin(q, k, cos, sin, transpose, launch):
-    oq, ok = torch.empty_like(q), torch.empty_like(k)
+def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):
+    oq, ok = _outputs(q, k, out)
     B, Hq, T, D = q.shape
     Hk = k.shape[1]
     if q.numel() == 0 and k.numel() == 0:
@@ -443,7 +503,7 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch):
         _rotate_torch(q, oq, c_lo, s_lo, c_hi, s_hi, rotary_dim)
         _rotate_torch(k, ok, c_lo, s_lo, c_hi, s_hi, rotary_dim)
         return oq, ok
-    launch = launch or DEFAULT_LAUNCH
+    launch = launch or _default_launch(q)
     half_pad = triton.next_power_of_2(half)
     grid, block_h = _grid(launch, B, T, Hq, Hk, half_pad, q.device)
     pass_dim = D - rotary_dim
@@ -474,6 +534,7 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch):
         BLOCK_T=launch.block_t,
         BLOCK_H=block_h,
         TRANSPOSE=transpose,
+        INTERPRETED=interpreter_enabled(),
         num_warps=launch.num_warps,
     )
     return oq, ok
@@ -485,10 +546,11 @@ def rope_cos_sin_fwd(
     cos: torch.Tensor,
     sin: torch.Tensor,
     launch: RopeLaunch | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q * cos + rotate_half(q) * sin`` (and k) on the first ``cos.shape[-1]`` channels, with
     (B|1, T, r) ``cos``/``sin``; new tensors laid out like q and k."""
-    return _rope_cos_sin(q, k, cos, sin, False, launch)
+    return _rope_cos_sin(q, k, cos, sin, False, launch, out)
 
 
 def rope_cos_sin_bwd(
@@ -497,9 +559,10 @@ def rope_cos_sin_bwd(
     cos: torch.Tensor,
     sin: torch.Tensor,
     launch: RopeLaunch | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``rope_cos_sin_fwd``'s q and k inputs (the transposed map)."""
-    return _rope_cos_sin(grad_q, grad_k, cos, sin, True, launch)
+    return _rope_cos_sin(grad_q, grad_k, cos, sin, True, launch, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,6 +645,42 @@ _rope_cos_sin_fwd_op.register_autograd(
 _rope_cos_sin_bwd_op.register_autograd(
     _partner_backward(_rope_cos_sin_fwd_op, 2), setup_context=_save_cos_sin
 )
+
+
+class _RopeFunction(torch.autograd.Function):
+    """Eager autograd over the launchers, for the same maps as the ops above. The ops carry the
+    autograd torch.compile sees; in eager mode their Python dispatch costs several times this
+    Function's host time, which shows when the GPU work is a tenth of a millisecond."""
+
+    @staticmethod
+    def forward(ctx, q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse):
+        ctx.save_for_backward(position_ids, inv_freq)
+        ctx.rope_args = (attention_scaling, rotary_dim, inverse)
+        return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, None,
+                     None)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        scaling, rotary_dim, inverse = ctx.rope_args
+        dq, dk = _RopeFunction.apply(grad_q, grad_k, *ctx.saved_tensors, scaling, rotary_dim,
+                                     not inverse)  # fmt: skip
+        return dq, dk, None, None, None, None, None
+
+
+class _RopeCosSinFunction(torch.autograd.Function):
+    """Eager autograd of the cos/sin map (see ``_RopeFunction``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, transpose):
+        ctx.save_for_backward(cos, sin)
+        ctx.transpose = transpose
+        return _rope_cos_sin(q, k, cos, sin, transpose, None, None)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _RopeCosSinFunction.apply(grad_q, grad_k, cos, sin, not ctx.transpose)
+        return dq, dk, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,16 +774,22 @@ def apply_rope(
     Returns:
         ``(q_rot, k_rot)``: new tensors with the dtype and memory layout of q and k. Inputs are
         never written. Angles are fp32 ``position * inv_freq`` (as transformers computes them),
-        cos/sin and the rotation are computed in fp32, and the result is rounded once.
+        cos/sin (absolute error < 1e-6) and the rotation are computed in fp32, and the result is
+        rounded once: in bf16 more accurate than transformers' eager path, which rounds cos, sin
+        and each product to bf16.
 
     Differentiable in q and k (the backward is the inverse rotation, also out of place);
-    ``position_ids`` and ``inv_freq`` get no gradient. Registered as ``torch.ops.surgery.rope_fwd``
-    for ``torch.compile(fullgraph=True)``. CUDA tensors (and CPU tensors under
-    ``TRITON_INTERPRET=1``) run the Triton kernel; other CPU tensors a PyTorch path with the same
-    fp32 math. Shapes, dtypes and devices are checked before anything runs.
+    ``position_ids`` and ``inv_freq`` get no gradient. Under ``torch.compile(fullgraph=True)`` it
+    runs as the op ``torch.ops.surgery.rope_fwd`` (fake tensors and autograd registered). CUDA
+    tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; other CPU
+    tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices are checked before
+    anything runs.
     """
     rd = _check_rope(q, k, position_ids, inv_freq, rotary_dim)
-    return _rope_fwd_op(q, k, position_ids, inv_freq, float(attention_scaling), rd)
+    scaling = float(attention_scaling)
+    if torch.compiler.is_compiling():
+        return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd)
+    return _RopeFunction.apply(q, k, position_ids, inv_freq, scaling, rd, False)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -761,8 +866,10 @@ def apply_rotary_pos_emb(
         raise ValueError(f"apply_rotary_pos_emb: cos/sin are on {cos.device}, q on {q.device}")
     if cos.requires_grad or sin.requires_grad:
         oq, ok = _cos_sin_eager(q, k, cos, sin)
-    else:
+    elif torch.compiler.is_compiling():
         oq, ok = _rope_cos_sin_fwd_op(q, k, cos, sin)
+    else:
+        oq, ok = _RopeCosSinFunction.apply(q, k, cos, sin, False)
     if ud == 2:
         oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
     return oq, ok

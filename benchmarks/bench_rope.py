@@ -1,0 +1,438 @@
+"""RoPE on one GPU: surgery's kernels beside transformers' eager path, torch.compile and Liger.
+
+    python benchmarks/bench_rope.py --out benchmarks/results/rope [--sweep]
+
+Shapes (bf16, Llama-3-8B heads): q (4, 32, 2048, 128) / k (4, 8, 2048, 128) and q (1, 32, 8192, 128)
+/ k (1, 8, 8192, 128), both made as (B, T, H, D) and viewed ``.transpose(1, 2)``: the layout
+transformers hands over. Every contender is first checked against the fp32 reference at these
+shapes (output and both gradients), then timed with ``triton.testing.do_bench`` (median). Achieved
+bandwidth counts the bytes that must move (q and k read once and written once per pass) and is
+compared with a plain copy of q + k timed in the same run. Writes ``rope.json`` and ``rope.png``
+to ``--out`` and prints a table last. ``--sweep`` also times other launch configurations of the
+surgery kernel (to check the fixed default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+SHAPES = [(4, 32, 8, 2048, 128), (1, 32, 8, 8192, 128)]  # (B, Hq, Hk, T, D)
+DTYPE = torch.bfloat16
+# Llama-3.1-8B's rotary configuration.
+ROPE_PARAMETERS = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Correctness gate before timing: the error budget of tests/utils.py TOLERANCES[bf16] (a contender
+# may exceed transformers' own bf16 error against the fp32 reference by 1.5x + 2e-3).
+BUDGET_FACTOR, BUDGET_FLOOR = 1.5, 2e-3
+TARGET_FRACTION_OF_COPY = 0.75
+TARGET_FRACTION_OF_LIGER = 0.5
+DEVICE = "cuda"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for rope.json and rope.png")
+    p.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    return p.parse_args(argv)
+
+
+def import_liger():
+    from importlib import metadata
+
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception as e:  # missing wheel or a broken import: recorded, never fatal
+        return None, {"missing": f"{type(e).__name__}: {e}"}
+    try:
+        version = metadata.version("liger-kernel")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return liger_rotary_pos_emb, {"version": version}
+
+
+def rel_err(x, ref):
+    x64, r64 = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x64).all():
+        return float("inf")
+    return float((x64 - r64).norm() / r64.norm())
+
+
+def build_rotary(head_dim, device):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(
+        hidden_size=32 * head_dim,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=head_dim,
+        max_position_embeddings=131072,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=64,
+        rope_parameters=dict(ROPE_PARAMETERS),
+    )
+    return LlamaRotaryEmbedding(cfg).to(device)
+
+
+def contenders(module, liger_fn, compile_peer):
+    """name -> (forward that takes cos/sin from the rotary module, rotation given cos/sin)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
+
+    from surgery.kernels import apply_rope, apply_rotary_pos_emb
+
+    def with_cos_sin(apply):
+        def fwd(q, k, pos):
+            cos, sin = module(q, pos)
+            return apply(q, k, cos, sin)
+
+        return fwd
+
+    def surgery(q, k, pos):
+        return apply_rope(q, k, pos, module.inv_freq, module.attention_scaling)
+
+    def liger_apply(q, k, cos, sin):
+        return tuple(liger_fn(q, k, cos, sin)[:2])
+
+    out = {
+        "surgery": (surgery, None),
+        "surgery_cos_sin": (with_cos_sin(apply_rotary_pos_emb), apply_rotary_pos_emb),
+        "hf_eager": (with_cos_sin(hf_apply), hf_apply),
+    }
+    if compile_peer:
+        out["torch_compile"] = (torch.compile(with_cos_sin(hf_apply)), torch.compile(hf_apply))
+    if liger_fn is not None:
+        out["liger"] = (with_cos_sin(liger_apply), liger_apply)
+    return out
+
+
+def make_inputs(B, Hq, Hk, T, D, device):
+    # Leaves in transformers' storage layout (B, T, H, D); the contenders see .transpose(1, 2).
+    q_base = torch.randn(B, T, Hq, D, device=device, dtype=DTYPE)
+    k_base = torch.randn(B, T, Hk, D, device=device, dtype=DTYPE)
+    gq = torch.randn(B, T, Hq, D, device=device, dtype=DTYPE).transpose(1, 2)
+    gk = torch.randn(B, T, Hk, D, device=device, dtype=DTYPE).transpose(1, 2)
+    pos = torch.arange(T, device=device)[None]  # what transformers builds for an unpacked batch
+    return q_base, k_base, (gq, gk), pos
+
+
+def run_pass(fwd, q_base, k_base, pos, upstream, backward):
+    q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
+    outs = fwd(q, k, pos)
+    if backward:
+        torch.autograd.backward(outs, upstream)
+    return outs
+
+
+def fp32_reference(module, q_base, k_base, pos, upstream):
+    from surgery.kernels import apply_rope_reference
+
+    q = q_base.detach().float().requires_grad_()
+    k = k_base.detach().float().requires_grad_()
+    rq, rk = apply_rope_reference(
+        q.transpose(1, 2), k.transpose(1, 2), pos, module.inv_freq, module.attention_scaling
+    )
+    torch.autograd.backward((rq, rk), tuple(u.float() for u in upstream))
+    return rq.detach(), rk.detach(), q.grad.transpose(1, 2), k.grad.transpose(1, 2)
+
+
+def verify(fwd, q_base, k_base, pos, upstream, reference):
+    # Fresh copies: Liger rotates its inputs (and the upstream gradients) in place.
+    qb = q_base.detach().clone().requires_grad_()
+    kb = k_base.detach().clone().requires_grad_()
+    oq, ok = run_pass(fwd, qb, kb, pos, tuple(u.clone() for u in upstream), backward=True)
+    rq, rk, rgq, rgk = reference
+    return {
+        "q": rel_err(oq, rq),
+        "k": rel_err(ok, rk),
+        "grad_q": rel_err(qb.grad.transpose(1, 2), rgq),
+        "grad_k": rel_err(kb.grad.transpose(1, 2), rgk),
+    }
+
+
+def time_contender(bench, fwd, apply_only, q_base, k_base, pos, upstream, cos_sin):
+    """Forward and forward+backward ms; for cos/sin peers also the rotation alone."""
+    # Own copies of inputs and upstream grads: Liger writes both in place on every call.
+    leaves = [x.detach().clone().requires_grad_() for x in (q_base, k_base)]
+    up = tuple(u.clone() for u in upstream)  # clone keeps the transposed layout
+    times = {}
+    variants = {"": fwd}
+    if apply_only is not None:
+        cos, sin = cos_sin
+        variants["_apply_only"] = lambda q, k, p: apply_only(q, k, cos, sin)
+    for suffix, fn in variants.items():
+        times[f"fwd{suffix}_ms"] = bench(lambda fn=fn: run_pass(fn, *leaves, pos, up, False))
+        times[f"fwd_bwd{suffix}_ms"] = bench(
+            lambda fn=fn: run_pass(fn, *leaves, pos, up, True), grad_to_none=leaves
+        )
+    for key, backward in (("fwd", False), ("fwd_bwd", True)):
+        try:
+            times[f"{key}_graph_ms"] = graph_ms(
+                bench, lambda backward=backward: run_pass(fwd, *leaves, pos, up, backward), leaves
+            )
+        except Exception as e:  # not every peer can be captured; recorded, not fatal
+            times[f"{key}_graph_error"] = f"{type(e).__name__}: {e}"
+    return times
+
+
+def graph_ms(bench, fn, leaves):
+    """GPU time alone: ``fn`` captured in a CUDA graph and replayed, so that host overhead
+    (Python, autograd, launches) cannot leave the GPU idle between kernels."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, allocator)
+        for _ in range(3):
+            for leaf in leaves:
+                leaf.grad = None
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None  # the captured backward writes .grad instead of accumulating into it
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = bench(graph.replay)
+    for leaf in leaves:
+        leaf.grad = None
+    del graph
+    return ms
+
+
+def bench_case(shape, bench, liger_fn, compile_peer, device):
+    B, Hq, Hk, T, D = shape
+    name = f"q({B},{Hq},{T},{D}) k({B},{Hk},{T},{D})"
+    module = build_rotary(D, device)
+    q_base, k_base, upstream, pos = make_inputs(B, Hq, Hk, T, D, device)
+    n_elems = q_base.numel() + k_base.numel()
+    fwd_bytes = 2 * n_elems * q_base.element_size()  # read q, k once + write them once
+
+    flat = torch.randn(n_elems, device=device, dtype=DTYPE)
+    copy_ms = bench(lambda: flat.clone())
+    copy_gbps = fwd_bytes / copy_ms / 1e6
+    reference = fp32_reference(module, q_base, k_base, pos, upstream)
+    cos_sin = module(q_base.transpose(1, 2), pos)
+
+    case = {
+        "name": name,
+        "shape": dict(zip(["B", "Hq", "Hk", "T", "D"], shape)),
+        "copy": {"ms": copy_ms, "GBps": copy_gbps},
+        "contenders": {},
+    }
+    for cname, (fwd, apply_only) in contenders(module, liger_fn, compile_peer).items():
+        entry = {}
+        try:
+            entry["rel_err"] = verify(fwd, q_base, k_base, pos, upstream, reference)
+            args = (q_base, k_base, pos, upstream, cos_sin)
+            entry.update(time_contender(bench, fwd, apply_only, *args))
+        except Exception as e:  # a peer that breaks is recorded, not fatal
+            entry["error"] = f"{type(e).__name__}: {e}"
+            print(f"[{name}] {cname}: {entry['error']}", file=sys.stderr)
+        for key, n_bytes in (("fwd", fwd_bytes), ("fwd_bwd", 2 * fwd_bytes)):
+            for kind in ("", "_graph"):
+                if f"{key}{kind}_ms" in entry:
+                    gbps = n_bytes / entry[f"{key}{kind}_ms"] / 1e6
+                    entry[f"{key}{kind}_GBps"] = gbps
+                    entry[f"{key}{kind}_frac_copy"] = gbps / copy_gbps
+        case["contenders"][cname] = entry
+
+    hf_err = case["contenders"]["hf_eager"].get("rel_err")
+    for entry in case["contenders"].values():
+        if "rel_err" in entry and hf_err:
+            entry["correct"] = all(
+                err <= BUDGET_FACTOR * hf_err[key] + BUDGET_FLOOR
+                for key, err in entry["rel_err"].items()
+            )
+    ours, liger = case["contenders"]["surgery"], case["contenders"].get("liger", {})
+    for kind in ("", "_graph"):
+        targets = {}
+        for key in ("fwd", "fwd_bwd"):
+            frac = ours.get(f"{key}{kind}_frac_copy", 0.0)
+            targets[f"{key}_frac_copy>={TARGET_FRACTION_OF_COPY}"] = frac >= TARGET_FRACTION_OF_COPY
+            met = None  # None: Liger missing or broken
+            if f"{key}{kind}_ms" in liger and f"{key}{kind}_ms" in ours:
+                met = ours[f"{key}{kind}_ms"] <= TARGET_FRACTION_OF_LIGER * liger[f"{key}{kind}_ms"]
+            targets[f"{key}<={TARGET_FRACTION_OF_LIGER}x_liger"] = met
+        case[f"targets_met{kind}"] = targets
+    return case, (q_base, k_base, pos, module, copy_gbps)
+
+
+def sweep(shape, q_base, k_base, pos, module, copy_gbps, bench):
+    from surgery.kernels.rope import DEFAULT_LAUNCH, RopeLaunch, rope_bwd, rope_fwd
+
+    D = shape[-1]
+    q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+    rows = []
+    for block_t in (2, 4, 8, 16):
+        for tile_elems in (1024, 2048, 4096):
+            for num_warps in (2, 4, 8):
+                launch = RopeLaunch(block_t=block_t, tile_elems=tile_elems, num_warps=num_warps)
+                args = (pos, module.inv_freq, module.attention_scaling, D)
+                f = bench(lambda launch=launch, args=args: rope_fwd(q, k, *args, launch=launch))
+                b = bench(lambda launch=launch, args=args: rope_bwd(q, k, *args, launch=launch))
+                rows.append({
+                    "block_t": block_t, "tile_elems": tile_elems, "num_warps": num_warps,
+                    "head_groups": launch.head_groups, "default": launch == DEFAULT_LAUNCH,
+                    "fwd_kernel_ms": f, "bwd_kernel_ms": b,
+                    "fwd_frac_copy": nbytes / f / 1e6 / copy_gbps,
+                })  # fmt: skip
+    rows.sort(key=lambda r: r["fwd_kernel_ms"] + r["bwd_kernel_ms"])
+    return rows
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    for ax, case in zip(axes[0], results):
+        names = list(case["contenders"])
+        names = [n for n in names if "fwd_bwd_ms" in case["contenders"][n]]
+        fwd = [case["contenders"][n]["fwd_ms"] for n in names]
+        both = [case["contenders"][n]["fwd_bwd_ms"] for n in names]
+        x = range(len(names))
+        bars_f = ax.bar([i - 0.2 for i in x], fwd, width=0.4, label="forward")
+        bars_b = ax.bar([i + 0.2 for i in x], both, width=0.4, label="forward + backward")
+        ax.bar_label(bars_f, fmt="%.3f", fontsize=7)
+        ax.bar_label(bars_b, fmt="%.3f", fontsize=7)
+        copy_ms = case["copy"]["ms"]
+        ax.axhline(copy_ms, color="k", ls="--", lw=1, label="copy of q+k (forward floor)")
+        ax.axhline(2 * copy_ms, color="gray", ls=":", lw=1, label="2x copy (fwd+bwd floor)")
+        ax.set_xticks(list(x), names, rotation=20)
+        ax.set_ylabel("ms (median)")
+        ax.set_title(case["name"])
+        ax.legend(fontsize=8)
+    fig.suptitle("RoPE, bf16, transformers layout; cos/sin computation included for peers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_rope.py: no CUDA device found; this benchmark times GPU kernels only.")
+    import transformers
+    import triton
+    from triton.testing import do_bench
+
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device(DEVICE)
+    torch.manual_seed(0)
+    liger_fn, liger_info = import_liger()
+
+    def bench(fn, grad_to_none=None):
+        return do_bench(
+            fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none, return_mode="median"
+        )
+
+    results = []
+    for shape in SHAPES:
+        case, sweep_inputs = bench_case(shape, bench, liger_fn, not args.no_compile, device)
+        if args.sweep:
+            case["sweep"] = sweep(shape, *sweep_inputs, bench)
+        results.append(case)
+        del sweep_inputs
+        torch.cuda.empty_cache()
+
+    report = {
+        "benchmark": "rope",
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+        },
+        "liger": liger_info,
+        "dtype": "bfloat16",
+        "layout": "q, k made as (B, T, H, D) and viewed .transpose(1, 2), as transformers does",
+        "rope_parameters": ROPE_PARAMETERS,
+        "positions": "(1, T) arange, as transformers builds for an unpacked batch",
+        "timing": (
+            "triton.testing.do_bench median in ms, L2 flushed between runs. Inputs require grad. "
+            "fwd: the forward alone; fwd_bwd: forward + autograd.backward with fixed upstream "
+            "grads in transformers' layout, .grad reset between runs. *_graph_ms: the same pass "
+            "captured in a CUDA graph and replayed (GPU time alone, no host overhead); "
+            "targets_met uses the do_bench times, targets_met_graph the graph times."
+        ),
+        "cos_sin": (
+            "hf_eager, torch_compile, liger and surgery_cos_sin are timed INCLUDING the cos/sin "
+            "computation by transformers' LlamaRotaryEmbedding (part of their cost in a model); "
+            "the *_apply_only fields time the rotation alone with cos/sin precomputed. surgery "
+            "computes cos/sin inside its kernel from position_ids and inv_freq."
+        ),
+        "bytes": (
+            "must-move bytes: forward reads q and k once and writes them once, "
+            "2 * (|q| + |k|) * 2 B; forward + backward twice that. *_frac_copy = achieved "
+            "bandwidth / copy bandwidth."
+        ),
+        "copy": "clone of one contiguous bf16 buffer of |q| + |k| elements (reads + writes)",
+        "correctness": (
+            "before timing, each contender's output and q/k gradients vs the fp32 reference at "
+            f"the benchmark shape; correct if rel err <= {BUDGET_FACTOR} x hf_eager's + "
+            f"{BUDGET_FLOOR}"
+        ),
+        "targets": {
+            "fraction_of_copy_bandwidth": TARGET_FRACTION_OF_COPY,
+            "fraction_of_liger_time": TARGET_FRACTION_OF_LIGER,
+        },
+        "cases": results,
+    }
+    json_path = os.path.join(args.out, "rope.json")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    plot(results, os.path.join(args.out, "rope.png"))
+    print_table(report, json_path)
+    if not all(case["contenders"]["surgery"].get("correct") for case in results):
+        sys.exit("bench_rope.py: surgery's kernel failed the correctness check (see rope.json)")
+
+
+def print_table(report, json_path):
+    print(f"\nRoPE on {report['device']} (bf16); peers include cos/sin; liger: {report['liger']}")
+    for case in report["cases"]:
+        sweep = case.get("sweep", [])
+        for row in sweep[:3] + [r for r in sweep[3:] if r["default"]]:
+            print(f"sweep {case['name']}: block_t={row['block_t']} tile={row['tile_elems']} "
+                  f"warps={row['num_warps']}{' (default)' if row['default'] else ''}: fwd "
+                  f"{row['fwd_kernel_ms']:.4f} ms ({100 * row['fwd_frac_copy']:.0f}% copy), bwd "
+                  f"{row['bwd_kernel_ms']:.4f} ms")  # fmt: skip
+    for case in report["cases"]:
+        copy = case["copy"]
+        print(f"\n{case['name']}   copy of q+k: {copy['ms']:.4f} ms = {copy['GBps']:.0f} GB/s")
+        print(f"{'contender':<16}{'fwd ms':>9}{'%copy':>6}{'fwd+bwd ms':>12}{'%copy':>6}"
+              f"{'graph f/fb ms':>17}{'apply-only f/fb':>17}{'max err':>9}{'ok':>6}")  # fmt: skip
+        for name, e in case["contenders"].items():
+            if "error" in e:
+                print(f"{name:<16} error: {e['error'][:90]}")
+                continue
+            ao = (f"{e['fwd_apply_only_ms']:.3f}/{e['fwd_bwd_apply_only_ms']:.3f}"
+                  if "fwd_apply_only_ms" in e else "-")  # fmt: skip
+            gr = "/".join(
+                f"{e[k]:.3f}" if k in e else "-" for k in ("fwd_graph_ms", "fwd_bwd_graph_ms")
+            )
+            print(f"{name:<16}{e['fwd_ms']:>9.4f}{100 * e['fwd_frac_copy']:>5.0f}%"
+                  f"{e['fwd_bwd_ms']:>12.4f}{100 * e['fwd_bwd_frac_copy']:>5.0f}%{gr:>17}{ao:>17}"
+                  f"{max(e['rel_err'].values()):>9.1e}{e.get('correct', '?')!s:>6}")  # fmt: skip
+        for kind in ("", "_graph"):
+            met = ", ".join(f"{k}: {v}" for k, v in case[f"targets_met{kind}"].items())
+            print(f"targets ({'do_bench' if not kind else 'CUDA graph'}): {met}")
+    print(f"\nwrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()
