@@ -334,14 +334,15 @@ class RopeLaunch:
     """Launch configuration (STYLE.md 8). ``head_groups=None`` picks enough programs to fill the
     device; the defaults are the fixed known-good setting, others exist for tests and sweeps.
 
-    Default (bf16, D = 128): tiles of 4 tokens x 8 heads x 64 channel pairs, 16 elements per
-    thread and half; for sm_90 (Triton 3.9) that is 96 registers and no spills, so 5 programs of 4
-    warps fit an SM, each with 8 KiB of 128-bit loads in flight per head block.
+    Default (bf16, D = 128): tiles of 2 tokens x 32 heads x 64 channel pairs, 4 warps. Chosen
+    from the 36-config sweep on the H100 (benchmarks/results/rope.json, `--sweep`): 93-94% of
+    copy bandwidth forward and backward on both benchmark shapes, where the earlier default
+    (4 tokens, 2048-element tiles) reached only 43% on q (4, 32, 2048, 128).
     """
 
-    block_t: int = 4
+    block_t: int = 2
     # Elements of one half-tile (BLOCK_T x BLOCK_H x rotary_dim/2); sets BLOCK_H.
-    tile_elems: int = 2048
+    tile_elems: int = 4096
     head_groups: int | None = None
     num_warps: int = 4
 
