@@ -21,6 +21,7 @@ number of tokens. Under ``torch.no_grad()`` only the loss is computed.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -378,6 +379,22 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return a if b is None else a.add_(b)
 
 
+def _check_not_sharded(**tensors) -> None:
+    # A DTensor exists only once its module is imported: no import cost for anyone else.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, dtensor.DTensor):
+            raise TypeError(
+                f"linear_cross_entropy got {name} as a DTensor (placements {tuple(t.placements)}),"
+                " e.g. a parameter sharded by FSDP2's fully_shard; it needs the whole tensor. Call"
+                " it through the module that owns the weight, inside its forward, where FSDP2 has"
+                " all-gathered it: a patched model does (lm_head(hidden, labels=...)). Do not pass"
+                " weight.full_tensor(): its gradient would skip FSDP's reduction."
+            )
+
+
 def _check_shapes(hidden, weight, bias) -> None:
     if not hidden.is_floating_point() or not weight.is_floating_point():
         raise TypeError(
@@ -448,6 +465,7 @@ def linear_cross_entropy(
     Returns:
         ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".
     """
+    _check_not_sharded(hidden=hidden, weight=weight, bias=bias)
     _check_shapes(hidden, weight, bias)
     check_options(reduction, label_smoothing, z_loss_scale, softcap)
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != hidden.dtype):
