@@ -286,7 +286,7 @@ class Runner:
 
         # accelerate keeps one state per process and binds its wrap policy to the first model's
         # layer class: start each run afresh (the process group stays).
-        AcceleratorState._reset_state()
+        AcceleratorState._reset_state(reset_partial_state=True)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
             auto_wrap_policy="transformer_based_wrap",
