@@ -1,9 +1,11 @@
 """Triton kernels with plain-PyTorch fp32 references beside them. Imports only torch and triton."""
 
 from .cross_entropy import cross_entropy
+from .gated_activation import gated_activation, gated_activation_reference
 from .linear_cross_entropy import linear_cross_entropy
 from .reduction import check_labels
 from .reference import LossOutput, cross_entropy_reference, linear_cross_entropy_reference
+from .rms_norm import rms_norm, rms_norm_reference
 from .rope import apply_rope, apply_rope_reference, apply_rotary_pos_emb
 
 __all__ = [
@@ -14,6 +16,10 @@ __all__ = [
     "check_labels",
     "cross_entropy",
     "cross_entropy_reference",
+    "gated_activation",
+    "gated_activation_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "rms_norm",
+    "rms_norm_reference",
 ]

@@ -4,7 +4,7 @@ from .gemma import GEMMA, GEMMA2, GEMMA3
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .qwen import QWEN2, QWEN3
-from .spec import ArchitectureSpec
+from .spec import ArchitectureSpec, RMSNormStyle
 
 SPECS: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3)
 
@@ -18,4 +18,5 @@ __all__ = [
     "QWEN3",
     "SPECS",
     "ArchitectureSpec",
+    "RMSNormStyle",
 ]

@@ -7,4 +7,6 @@ LLAMA = ArchitectureSpec(
     module="transformers.models.llama.modeling_llama",
     causal_lm="LlamaForCausalLM",
     attention="LlamaAttention",
+    rms_norm="LlamaRMSNorm",
+    mlp="LlamaMLP",
 )

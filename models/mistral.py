@@ -7,5 +7,7 @@ MISTRAL = ArchitectureSpec(
     module="transformers.models.mistral.modeling_mistral",
     causal_lm="MistralForCausalLM",
     attention="MistralAttention",
+    rms_norm="MistralRMSNorm",
+    mlp="MistralMLP",
     attention_kwargs=(("sliding_window", "config.sliding_window"),),
 )

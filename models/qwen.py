@@ -7,6 +7,8 @@ QWEN2 = ArchitectureSpec(
     module="transformers.models.qwen2.modeling_qwen2",
     causal_lm="Qwen2ForCausalLM",
     attention="Qwen2Attention",
+    rms_norm="Qwen2RMSNorm",
+    mlp="Qwen2MLP",
     attention_kwargs=(("sliding_window", "sliding_window"),),
 )
 
@@ -15,6 +17,8 @@ QWEN3 = ArchitectureSpec(
     module="transformers.models.qwen3.modeling_qwen3",
     causal_lm="Qwen3ForCausalLM",
     attention="Qwen3Attention",
+    rms_norm="Qwen3RMSNorm",
+    mlp="Qwen3MLP",
     qk_norm=True,
     attention_kwargs=(("sliding_window", "sliding_window"),),
 )

@@ -6,7 +6,40 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["ArchitectureSpec"]
+__all__ = [
+    "GATED_ACTIVATIONS",
+    "GEMMA_RMS_NORM",
+    "LLAMA_RMS_NORM",
+    "ArchitectureSpec",
+    "RMSNormStyle",
+]
+
+# transformers' activation names (ACT2FN keys) that ``surgery.kernels.gated_activation`` computes,
+# and its name for each. Any other activation leaves the MLPs with their own forward.
+GATED_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
+
+
+@dataclass(frozen=True)
+class RMSNormStyle:
+    """What an architecture's RMSNorm computes, in the terms of ``surgery.kernels.rms_norm``."""
+
+    eps_attr: str
+    """Attribute of the norm module holding epsilon, read at call time."""
+    offset: float
+    """The scale is ``offset + weight``: 0.0, or 1.0 for Gemma's zero-centred weights."""
+    casting: str
+    """``"llama"``: ``weight * normed.to(input_dtype)``; ``"gemma"``: ``(normed * (1 +
+    weight.float())).type_as(x)`` (see ``rms_norm``)."""
+
+
+LLAMA_RMS_NORM = RMSNormStyle(eps_attr="variance_epsilon", offset=0.0, casting="llama")
+GEMMA_RMS_NORM = RMSNormStyle(eps_attr="eps", offset=1.0, casting="gemma")
 
 
 @dataclass(frozen=True)
@@ -44,6 +77,15 @@ class ArchitectureSpec:
     """The architecture's config ties ``lm_head.weight`` to ``embed_tokens.weight`` by default. The
     loss always reads the head's own ``weight`` through its module call, so a tied head trains the
     embedding through both uses."""
+    rms_norm: str | None = None
+    """RMSNorm class whose instances (every norm of the model, q/k norms included) get the fused
+    ``rms_norm`` forward; None: none."""
+    rms_norm_style: RMSNormStyle = LLAMA_RMS_NORM
+    mlp: str | None = None
+    """Gated MLP class (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) whose instances get the
+    forward with the fused ``gated_activation``; None: none."""
+    mlp_activation_attr: str = "hidden_act"
+    """Config attribute naming the MLP's activation (an ACT2FN key)."""
 
     @property
     def apply_name(self) -> str:
@@ -58,6 +100,17 @@ class ArchitectureSpec:
 
     def attention_class(self) -> type:
         return self._resolve(self.attention)
+
+    def rms_norm_class(self) -> type:
+        return self._resolve(self.rms_norm)
+
+    def mlp_class(self) -> type:
+        return self._resolve(self.mlp)
+
+    def gated_activation(self, config) -> str | None:
+        """The ``gated_activation`` name of the MLP activation ``config`` asks for, or None when
+        there is no fused kernel for it."""
+        return GATED_ACTIVATIONS.get(getattr(config, self.mlp_activation_attr, None))
 
     def rotary_pos_emb(self):
         """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` of this module."""

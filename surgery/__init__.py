@@ -1,8 +1,8 @@
 """surgery: model surgery for Hugging Face transformers.
 
 ``surgery.patch(model)`` swaps forward methods on a transformers causal LM so that training uses the
-fused ``linear_cross_entropy`` loss and position-aware ``apply_rope``; ``apply_<arch>()`` does the
-same for models built afterwards.
+fused ``linear_cross_entropy`` loss, position-aware ``apply_rope``, and fused ``rms_norm`` and
+``gated_activation`` kernels; ``apply_<arch>()`` does the same for models built afterwards.
 """
 
 from .api import (

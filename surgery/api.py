@@ -32,6 +32,14 @@ from surgery.models import (
 
 from .attention import BINDING_ATTR, AttentionBinding, attention_forward
 from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, causal_lm_forward, lm_head_forward
+from .layers import (
+    MLP_ATTR,
+    NORM_ATTR,
+    gated_mlp_forward,
+    rms_norm_forward,
+    rms_norm_forward_for,
+    rms_norm_forward_x,
+)
 from .options import PatchOptions
 from .registry import UnsupportedModelError, find_causal_lm
 
@@ -55,8 +63,15 @@ M = TypeVar("M", bound=nn.Module)
 
 ORIGINAL_ATTR = "_surgery_original_forward"
 ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
-_PATCHED_FUNCTIONS = (causal_lm_forward, attention_forward, lm_head_forward)
-_EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR)
+_PATCHED_FUNCTIONS = (
+    causal_lm_forward,
+    attention_forward,
+    lm_head_forward,
+    rms_norm_forward,
+    rms_norm_forward_x,
+    gated_mlp_forward,
+)
+_EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR, NORM_ATTR, MLP_ATTR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,15 +153,31 @@ def _restore_forward(module: nn.Module) -> None:
 # one model
 
 
+def _is_plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, not a subclass (a quantised layer, whose weight the fused loss cannot
+    read), or the class FSDP2's ``fully_shard`` swaps in for it, ``FSDPLinear(FSDPModule,
+    nn.Linear)``: a head sharded before ``patch`` is still fused."""
+    cls = type(module)
+    if cls is nn.Linear:
+        return True
+    if cls.__bases__[-1:] != (nn.Linear,):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return cls.__bases__ == (FSDPModule, nn.Linear)
+
+
 def _lm_head_linears(lm: nn.Module) -> list[nn.Linear]:
-    """The vocabulary projections under ``lm.lm_head``: the head itself, or the copies inside a PEFT
-    ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer (whose own A/B projections have
-    other shapes and are left alone)."""
+    """The vocabulary projections under ``lm.lm_head``: the head itself (sharded by FSDP2 or not),
+    or the copies inside a PEFT ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer
+    (whose own A/B projections have other shapes and are left alone)."""
     config = lm.config
     return [
         m
         for m in lm.lm_head.modules()
-        if type(m) is nn.Linear
+        if _is_plain_linear(m)
         and m.out_features == config.vocab_size
         and m.in_features == config.hidden_size
     ]
@@ -164,6 +195,26 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
         for module in lm.modules():
             if isinstance(module, attention_class):
                 _swap_forward(module, attention_forward, {BINDING_ATTR: binding})
+    if options.rms_norm and spec.rms_norm is not None:
+        norm_class = spec.rms_norm_class()
+        for module in lm.modules():
+            if isinstance(module, norm_class):
+                forward = rms_norm_forward_for(module)
+                _swap_forward(module, forward, {NORM_ATTR: spec.rms_norm_style})
+    if options.gated_mlp and spec.mlp is not None:
+        activation = spec.gated_activation(lm.config)
+        if activation is None:
+            warnings.warn(
+                f"surgery: no fused kernel for the MLP activation "
+                f"{getattr(lm.config, spec.mlp_activation_attr, None)!r}; the MLPs keep their own "
+                "forward",
+                stacklevel=3,
+            )
+        else:
+            mlp_class = spec.mlp_class()
+            for module in lm.modules():
+                if isinstance(module, mlp_class):
+                    _swap_forward(module, gated_mlp_forward, {MLP_ATTR: activation})
     if options.fused_linear_cross_entropy:
         for head in _lm_head_linears(lm):
             _swap_forward(head, lm_head_forward, {LM_HEAD_ATTR: True})
@@ -199,6 +250,8 @@ def patch(
     z_loss_scale: float = 0.0,
     label_smoothing: float = 0.0,
     return_logits: bool = False,
+    rms_norm: bool = True,
+    gated_mlp: bool = True,
     strict: bool = True,
 ) -> M:
     """Patch ``model`` in place and return it (the same object).
@@ -216,6 +269,8 @@ def patch(
         z_loss_scale=float(z_loss_scale),
         label_smoothing=float(label_smoothing),
         return_logits=return_logits,
+        rms_norm=rms_norm,
+        gated_mlp=gated_mlp,
     )
     try:
         lm, spec = find_causal_lm(model)

@@ -23,6 +23,10 @@ class PatchOptions:
       ``z_loss``).
     - ``label_smoothing``: as in ``torch.nn.functional.cross_entropy``.
     - ``return_logits``: also return logits in training (then the loss is computed from them).
+    - ``rms_norm``: every RMSNorm (q/k norms included) through the fused ``rms_norm`` kernel, with
+      the architecture's cast points (swaps the norm forwards).
+    - ``gated_mlp``: the MLP's ``act(gate) * up`` through the fused ``gated_activation`` kernel
+      (swaps the MLP forwards; left alone for an activation without a kernel).
     """
 
     rope: bool = True
@@ -31,6 +35,8 @@ class PatchOptions:
     z_loss_scale: float = 0.0
     label_smoothing: float = 0.0
     return_logits: bool = False
+    rms_norm: bool = True
+    gated_mlp: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -41,6 +47,12 @@ class PatchOptions:
             raise ValueError(f"z_loss_scale must be >= 0, got {self.z_loss_scale}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        for name in ("rope", "fused_linear_cross_entropy", "return_logits"):
+        for name in (
+            "rope",
+            "fused_linear_cross_entropy",
+            "return_logits",
+            "rms_norm",
+            "gated_mlp",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,6 +1,7 @@
 """Every supported architecture, patched against the same model unpatched (fp32, CPU): loss and the
-gradient of every parameter on padded batches, on packed batches (against the sequences run one by
-one), eval logits, generation, z-loss, the per-sequence reduction and call-time RoPE frequencies."""
+gradient of every parameter on padded batches (with every kernel, and with some turned off), on
+packed batches (against the sequences run one by one), eval logits, generation, z-loss, the
+per-sequence reduction and call-time RoPE frequencies."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import surgery
 from surgery import attention as surgery_attention
 from surgery import forward as surgery_forward
+from surgery import layers as surgery_layers
 from tests.utils import TOLERANCES
 
 from .tiny import (
@@ -31,7 +33,13 @@ LENGTHS = [7, 5, 3]  # odd, unequal, one shorter than the sliding window (5)
 @pytest.fixture
 def spies(monkeypatch):
     """Counts calls of the kernels that the patched forwards must reach."""
-    calls = {"apply_rope": 0, "linear_cross_entropy": 0, "cross_entropy": 0}
+    calls = {
+        "apply_rope": 0,
+        "linear_cross_entropy": 0,
+        "cross_entropy": 0,
+        "rms_norm": 0,
+        "gated_activation": 0,
+    }
 
     def count(module, name):
         original = getattr(module, name)
@@ -45,21 +53,35 @@ def spies(monkeypatch):
     count(surgery_attention, "apply_rope")
     count(surgery_forward, "linear_cross_entropy")
     count(surgery_forward, "cross_entropy")
+    count(surgery_layers, "rms_norm")
+    count(surgery_layers, "gated_activation")
     return calls
 
 
-# sdpa for every architecture (Gemma2 has eager only), eager for two more.
-PADDED_CASES = [(arch, attn_for(arch, "sdpa")) for arch in ARCHS] + [
-    ("llama", "eager"),
-    ("gemma3_text", "eager"),
+# Patch options of a case: every kernel (the defaults), or the norm / MLP kernels turned off.
+OPTIONS = {
+    "all": {},
+    "no-norm-mlp": {"rms_norm": False, "gated_mlp": False},
+    "norm-only": {"gated_mlp": False},
+    "mlp-only": {"rms_norm": False},
+}
+# sdpa for every architecture (Gemma2 has eager only), eager for two more; each option set once.
+PADDED_CASES = [(arch, attn_for(arch, "sdpa"), "all") for arch in ARCHS] + [
+    ("llama", "eager", "all"),
+    ("gemma3_text", "eager", "all"),
+    ("llama", "sdpa", "no-norm-mlp"),
+    ("qwen3", "sdpa", "norm-only"),
+    ("gemma2", "eager", "mlp-only"),
 ]
 
 
-@pytest.mark.parametrize(("arch", "attn"), PADDED_CASES, ids=[f"{a}-{m}" for a, m in PADDED_CASES])
-def test_padded_batch_matches_unpatched(arch, attn, spies, interpreted):
+@pytest.mark.parametrize(
+    ("arch", "attn", "options"), PADDED_CASES, ids=["-".join(case) for case in PADDED_CASES]
+)
+def test_padded_batch_matches_unpatched(arch, attn, options, spies, interpreted):
     model = tiny_model(arch, attn).train()
     reference = twin(model)
-    surgery.patch(model)
+    surgery.patch(model, **OPTIONS[options])
     batch = padded_batch(sequences(LENGTHS))
 
     loss, grads = loss_and_grads(model, **batch.kwargs())
@@ -67,8 +89,15 @@ def test_padded_batch_matches_unpatched(arch, attn, spies, interpreted):
 
     torch.testing.assert_close(loss, want_loss, **TOL)
     assert_grads_close(grads, want_grads, **TOL)
-    assert spies["apply_rope"] == model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    assert spies["apply_rope"] == layers
     assert spies["linear_cross_entropy"] == 1 and spies["cross_entropy"] == 0
+    # Every norm (q/k norms included) runs once per forward, every MLP once.
+    spec, patched = surgery.supported()[arch], surgery.patch_options(model)
+    norms = sum(isinstance(m, spec.rms_norm_class()) for m in model.modules())
+    assert norms >= 2 * layers + 1
+    assert spies["rms_norm"] == (norms if patched.rms_norm else 0)
+    assert spies["gated_activation"] == (layers if patched.gated_mlp else 0)
     assert model(**batch.kwargs()).logits is None
 
 

@@ -71,6 +71,13 @@ def test_patch_twice_is_a_noop_and_unpatch_restores_exactly():
     patched_names = {n for n, f in once.items() if f is not None}
     assert "" in patched_names and "lm_head" in patched_names
     assert {"model.layers.0.self_attn", "model.layers.1.self_attn"} <= patched_names
+    # every RMSNorm (Qwen3's q/k norms included) and every MLP
+    for i in range(2):
+        layer = f"model.layers.{i}"
+        assert {f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"} <= patched_names
+        assert {f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"} <= patched_names
+        assert f"{layer}.mlp" in patched_names
+    assert "model.norm" in patched_names
     assert surgery.is_patched(model)
 
     surgery.patch(model)
@@ -134,14 +141,49 @@ def test_unsupported_architecture():
 
 @pytest.mark.parametrize(
     "options",
-    [{"loss_reduction": "sum"}, {"z_loss_scale": -1.0}, {"label_smoothing": 1.0}, {"rope": 1}],
-    ids=["reduction-sum", "negative-z", "smoothing-1", "rope-int"],
+    [
+        {"loss_reduction": "sum"},
+        {"z_loss_scale": -1.0},
+        {"label_smoothing": 1.0},
+        {"rope": 1},
+        {"rms_norm": "yes"},
+        {"gated_mlp": None},
+    ],
+    ids=["reduction-sum", "negative-z", "smoothing-1", "rope-int", "norm-str", "mlp-none"],
 )
 def test_bad_options_raise(options):
     model = tiny_model("llama")
     with pytest.raises((ValueError, TypeError)):
         surgery.patch(model, **options)
     assert not surgery.is_patched(model)
+
+
+def test_norm_and_mlp_options_turn_their_patches_off():
+    model = surgery.patch(tiny_model("gemma3_text").train(), rms_norm=False, gated_mlp=False)
+    layer = model.model.layers[0]
+    assert "forward" in layer.self_attn.__dict__
+    for module in (layer.input_layernorm, layer.self_attn.q_norm, model.model.norm, layer.mlp):
+        assert "forward" not in module.__dict__
+    surgery.patch(model)  # other options: repatched with the norm and MLP forwards
+    assert all("forward" in m.__dict__ for m in (layer.self_attn.k_norm, layer.mlp))
+
+
+def test_mlp_activation_without_kernel_keeps_the_mlp_forward():
+    config = tiny_config("llama")
+    config.hidden_act = "relu"
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    reference = twin(model)
+    with pytest.warns(UserWarning, match="no fused kernel for the MLP activation 'relu'"):
+        surgery.patch(model)
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+    assert "forward" in model.model.layers[0].input_layernorm.__dict__
+    loss, grads = loss_and_grads(model, **BATCH.kwargs())
+    want_loss, want = loss_and_grads(reference, **BATCH.kwargs())
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want, **TOL)
 
 
 def test_signature_mismatch_raises():

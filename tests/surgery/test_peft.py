@@ -66,6 +66,9 @@ def test_lora_attention_mlp(arch, order, lce_calls):
     # unpatched transformers needs use_cache=False to keep packed sequences apart under sdpa
     want_loss, want = loss_and_grads(reference, **batch.kwargs(), use_cache=False)
     assert any("lora_A" in n for n in grads) and len(lce_calls) == 1
+    # the fused MLP forward ran the LoRA projections (called as modules, weights never read)
+    mlp = model.base_model.model.model.layers[0].mlp
+    assert "forward" in mlp.__dict__ and hasattr(mlp.gate_proj, "lora_A")
     torch.testing.assert_close(loss, want_loss, **TOL)
     assert_grads_close(grads, want, **TOL)
     surgery.unpatch(model)
