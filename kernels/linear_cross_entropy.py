@@ -70,7 +70,8 @@ def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """In-place ``t *= g`` for a 0-dim upstream gradient ``g`` (a no-op on the device if g == 1)."""
     if t.numel() == 0:
         return t
-    if not use_triton(t) or not t.is_contiguous():
+    if torch.compiler.is_compiling() or not use_triton(t) or not t.is_contiguous():
+        # Traced graphs fuse the multiply themselves (and cannot trace a raw Triton launch here).
         return t.mul_(g.to(t.dtype))
     g32 = g.detach().reshape(1).to(torch.float32)
     n = t.numel()
@@ -130,6 +131,7 @@ def _logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
     return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
 
 
+@torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
 def lce_fwd(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -143,7 +145,7 @@ def lce_fwd(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
     Returns (ce, z, lse, dx, dw, db): per-token fp32 losses and logsumexp, and the gradients for
@@ -201,6 +203,7 @@ def lce_fwd(
     return ce, zl, lse, dx, dw, db
 
 
+@torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
 def lce_bwd_recompute(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -216,7 +219,7 @@ def lce_bwd_recompute(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
     one product; the hidden gradient is accumulated in fp32."""
     n, d = x.shape
@@ -259,27 +262,7 @@ def lce_bwd_recompute(
 # torch.library ops
 
 
-@torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
-def _lce_fwd_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    weights: torch.Tensor | None,
-    softcap: float,
-    eps: float,
-    z_scale: float,
-    chunk_bytes: int,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lce_fwd(
-        x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db
-    )
-
-
-@_lce_fwd_op.register_fake
+@lce_fwd.register_fake
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db):
     n = x.shape[0]
     grads = weights is not None
@@ -290,30 +273,7 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
     return (*per_tok, dx, dw, db)
 
 
-@torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
-def _lce_bwd_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    coef_ce: torch.Tensor,
-    coef_z: torch.Tensor,
-    softcap: float,
-    eps: float,
-    z_scale: float,
-    chunk_bytes: int,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lce_bwd_recompute(
-        x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes,
-        need_dx, need_dw, need_db,
-    )  # fmt: skip
-
-
-@_lce_bwd_op.register_fake
+@lce_bwd_recompute.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
       need_dw, need_db):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
@@ -331,7 +291,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # does not see an outer torch.no_grad().
         need_dx, need_dw, need_db = needs
         eager = weights is not None and not low_memory and (need_dx or need_dw or need_db)
-        ce, zl, lse, dx, dw, db = _lce_fwd_op(
+        ce, zl, lse, dx, dw, db = lce_fwd(
             x, w, bias, targets, weights if eager else None, softcap, eps, z_scale,
             chunk_bytes, need_dx, need_dw, need_db,
         )  # fmt: skip
@@ -363,7 +323,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             a, b = upstream_coefficients(weights, *g_only_z, x.shape[0], x.device)
             if eager is not None:
                 a = torch.zeros_like(a)  # the ce part is already in the eager gradients
-            rdx, rdw, rdb = _lce_bwd_op(
+            rdx, rdw, rdb = lce_bwd_recompute(
                 x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
                 need_dx, need_dw, need_db,
             )  # fmt: skip
