@@ -41,6 +41,7 @@ from .layers import (
     rms_norm_forward_x,
 )
 from .options import PatchOptions
+from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
 
 __all__ = [
@@ -71,7 +72,7 @@ _PATCHED_FUNCTIONS = (
     rms_norm_forward_x,
     gated_mlp_forward,
 )
-_EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR, NORM_ATTR, MLP_ATTR)
+_EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR, NORM_ATTR, MLP_ATTR, RECOMPUTE_ATTR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +184,30 @@ def _lm_head_linears(lm: nn.Module) -> list[nn.Linear]:
     ]
 
 
+def _recompute_plan(spec: ArchitectureSpec, options: PatchOptions) -> RecomputePlan | None:
+    plan = RecomputePlan(
+        norm_output=options.recompute_norm_output
+        and options.rms_norm
+        and spec.rms_norm is not None,
+        mlp_product=options.recompute_mlp_product and options.gated_mlp and spec.mlp is not None,
+    )
+    return plan if plan.norm_output or plan.mlp_product else None
+
+
+def _feeds_projections(lm: nn.Module, norm: nn.Module) -> bool:
+    """A decoder layer's norm over the hidden size (its output goes into projections), not the
+    final norm (into the loss) nor a q/k norm (into RoPE)."""
+    weight = getattr(norm, "weight", None)
+    return (
+        norm is not getattr(lm.model, "norm", None)
+        and weight is not None
+        and weight.shape[-1] == lm.config.hidden_size
+    )
+
+
 def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> None:
+    plan = _recompute_plan(spec, options)
+    norm_plan = {RECOMPUTE_ATTR: plan} if plan is not None and plan.norm_output else {}
     if options.rope:
         binding = AttentionBinding(
             spec=spec,
@@ -194,13 +218,16 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
         attention_class = spec.attention_class()
         for module in lm.modules():
             if isinstance(module, attention_class):
-                _swap_forward(module, attention_forward, {BINDING_ATTR: binding})
+                _swap_forward(module, attention_forward, {BINDING_ATTR: binding, **norm_plan})
     if options.rms_norm and spec.rms_norm is not None:
         norm_class = spec.rms_norm_class()
         for module in lm.modules():
             if isinstance(module, norm_class):
                 forward = rms_norm_forward_for(module)
-                _swap_forward(module, forward, {NORM_ATTR: spec.rms_norm_style})
+                extra = {NORM_ATTR: spec.rms_norm_style}
+                if _feeds_projections(lm, module):
+                    extra.update(norm_plan)
+                _swap_forward(module, forward, extra)
     if options.gated_mlp and spec.mlp is not None:
         activation = spec.gated_activation(lm.config)
         if activation is None:
@@ -214,7 +241,10 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
             mlp_class = spec.mlp_class()
             for module in lm.modules():
                 if isinstance(module, mlp_class):
-                    _swap_forward(module, gated_mlp_forward, {MLP_ATTR: activation})
+                    extra = {MLP_ATTR: activation}
+                    if plan is not None:
+                        extra[RECOMPUTE_ATTR] = plan
+                    _swap_forward(module, gated_mlp_forward, extra)
     if options.fused_linear_cross_entropy:
         for head in _lm_head_linears(lm):
             _swap_forward(head, lm_head_forward, {LM_HEAD_ATTR: True})
@@ -252,6 +282,10 @@ def patch(
     return_logits: bool = False,
     rms_norm: bool = True,
     gated_mlp: bool = True,
+    recompute_mlp_product: bool = True,
+    recompute_norm_output: bool = True,
+    loss_low_memory: bool = False,
+    loss_chunk_bytes: int | None = None,
     strict: bool = True,
 ) -> M:
     """Patch ``model`` in place and return it (the same object).
@@ -271,6 +305,10 @@ def patch(
         return_logits=return_logits,
         rms_norm=rms_norm,
         gated_mlp=gated_mlp,
+        recompute_mlp_product=recompute_mlp_product,
+        recompute_norm_output=recompute_norm_output,
+        loss_low_memory=loss_low_memory,
+        loss_chunk_bytes=loss_chunk_bytes,
     )
     try:
         lm, spec = find_causal_lm(model)

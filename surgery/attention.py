@@ -18,6 +18,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from surgery.kernels import apply_rope
 from surgery.models import ArchitectureSpec
 
+from . import recompute
+from .recompute import RECOMPUTE_ATTR
+
 __all__ = ["AttentionBinding", "attention_forward"]
 
 
@@ -70,9 +73,13 @@ def attention_forward(
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    query = self.q_proj(hidden_states).view(hidden_shape)
-    key = self.k_proj(hidden_states).view(hidden_shape)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    # The projections save hidden_states, the input norm's output: rebuilt in the backward when
+    # the norm registered it (surgery.recompute).
+    plan = self.__dict__.get(RECOMPUTE_ATTR)
+    with recompute.saved_tensor_scope(plan is not None and plan.norm_output):
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
         query, key = self.q_norm(query), self.k_norm(key)
     query, key = query.transpose(1, 2), key.transpose(1, 2)

@@ -168,7 +168,14 @@ def causal_lm_forward(
         )
         fused = self.training and options.fused_linear_cross_entropy and not options.return_logits
         if fused and head_takes_loss(self.lm_head):
-            out = self.lm_head(hidden, labels=targets, softcap=softcap, **loss_options)
+            out = self.lm_head(
+                hidden,
+                labels=targets,
+                softcap=softcap,
+                low_memory=options.loss_low_memory,
+                chunk_bytes=options.loss_chunk_bytes,
+                **loss_options,
+            )
         else:
             if fused:
                 _warn_unfused(self.lm_head)

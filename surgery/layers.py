@@ -14,11 +14,18 @@ import torch
 from torch import nn
 
 from surgery.kernels import gated_activation, rms_norm
+from surgery.kernels.gated_activation import gated_activation_fwd
+from surgery.kernels.rms_norm import rms_norm_fwd
 from surgery.models import RMSNormStyle
+
+from . import recompute
+from .recompute import RECOMPUTE_ATTR, RecomputePlan
 
 __all__ = [
     "MLP_ATTR",
     "NORM_ATTR",
+    "RECOMPUTE_ATTR",
+    "RecomputePlan",
     "gated_mlp_forward",
     "rms_norm_forward",
     "rms_norm_forward_for",
@@ -31,10 +38,29 @@ MLP_ATTR = "_surgery_gated_mlp"
 """Instance attribute of a patched MLP: the ``gated_activation`` name of its activation."""
 
 
+def _rebuild_rms_norm(x, weight, eps, offset, casting):
+    # The forward's launcher on the forward's inputs (``rms_norm`` without its autograd).
+    return rms_norm_fwd(x.reshape(-1, x.shape[-1]), weight, eps, offset, casting)[0].view(x.shape)
+
+
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     style: RMSNormStyle = module.__dict__[NORM_ATTR]
     eps = getattr(module, style.eps_attr)
-    return rms_norm(x, module.weight, eps, style.offset, style.casting)  # type: ignore[arg-type]
+    weight = module.weight
+    y = rms_norm(x, weight, eps, style.offset, style.casting)  # type: ignore[arg-type]
+    plan: RecomputePlan | None = module.__dict__.get(RECOMPUTE_ATTR)
+    if (
+        plan is not None
+        and plan.norm_output
+        and y.requires_grad
+        and x.is_contiguous()  # the norm keeps a view of x itself, not a copy
+        and recompute.recording()
+    ):
+        eps, offset = float(eps), float(style.offset)
+        recompute.register(
+            y, lambda x, w: _rebuild_rms_norm(x, w, eps, offset, style.casting), x, weight
+        )
+    return y
 
 
 def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -61,4 +87,21 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the product through ``gated_activation``:
     act(gate) is neither materialised for backward nor rounded on its own."""
     activation = self.__dict__[MLP_ATTR]
-    return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), activation))
+    plan: RecomputePlan | None = self.__dict__.get(RECOMPUTE_ATTR)
+    if plan is None:
+        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), activation))
+    # Saved by the projections: the input (a norm's output, rebuilt if registered) and, for
+    # down_proj, the product (rebuilt from gate and up, which gated_activation keeps).
+    with recompute.saved_tensor_scope(plan.norm_output):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+    product = gated_activation(gate, up, activation)
+    record = plan.mlp_product and recompute.recording()
+    if (
+        record
+        and gate.dtype == up.dtype
+        and gate.is_contiguous()
+        and up.is_contiguous()  # gated_activation kept gate and up themselves, not copies
+    ):
+        recompute.register(product, lambda g, u: gated_activation_fwd(g, u, activation), gate, up)
+    with recompute.saved_tensor_scope(record):
+        return self.down_proj(product)

@@ -27,6 +27,21 @@ class PatchOptions:
       the architecture's cast points (swaps the norm forwards).
     - ``gated_mlp``: the MLP's ``act(gate) * up`` through the fused ``gated_activation`` kernel
       (swaps the MLP forwards; left alone for an activation without a kernel).
+    - ``recompute_mlp_product``: with ``gated_mlp``, the product ``act(gate) * up`` is not kept
+      for ``down_proj``'s weight gradient; the backward rebuilds it, bit for bit, from gate and up
+      (kept anyway) with the forward's kernel: one (tokens x intermediate) tensor less per layer
+      for one elementwise pass.
+    - ``recompute_norm_output``: with ``rms_norm``, an RMSNorm's output is not kept for the
+      projections after it (q/k/v, gate/up; needs ``rope`` and ``gated_mlp`` respectively, whose
+      forwards run those projections); the backward rebuilds it from the norm's input and weight
+      (kept anyway) with the forward's kernel: two (tokens x hidden) tensors less per layer.
+      Both are skipped (activations kept as usual) under ``torch.compile``, activation
+      checkpointing and other saved-tensor hooks; see ``surgery.recompute``.
+    - ``loss_low_memory``: the fused loss keeps no logits chunk and no gradient from the forward to
+      the backward; the backward recomputes the logits in vocabulary slices (a fourth matrix
+      product: about 1.4x the loss's time) — ``linear_cross_entropy(low_memory=True)``.
+    - ``loss_chunk_bytes``: the fused loss's chunk budget (``linear_cross_entropy(chunk_bytes=)``;
+      None: its default).
     """
 
     rope: bool = True
@@ -37,6 +52,10 @@ class PatchOptions:
     return_logits: bool = False
     rms_norm: bool = True
     gated_mlp: bool = True
+    recompute_mlp_product: bool = True
+    recompute_norm_output: bool = True
+    loss_low_memory: bool = False
+    loss_chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -53,6 +72,14 @@ class PatchOptions:
             "return_logits",
             "rms_norm",
             "gated_mlp",
+            "recompute_mlp_product",
+            "recompute_norm_output",
+            "loss_low_memory",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        chunk = self.loss_chunk_bytes
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)):
+            raise TypeError(f"loss_chunk_bytes must be an int or None, got {chunk!r}")
+        if chunk is not None and chunk <= 0:
+            raise ValueError(f"loss_chunk_bytes must be > 0, got {chunk}")

@@ -1,0 +1,211 @@
+"""Recomputed activations (``recompute_mlp_product``, ``recompute_norm_output``): the same loss and
+gradients, bit for bit, as keeping them, with activation checkpointing and LoRA; and the bytes that
+autograd keeps per layer drop by the MLP product and two norm outputs."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import surgery
+from surgery import forward as surgery_forward
+from tests.models.tiny import (
+    HIDDEN,
+    loss_and_grads,
+    padded_batch,
+    sequences,
+    tiny_config,
+    tiny_model,
+    twin,
+)
+
+peft = pytest.importorskip("peft")
+
+KEEP = {"recompute_mlp_product": False, "recompute_norm_output": False}
+LENGTHS = [7, 5, 3]
+
+
+def assert_bitwise(got, want):
+    (loss, grads), (want_loss, want_grads) = got, want
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name in want_grads:
+        assert torch.equal(grads[name], want_grads[name]), name
+
+
+def checkpointing(model, mode: str):
+    if mode != "none":
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"}
+        )
+    return model
+
+
+# Every architecture in fp32 and bf16, and fp32 under both kinds of activation checkpointing
+# (non-reentrant: its own saved-tensor hooks, ours stand aside; reentrant: ours run in the
+# recomputation).
+BITWISE_CASES = [
+    (arch, dtype, ckpt)
+    for arch in ("llama", "qwen3", "gemma2")
+    for dtype, ckpt in (
+        (torch.float32, "none"),
+        (torch.bfloat16, "none"),
+        (torch.float32, "non-reentrant"),
+        (torch.float32, "reentrant"),
+    )
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "ckpt"),
+    BITWISE_CASES,
+    ids=[f"{a}-{str(d).removeprefix('torch.')}-{c}" for a, d, c in BITWISE_CASES],
+)
+def test_recompute_is_bitwise_identical(arch, dtype, ckpt):
+    model = tiny_model(arch, dtype=dtype).train()
+    reference = twin(model)
+    checkpointing(surgery.patch(model), ckpt)
+    checkpointing(surgery.patch(reference, **KEEP), ckpt)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    assert_bitwise(loss_and_grads(model, **batch), loss_and_grads(reference, **batch))
+
+
+def lora_model(model, targets):
+    torch.manual_seed(1)
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+    )
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return wrapped
+
+
+LORA_TARGETS = [["down_proj"], ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]]
+
+
+@pytest.mark.parametrize("targets", LORA_TARGETS, ids=["down", "qv-gate-up-down"])
+def test_recompute_with_lora_is_bitwise_identical(targets):
+    model = tiny_model("llama").train()
+    reference = twin(model)
+    model = lora_model(surgery.patch(model), targets)
+    reference = lora_model(surgery.patch(reference, **KEEP), targets)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    assert_bitwise(loss_and_grads(model, **batch), loss_and_grads(reference, **batch))
+
+
+class _KeptStorages(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel():
+                s = t.untyped_storage()
+                self.storages.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        return out
+
+
+def kept_bytes(model, batch) -> int:
+    """Bytes of the tensors made in one forward that are still alive while only the loss is
+    referenced: what autograd keeps for the backward (parameters excluded)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    mode = _KeptStorages()
+    with mode:
+        loss = model(**batch).loss
+    gc.collect()
+    kept = sum(
+        n for key, (ref, n) in mode.storages.items() if key not in params and not ref.expired()
+    )
+    loss.backward()  # the graph is used: nothing above was a leak
+    return kept
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_saved_bytes_drop_per_layer(arch, lora):
+    config = tiny_config(arch)
+    layers, batch = config.num_hidden_layers, padded_batch(sequences(LENGTHS)).kwargs()
+    kept = {}
+    for name, options in (("keep", KEEP), ("recompute", {})):
+        model = surgery.patch(tiny_model(arch).train(), **options)
+        if lora:
+            model = lora_model(model, LORA_TARGETS[1])
+        kept[name] = kept_bytes(model, batch)
+    # Per layer, one (tokens x intermediate) product and two (tokens x hidden) norm outputs, fp32.
+    # Under LoRA the first layer's input norm output needs no gradient (frozen embeddings and
+    # norm): its projections' adapters keep it as it is, there being nothing cheaper to keep.
+    norm_outputs = 2 * layers - (1 if lora else 0)
+    tokens = batch["input_ids"].numel()
+    want = tokens * (layers * config.intermediate_size + norm_outputs * HIDDEN) * 4
+    assert kept["keep"] - kept["recompute"] == want
+
+
+def test_recompute_off_under_outer_saved_tensor_hooks():
+    """Other saved-tensor hooks own every saved tensor: ours stay out of their way."""
+    model = surgery.patch(tiny_model("llama").train())
+    seen = []
+
+    def pack(t):
+        seen.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**padded_batch(sequences(LENGTHS)).kwargs()).loss
+    assert all(isinstance(t, torch.Tensor) for t in seen)
+    loss.backward()
+
+
+def test_in_place_change_of_a_recompute_input_raises():
+    model = surgery.patch(tiny_model("llama").train())
+    loss = model(**padded_batch(sequences(LENGTHS)).kwargs()).loss
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified"):
+        loss.backward()
+
+
+def test_loss_options_reach_the_fused_loss(monkeypatch):
+    seen = []
+    original = surgery_forward.linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["low_memory"], kwargs["chunk_bytes"]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(surgery_forward, "linear_cross_entropy", spy)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    model = tiny_model("llama").train()
+    reference = twin(model)
+    surgery.patch(model, loss_low_memory=True, loss_chunk_bytes=1 << 12)
+    loss, _ = loss_and_grads(model, **batch)
+    want, _ = loss_and_grads(surgery.patch(reference), **batch)
+    assert seen[0] == (True, 1 << 12) and seen[1] == (False, None)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"recompute_mlp_product": 1},
+        {"recompute_norm_output": "no"},
+        {"loss_low_memory": None},
+        {"loss_chunk_bytes": 0},
+        {"loss_chunk_bytes": 1.5},
+    ],
+    ids=["mlp-int", "norm-str", "low-memory-none", "chunk-0", "chunk-float"],
+)
+def test_bad_recompute_and_loss_options_raise(options):
+    model = tiny_model("llama")
+    with pytest.raises((ValueError, TypeError)):
+        surgery.patch(model, **options)
+    assert not surgery.is_patched(model)
