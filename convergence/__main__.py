@@ -1,0 +1,187 @@
+"""``python -m surgery.convergence``: train original and patched mini models side by side and say
+whether they train alike.
+
+With no arguments: llama, fp32, tiny on CPU (the Triton kernels through the interpreter) or full
+size on CUDA; padded and packed batches; HF's token-mean loss, and the per-sequence mean with
+z-loss. The full GPU suite is ``--model all --dtype fp32`` and ``--model all --dtype bf16``.
+Exits 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_Z_LOSS = 1e-2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m surgery.convergence",
+        description="Prove that a surgery-patched model trains like the original: same init, "
+        "same data, same AdamW steps; compare every step's loss, the gradients and the final "
+        "weights. Exits 1 when a check fails.",
+    )
+    p.add_argument("--model", default="llama", help="architecture name, or 'all' (default llama)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "all"])
+    p.add_argument("--steps", type=int, default=32, help="AdamW steps (default 32)")
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument("--packed", action="store_true", help="only packed batches")
+    layout.add_argument("--padded", action="store_true", help="only padded batches")
+    p.add_argument(
+        "--reduction",
+        choices=["mean", "sequence", "all"],
+        help="loss reduction (default: mean, and sequence with z-loss)",
+    )
+    p.add_argument(
+        "--z-loss",
+        type=float,
+        nargs="?",
+        const=DEFAULT_Z_LOSS,
+        metavar="SCALE",
+        help=f"z-loss scale for every run (bare flag: {DEFAULT_Z_LOSS:g})",
+    )
+    p.add_argument("--label-smoothing", type=float, metavar="EPS")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--size", choices=["tiny", "full"], help="default: tiny on cpu, full on cuda")
+    p.add_argument("--data", default="mixed", choices=["mixed", "lm", "sft"])
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default: per size)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="convergence_out", type=Path, help="where json and png go")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-step progress")
+    return p
+
+
+def _use_interpreter_on_cpu(argv: list[str]) -> str:
+    """On CPU, run the real Triton kernels through the interpreter. Triton decides at decoration
+    time, when ``surgery.kernels`` is imported; ``python -m surgery.convergence`` has imported it
+    already (as part of the parent package), so the process restarts itself once with the
+    variable set. An explicit TRITON_INTERPRET (e.g. 0, for the PyTorch fallback) is respected."""
+    if "TRITON_INTERPRET" in os.environ:
+        return os.environ["TRITON_INTERPRET"]
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "surgery.convergence", *argv])
+    return "1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is available", file=sys.stderr)
+        return 2
+    interpret = _use_interpreter_on_cpu(argv) if device == "cpu" else None
+
+    from surgery.kernels.dispatch import interpreter_enabled, triton_available
+
+    from .compare import evaluate, format_table, plot, write_json
+    from .configs import ARCHITECTURES
+    from .train import RunConfig, Variant, train_and_compare
+
+    size = args.size or ("full" if device == "cuda" else "tiny")
+    models = list(ARCHITECTURES) if args.model == "all" else [args.model]
+    for m in models:
+        if m not in ARCHITECTURES:
+            print(f"unknown model {m!r}; expected one of {sorted(ARCHITECTURES)} or all")
+            return 2
+    dtypes = ["fp32", "bf16"] if args.dtype == "all" else [args.dtype]
+    layouts = ("packed",) if args.packed else ("padded",) if args.padded else ("padded", "packed")
+    if args.reduction is None and args.z_loss is None and args.label_smoothing is None:
+        variants = [Variant("mean"), Variant("sequence", DEFAULT_Z_LOSS)]
+    else:
+        reductions = ["mean", "sequence"] if args.reduction in (None, "all") else [args.reduction]
+        variants = [Variant(r, args.z_loss or 0.0, args.label_smoothing or 0.0) for r in reductions]
+    lr = args.lr or {"tiny": 2e-3, "full": 1e-3}[size]
+
+    if device == "cpu":
+        # Tiny models: a second intra-op thread only spins against the interpreter (and anything
+        # else on the machine); one is faster.
+        torch.set_num_threads(1)
+    if device == "cuda":
+        # fp32 means fp32: no TF32 in the reference's matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        where = f"CUDA ({torch.cuda.get_device_name()}): Triton kernels compiled for the GPU"
+        if interpreter_enabled():
+            where += " (but TRITON_INTERPRET is set: they run through the slow interpreter)"
+    elif interpret not in (None, "", "0") and triton_available():
+        where = "CPU: Triton kernels through the interpreter (TRITON_INTERPRET=1)"
+    else:
+        where = "CPU: PyTorch fallback path (TRITON_INTERPRET is off), not the Triton kernels"
+    print(f"surgery.convergence on {where}")
+    print(
+        f"models {', '.join(models)} | size {size} | dtype {', '.join(dtypes)} | "
+        f"{args.steps} AdamW steps, lr {lr:g} | layouts {'+'.join(layouts)} | "
+        f"losses {', '.join(v.name for v in variants)} | data {args.data}",
+        flush=True,
+    )
+
+    t0 = time.perf_counter()
+    say = (
+        (lambda msg: None)
+        if args.quiet
+        else (lambda msg: print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", flush=True))
+    )
+    records, checks = [], []
+    for dtype in dtypes:
+        for model in models:
+            for variant in variants:
+                cfg = RunConfig(
+                    model=model,
+                    size=size,
+                    dtype=dtype,
+                    device=device,
+                    steps=args.steps,
+                    variant=variant,
+                    layouts=layouts,
+                    data=args.data,
+                    lr=lr,
+                    seed=args.seed,
+                )
+                record = train_and_compare(cfg, progress=say)
+                run_checks = evaluate(record)
+                records.append(record)
+                checks += run_checks
+                failed = [f"{c.side}:{c.name}" for c in run_checks if not c.passed]
+                print(
+                    f"{cfg.name}: {'PASS' if not failed else 'FAIL ' + ', '.join(failed)} "
+                    f"({record['seconds']:.1f}s)",
+                    flush=True,
+                )
+
+    print()
+    print(format_table(records, checks))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.model}-{args.dtype}-{size}"
+    json_path = write_json(records, checks, args.out / f"{stem}.json")
+    png_path = None if args.no_plot else plot(records, args.out / f"{stem}.png")
+    print()
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
+    if not args.no_plot and png_path is None:
+        print("(no loss-curve png: matplotlib is not installed)")
+    failed = [c for c in checks if not c.passed]
+    elapsed = time.perf_counter() - t0
+    if failed:
+        print(f"FAIL: {len(failed)} of {len(checks)} checks failed ({elapsed:.0f}s):")
+        for c in failed:
+            print(f"  {c.run} {c.side} {c.name}: {c.value:.3e} > {c.limit:.3e} {c.detail}")
+        return 1
+    print(f"PASS: all {len(checks)} checks ({len(records)} runs, {elapsed:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

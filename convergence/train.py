@@ -1,0 +1,375 @@
+"""Train the original and the patched model side by side and record what can be compared.
+
+Every side starts from the same weights, sees the same documents in the same order and takes
+AdamW steps in lockstep, so each step's gradients can be compared while they exist and nothing but
+scalars is kept. The sides:
+
+- ``reference``: the unpatched HF model on padded batches; the loss is computed from its logits
+  in fp32 by :func:`surgery.convergence.loss.causal_lm_loss`.
+- ``patched-padded`` / ``patched-packed``: ``surgery.patch``-ed copies on the same documents,
+  padded or packed into one row. Both are compared with the padded reference: for the packed side
+  that is the packing-equivalence check, and it does not depend on whether the installed
+  transformers keeps packed documents apart under SDPA/eager attention.
+- ``fp64-reference`` (fp32 runs) / ``fp32-reference`` (bf16 runs): the reference one precision
+  up, from the same (rounded) initial weights: the yardstick for how far rounding alone moves a
+  correct run over many steps (the error budget in ``compare``).
+
+The patched model does not materialise logits in training, and its kernels may reuse gradient
+buffers, so training steps compare what carries the same information and is safe to read: the
+loss, the gradient with respect to the final norm's output (the hidden states the lm_head sees),
+the lm_head weight's gradient and every parameter's gradient. Logits and their gradients are
+compared on an eval batch, where both sides materialise them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .configs import SIZES, build_model
+from .data import Document, collate, make_batches
+from .loss import causal_lm_loss
+
+__all__ = ["DTYPES", "LAYOUTS", "RunConfig", "Variant", "rel_err", "train_and_compare"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The precision one step up from each dtype: the yardstick run.
+EXACT = {"fp32": ("fp64-reference", torch.float64), "bf16": ("fp32-reference", torch.float32)}
+LAYOUTS = ("padded", "packed")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The loss options a run trains with (the arguments given to ``surgery.patch``)."""
+
+    reduction: str = "mean"
+    z_loss_scale: float = 0.0
+    label_smoothing: float = 0.0
+
+    @property
+    def name(self) -> str:
+        parts = [self.reduction]
+        if self.z_loss_scale:
+            parts.append(f"z{self.z_loss_scale:g}")
+        if self.label_smoothing:
+            parts.append(f"ls{self.label_smoothing:g}")
+        return "+".join(parts)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = "llama"
+    size: str = "tiny"
+    dtype: str = "fp32"
+    device: str = "cpu"
+    steps: int = 32
+    variant: Variant = field(default_factory=Variant)
+    layouts: tuple[str, ...] = LAYOUTS
+    data: str = "mixed"
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.size}/{self.dtype}/{self.variant.name}"
+
+
+def rel_err(x: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """‖x − ref‖ / ‖ref‖ in fp64 (the absolute error when ref is zero); inf if x is not finite
+    or a gradient is missing (None)."""
+    if x is None or ref is None:
+        return float("inf")
+    x64, r64 = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x64).all():
+        return float("inf")
+    num, den = (x64 - r64).norm(), r64.norm()
+    return float(num / den) if den > 0 else float(num)
+
+
+def _rel_err_many(xs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> float:
+    """rel_err of the concatenation of ``xs`` against that of ``refs``, without concatenating
+    (and with one host sync, not one per tensor)."""
+    num = den = None
+    for x, r in zip(xs, refs):
+        x64, r64 = x.detach().double(), r.detach().double()
+        n, d = (x64 - r64).square().sum(), r64.square().sum()
+        num, den = (n, d) if num is None else (num + n, den + d)
+    if num is None:
+        return 0.0
+    num, den = float(num), float(den)
+    if not math.isfinite(num):
+        return float("inf")
+    return (num / den) ** 0.5 if den > 0 else num**0.5
+
+
+def _rel_scalar(x: float, ref: float) -> float:
+    if x != x or abs(x) == float("inf"):
+        return float("inf")
+    return abs(x - ref) / abs(ref) if ref != 0 else abs(x - ref)
+
+
+class _Side:
+    """One model in the lockstep run, with its optimizer and a hook on the final norm."""
+
+    def __init__(self, name, model, layout, patched, variant, cfg, mask=True):
+        self.name = name
+        self.mask = mask
+        self.model = model
+        self.layout = layout
+        self.patched = patched
+        self.variant = variant
+        self.params = dict(model.named_parameters())
+        # bf16 runs train the bf16 weights themselves (as Liger's convergence tests do): the
+        # kernels see bf16 inputs. fp32 master weights were tried: the runs drift no less.
+        self.optimizer = torch.optim.AdamW(
+            self.params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.lm_head = model.get_output_embeddings().weight
+        self.hidden: torch.Tensor | None = None
+        model.get_decoder().norm.register_forward_hook(self._keep_hidden)
+        self.losses: list[float] = []
+        self.z_losses: list[float] = []
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
+
+    def _keep_hidden(self, module, args, output):
+        if output.requires_grad:
+            output.retain_grad()
+        self.hidden = output
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(loss, z_loss, logits or None) of one batch, with the side's loss definition."""
+        if not self.mask:
+            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        if self.patched:
+            out = self.model(**batch)
+            z = getattr(out, "z_loss", None)
+            if z is None:
+                z = torch.zeros((), device=out.loss.device)
+            return out.loss, z, out.logits
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = self.model(**inputs).logits
+        v = self.variant
+        loss, z = causal_lm_loss(
+            logits,
+            batch["labels"],
+            reduction=v.reduction,
+            z_loss_scale=v.z_loss_scale,
+            label_smoothing=v.label_smoothing,
+            position_ids=batch.get("position_ids"),
+        )
+        return loss, z, logits
+
+    def real_tokens(self, t: torch.Tensor | None, batch: dict[str, torch.Tensor]):
+        """(N, ...) rows of ``t`` for the batch's real tokens, documents in order."""
+        if t is None:
+            return None
+        if self.layout == "packed":
+            return t[0]
+        return t[batch["attention_mask"].bool()]
+
+
+def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _initial_model(name: str, size: str, seed: int):
+    """The fp32 CPU model every run of ``name`` starts from; kept while runs of the same model
+    follow one another (a full-size model takes seconds to initialise)."""
+    return build_model(name, size, seed=seed)
+
+
+def _default_patch() -> Callable[..., Any]:
+    import surgery  # late: the patched side is the only thing here that needs it
+
+    return surgery.patch
+
+
+def _eval_check(
+    sides: list[_Side], pairs: list[tuple[str, str]], docs: list[Document], device
+) -> dict[str, dict[str, float]]:
+    """Logits, loss and every gradient on one batch, for each pair of sides.
+
+    All sides are in eval mode, so the patched ones materialise logits too."""
+    captured: dict[str, dict[str, Any]] = {}
+    for side in sides:
+        batch = _to_device(collate(docs, side.layout), device)
+        side.model.eval()
+        side.zero_grad()
+        loss, z, logits = side.forward(batch)
+        if logits is None:
+            raise RuntimeError(f"{side.name}: the eval forward returned no logits")
+        logits.retain_grad()
+        loss.backward()
+        captured[side.name] = {
+            "loss": loss.item(),
+            "z_loss": z.item(),
+            "logits": side.real_tokens(logits.detach(), batch),
+            "logits_grad": side.real_tokens(logits.grad, batch),
+            "hidden_grad": side.real_tokens(side.hidden.grad, batch),
+            "grads": [g.detach().clone() for g in side.grads()],
+        }
+        side.zero_grad()
+        side.model.train()
+    results = {}
+    for a, b in pairs:
+        x, r = captured[a], captured[b]
+        results[f"{a}~{b}"] = {
+            "loss": _rel_scalar(x["loss"], r["loss"]),
+            "z_loss": _rel_scalar(x["z_loss"], r["z_loss"])
+            if sides[0].variant.z_loss_scale
+            else 0.0,
+            "logits": rel_err(x["logits"], r["logits"]),
+            "logits_grad": rel_err(x["logits_grad"], r["logits_grad"]),
+            "hidden_grad": rel_err(x["hidden_grad"], r["hidden_grad"]),
+            "grad": _rel_err_many(x["grads"], r["grads"]),
+        }
+    return results
+
+
+def train_and_compare(
+    cfg: RunConfig,
+    *,
+    patch: Callable[..., Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``cfg`` and return a json-able record: per-side losses, per-step and final differences.
+
+    ``patch`` defaults to ``surgery.patch``; it is called as ``patch(model, rope=True,
+    fused_linear_cross_entropy=True, loss_reduction=..., z_loss_scale=..., label_smoothing=...)``.
+    """
+    t0 = time.perf_counter()
+    patch = patch or _default_patch()
+    dtype, device, v = DTYPES[cfg.dtype], torch.device(cfg.device), cfg.variant
+    train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
+
+    base = copy.deepcopy(_initial_model(cfg.model, cfg.size, cfg.seed)).to(device, dtype)
+    base.train()
+    init = {k: p.detach().clone() for k, p in base.named_parameters()}
+
+    def side(name, layout, patched, model_dtype=dtype, mask=True):
+        model = copy.deepcopy(base).to(model_dtype)
+        if patched:
+            model = patch(
+                model,
+                rope=True,
+                fused_linear_cross_entropy=True,
+                loss_reduction=v.reduction,
+                z_loss_scale=v.z_loss_scale,
+                label_smoothing=v.label_smoothing,
+            )
+        return _Side(name, model, layout, patched, v, cfg, mask)
+
+    exact_name, exact_dtype = EXACT[cfg.dtype]
+    sides = [side("reference", "padded", False)]
+    sides += [side(f"patched-{layout}", layout, True) for layout in cfg.layouts]
+    # The yardstick runs without attention_mask: with right padding, causal attention keeps real
+    # tokens from seeing pads anyway, and in fp64 transformers' eager mask turns a pad row whose
+    # sliding window holds only pads into NaN, which the next layer spreads to real tokens (a zero
+    # attention weight times a NaN value is NaN).
+    sides.append(side(exact_name, "padded", False, exact_dtype, mask=False))
+    ref = sides[0]
+    if type(ref.model).forward is not ref.model.forward.__func__:
+        raise RuntimeError("patching a copy changed the reference model's forward")
+    # Which pairs are compared: every patched side against the reference, and every side against
+    # the run one precision up (the error budget).
+    pairs = [(s.name, ref.name) for s in sides if s.patched]
+    pairs += [(s.name, exact_name) for s in sides if s.name != exact_name]
+    by_name = {s.name: s for s in sides}
+
+    eval_init = _eval_check(sides, pairs, eval_docs, device)
+
+    step_metrics: dict[str, dict[str, list[float]]] = {
+        f"{a}~{b}": {k: [] for k in ("loss", "z_loss", "grad", "hidden_grad", "lm_head_grad")}
+        for a, b in pairs
+    }
+    logits_materialised = []
+    for step, docs in enumerate(train_docs):
+        captured = {}
+        for s in sides:
+            batch = _to_device(collate(docs, s.layout), device)
+            s.zero_grad()
+            loss, z, logits = s.forward(batch)
+            loss.backward()
+            if s.patched and logits is not None:
+                logits_materialised.append(s.name)
+            s.losses.append(loss.item())
+            s.z_losses.append(z.item())
+            captured[s.name] = batch
+        for a, b in pairs:
+            m, sa, sb = step_metrics[f"{a}~{b}"], by_name[a], by_name[b]
+            m["loss"].append(_rel_scalar(sa.losses[-1], sb.losses[-1]))
+            m["z_loss"].append(
+                _rel_scalar(sa.z_losses[-1], sb.z_losses[-1]) if v.z_loss_scale else 0.0
+            )
+            m["hidden_grad"].append(
+                rel_err(
+                    sa.real_tokens(sa.hidden.grad, captured[a]),
+                    sb.real_tokens(sb.hidden.grad, captured[b]),
+                )
+            )
+            m["lm_head_grad"].append(rel_err(sa.lm_head.grad, sb.lm_head.grad))
+            m["grad"].append(_rel_err_many(sa.grads(), sb.grads()))
+        del captured
+        for s in sides:
+            s.step()
+        if progress is not None and ((step + 1) % 8 == 0 or step + 1 == cfg.steps):
+            progress(
+                f"{cfg.name}: step {step + 1}/{cfg.steps}  loss "
+                + "  ".join(f"{s.name} {s.losses[-1]:.4f}" for s in sides)
+            )
+
+    final: dict[str, dict[str, Any]] = {}
+    for a, b in pairs:
+        pa, pb = by_name[a].params, by_name[b].params
+        per_param = {
+            k: rel_err(pa[k].double() - init[k].double(), pb[k].double() - init[k].double())
+            for k in pb
+        }
+        worst = max(per_param, key=per_param.get)
+        final[f"{a}~{b}"] = {
+            "param_delta": per_param[worst],
+            "param_delta_worst": worst,
+            "param_delta_per_tensor": per_param,
+            "param_delta_global": _rel_err_many(
+                [pa[k].double() - init[k].double() for k in pb],
+                [pb[k].double() - init[k].double() for k in pb],
+            ),
+        }
+
+    return {
+        "config": {**asdict(cfg), "variant": {**asdict(v), "name": v.name}, "name": cfg.name},
+        "exact": exact_name,
+        "sides": {
+            s.name: {
+                "layout": s.layout,
+                "patched": s.patched,
+                "loss": s.losses,
+                "z_loss": s.z_losses,
+            }
+            for s in sides
+        },
+        "steps": step_metrics,
+        "final": final,
+        "eval_init": eval_init,
+        "logits_materialised_in_training": sorted(set(logits_materialised)),
+        "tokens_per_step": sum(len(d) for docs in train_docs for d in docs) / len(train_docs),
+        "seconds": time.perf_counter() - t0,
+        "size": asdict(SIZES[cfg.size]),
+    }

@@ -1,0 +1,38 @@
+"""``python -m surgery.convergence``: table, json, png, exit status."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from surgery.convergence import __main__ as cli
+from surgery.convergence import train
+
+from .fake_patch import fake_patch
+
+
+def test_cli_passes_and_writes_outputs(tmp_path, capsys):
+    code = cli.main(["--steps", "2", "--reduction", "mean", "--packed", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Triton kernels through the interpreter" in out
+    assert "PASS" in out and "llama" in out
+    payload = json.loads((tmp_path / "llama-fp32-tiny.json").read_text())
+    assert payload["passed"] and payload["runs"][0]["config"]["steps"] == 2
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "llama-fp32-tiny.png").stat().st_size > 0
+
+
+def test_cli_fails_on_a_bug(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "_default_patch", lambda: fake_patch("no_boundaries"))
+    code = cli.main(
+        ["--steps", "2", "--reduction", "sequence", "--packed", "--no-plot", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL" in out and "patched-packed loss" in out
+
+
+def test_cli_rejects_unknown_model(capsys):
+    assert cli.main(["--model", "gpt2"]) == 2
