@@ -15,18 +15,20 @@ losses. Three kinds of check:
    weights, same data), the patched gradients and logits may be at most ``accuracy_factor`` times
    as far off as the unpatched model's own, plus ``accuracy_floor``: "as exact as transformers".
 
-3. Drift over the whole run: after step 0 the two sides' weights differ by what earlier steps'
-   rounding left, and AdamW amplifies that: it divides each update by the running RMS of its
-   gradient, so a gradient that is 1e-7 on both sides but of opposite sign moves that weight by
-   ±lr (attention k-projection biases, whose gradient is zero up to rounding, differ by 1e-3 after
-   32 fp32 steps between two correct runs). Elementwise or per-tensor comparisons of final weights
-   therefore say nothing; the measure is the relative difference of the weight *deltas* from
-   initialisation over all tensors together, ‖Δp − Δp_ref‖ / ‖Δp_ref‖, and the worst step's
-   gradient difference. Their size is set by how chaotic the run is, not by the kernels, so they
-   are judged against the unpatched run's own drift from the higher-precision run: at most
-   ``drift_factor`` times it plus ``drift_floor``. In bf16 that drift is large: pure bf16 weights
-   round away updates below half an ulp (norm weights near 1.0 barely move), and two correct runs
-   differ by several percent in their weight deltas.
+3. Drift over the whole run. After step 0 the sides' weights differ by what earlier steps'
+   rounding left, and AdamW amplifies some of it: each update is g / (|g| + eps), so a weight
+   whose gradient is at the rounding-noise level (|g| ~ 1e-7 in fp32, against eps = 1e-8) moves
+   by a visibly different fraction of lr on two correct runs. Which weights those are is luck:
+   over 8 batches the unpatched model (padded or packed) and the patched one each had 2-5 such
+   weights, and one of them moves a whole run's weight deltas by 1e-5-1e-4. Elementwise or
+   per-tensor comparisons of final weights therefore say nothing (json keeps them); the measures
+   are the relative difference of the weight *deltas* from initialisation over all tensors,
+   ‖Δp − Δp_ref‖ / ‖Δp_ref‖, and the final model's logits on the eval batch. They are judged
+   against the unpatched run's own distance from the run one precision up: at most
+   ``drift_factor`` times it plus ``drift_floor``, a floor set by that luck in fp32. In bf16 the
+   drift is large but steady (pure bf16 weights round away updates below half an ulp, so many
+   weights differ a little): two correct runs differ by several percent. The final model's
+   eval loss is compared directly, with the loss tolerance.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ class Tolerance:
     eval: float  # eval batch: logits, ∂L/∂logits, ∂L/∂h, every parameter's gradient
     accuracy_factor: float  # step 0: patched's error vs the exact run ≤ factor × unpatched's
     accuracy_floor: float
-    drift_factor: float  # whole run: patched's drift from the exact run ≤ factor × unpatched's
-    drift_floor: float
+    drift_factor: float  # after the run: patched's distance from the exact run ≤ factor ×
+    drift_floor: float  # unpatched's + floor (weight deltas, final eval logits)
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -66,12 +68,12 @@ TOLERANCES: dict[str, Tolerance] = {
         eval=1e-5,
         accuracy_factor=2.0,
         accuracy_floor=1e-6,
-        # Looser than the step-0 budget: a run's drift is one sample of a chaotic process, and
-        # between correct runs the ratio was measured from 0.7x to 3.4x (tiny, 7 models, 2
-        # losses, 2 layouts). A real error stands out by orders of magnitude: a gradient 1% off
-        # moves the weights ~1e-2, against ~1e-5 of fp32 drift.
-        drift_factor=5.0,
-        drift_floor=1e-5,
+        drift_factor=2.0,
+        # The luck of noise-level gradients under AdamW (module docstring, 3): measured up to
+        # 5.6e-5 in the weight deltas and 8e-6 in the final logits (tiny, 7 models, 32 steps),
+        # where the unpatched run happened to drift 10x less. A run that actually diverges is
+        # 1e-2 or more away.
+        drift_floor=2e-4,
     ),
     "bf16": Tolerance(
         loss=1e-2,
@@ -94,6 +96,8 @@ TOLERANCES: dict[str, Tolerance] = {
         # truncates. Triton's interpreter (CPU) truncates fp32 -> bf16 casts, GPUs round to
         # nearest even; on CPU the patched ∂L/∂logits is 4.3e-3 off fp32 where autograd's is 3e-4.
         accuracy_floor=5e-3,
+        # bf16 drift is many small rounding differences, so it is steady: patched vs unpatched
+        # distance ratio measured 0.93x-1.22x (tiny, 7 models, 32 steps).
         drift_factor=2.0,
         drift_floor=1e-2,
     ),
@@ -155,14 +159,20 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
             add(name, mine, factor * theirs + floor, f"unpatched {theirs:.2e} {detail}".strip())
 
         direct, vs_exact = steps[f"{side}~reference"], steps[f"{side}~{exact}"]
-        # 1. Direct.
-        value, at = _worst(direct["loss"])
-        add("loss", value, tol.loss, f"step {at}")
-        add("loss@0", direct["loss"][0], tol.same_weights_loss)
-        if z_on:
-            value, at = _worst(direct["z_loss"])
-            add("z_loss", value, tol.z_loss, f"step {at}")
-            add("z_loss@0", direct["z_loss"][0], tol.same_weights_loss)
+        # 1. Direct. Over the run, the loss curves may be as far apart as the dtype's loss
+        # tolerance, or as the drift budget of the unpatched run's own distance from the run one
+        # precision up (3. below): at full size AdamW amplifies rounding into loss curves that
+        # separate for any two correct runs (measured on an H200, Llama fp32 full at lr 1e-3:
+        # unpatched vs fp64 5.0e-2 apart at step 31, patched vs unpatched 1.7e-2), so a fixed
+        # 1e-5 would fail transformers against itself. Same weights (step 0) stay direct.
+        for key, limit in (("loss", tol.loss), ("z_loss", tol.z_loss)):
+            if key == "z_loss" and not z_on:
+                continue
+            value, at = _worst(direct[key])
+            theirs, _ = _worst(ref_exact[key])
+            bound = limit + tol.drift_factor * theirs
+            add(key, value, bound, f"step {at}; unpatched vs {exact} up to {theirs:.1e}")
+            add(f"{key}@0", direct[key][0], tol.same_weights_loss)
         for key in GRADS:
             add(f"{key}@0", direct[key][0], tol.grad_step0)
         ev = record["eval_init"][f"{side}~reference"]
@@ -195,14 +205,13 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
                 f"vs {exact}",
             )
         # 3. Drift over the run, against the unpatched run's own.
-        worst, at = _worst(vs_exact["grad"])
+        add("final_eval_loss", record["eval_final"][f"{side}~reference"]["loss"], tol.loss)
         budget(
-            "grad@run:drift",
-            worst,
-            _worst(ref_exact["grad"])[0],
+            "final_eval_logits:drift",
+            record["eval_final"][f"{side}~{exact}"]["logits"],
+            record["eval_final"][f"reference~{exact}"]["logits"],
             tol.drift_factor,
             tol.drift_floor,
-            f"step {at}",
         )
         budget(
             "params:drift",

@@ -335,6 +335,7 @@ def train_and_compare(
                 + "  ".join(f"{s.name} {s.losses[-1]:.4f}" for s in sides)
             )
 
+    eval_final = _eval_check(sides, pairs, eval_docs, device)
     final: dict[str, dict[str, Any]] = {}
     for a, b in pairs:
         pa, pb = by_name[a].params, by_name[b].params
@@ -368,6 +369,7 @@ def train_and_compare(
         "steps": step_metrics,
         "final": final,
         "eval_init": eval_init,
+        "eval_final": eval_final,
         "logits_materialised_in_training": sorted(set(logits_materialised)),
         "tokens_per_step": sum(len(d) for docs in train_docs for d in docs) / len(train_docs),
         "seconds": time.perf_counter() - t0,
