@@ -37,7 +37,8 @@ def test_patched_trains_like_original(name):
     record = train_and_compare(cfg)
     checks = _assert_passes(record)
     names = {c.name for c in checks}
-    assert {"loss", "z_loss", "grad@0", "params:drift", "eval_logits"} <= names
+    assert {"loss", "z_loss", "grad@0", "grad@0:accuracy", "eval_logits", "params:drift"} <= names
+    assert {"final_eval_loss", "final_eval_logits:drift", "no_logits_in_training"} <= names
     assert record["sides"]["patched-packed"]["loss"][0] > 0
 
 
