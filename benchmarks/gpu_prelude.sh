@@ -1,0 +1,15 @@
+# How GPU runs were made from a developer machine with the `device` tool (see the session notes).
+#
+# Here, before a run: build our wheel next to the peers' wheels (the GPU machine has no network and
+# `pip install -e .` there is not usable):
+#   echo /.whl/ >> .git/info/exclude
+#   pip wheel -q --no-deps --no-build-isolation -w .whl .
+# Then, as the first thing of the GPU command (carry [".whl"]):
+#   source benchmarks/gpu_prelude.sh
+# It installs the wheels into /tmp/site and copies tests/ to /tmp/w: run pytest from /tmp/w, because
+# in the repository root the `surgery/` folder (without models/ or kernels/ inside) shadows the
+# installed package. Benchmark scripts load `surgery` from the checkout themselves.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 REPO=$(pwd)
+rm -rf /tmp/w && mkdir -p /tmp/w && cp -r tests pyproject.toml /tmp/w/
