@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import interpreter_enabled, triton_available, use_triton
+from .rounding import round_to
 
 if triton_available():
     import triton
@@ -51,16 +52,6 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_to(x, out_ty: tl.constexpr, INTERPRETED: tl.constexpr):
-        # fp32 -> out_ty, round to nearest even. The interpreter's fp32 -> bf16 cast truncates
-        # (GPUs round), which would double the error CI sees: round the bits first there.
-        if INTERPRETED and out_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(out_ty)
 
     @triton.jit
     def _cos_sin_sfu(angle):
@@ -120,8 +111,8 @@ if triton is not None:
         x1 = tl.load(x_lo, mask=mask_f, other=0.0).to(tl.float32)
         x2 = tl.load(x_lo + HALF * sx_d, mask=mask_f, other=0.0).to(tl.float32)
         out_ty = o_ptr.dtype.element_ty
-        out_lo = _round_to(x1 * cos_lo - x2 * sin_lo, out_ty, INTERPRETED)
-        out_hi = _round_to(x2 * cos_hi + x1 * sin_hi, out_ty, INTERPRETED)
+        out_lo = round_to(x1 * cos_lo - x2 * sin_lo, out_ty, INTERPRETED)
+        out_hi = round_to(x2 * cos_hi + x1 * sin_hi, out_ty, INTERPRETED)
         tl.store(o_lo, out_lo, mask=mask_f)
         tl.store(o_lo + HALF * so_d, out_hi, mask=mask_f)
         if PASS > 0:
