@@ -189,6 +189,33 @@ def time_contender(bench, fwd, apply_only, q_base, k_base, pos, upstream, cos_si
     return times
 
 
+HOST_SHAPE = (1, 32, 8, 16, 128)  # 16 tokens: the GPU work is negligible next to the host's
+
+
+def host_us(fwd, device, calls=500):
+    """Host (CPU) time per call in microseconds, forward and forward+backward, at a 16-token shape
+    whose kernels take a few microseconds: a loop of calls without synchronisation, then one
+    synchronisation. What a model step pays per layer beside the GPU work, and what decides the
+    do_bench times when a pass is shorter on the GPU than on the host."""
+    import time
+
+    q_base, k_base, upstream, pos = make_inputs(*HOST_SHAPE[:4], HOST_SHAPE[4], device)
+    leaves = [x.requires_grad_() for x in (q_base, k_base)]
+    out = {}
+    for key, backward in (("host_fwd_us", False), ("host_fwd_bwd_us", True)):
+        for _ in range(20):
+            run_pass(fwd, *leaves, pos, upstream, backward)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            for leaf in leaves:
+                leaf.grad = None
+            run_pass(fwd, *leaves, pos, upstream, backward)
+        torch.cuda.synchronize()
+        out[key] = (time.perf_counter() - t0) / calls * 1e6
+    return out
+
+
 def graph_ms(bench, fn, leaves):
     """GPU time alone: ``fn`` captured in a CUDA graph and replayed, so that host overhead
     (Python, autograd, launches) cannot leave the GPU idle between kernels."""
@@ -238,6 +265,7 @@ def bench_case(shape, bench, liger_fn, compile_peer, device):
             entry["rel_err"] = verify(fwd, q_base, k_base, pos, upstream, reference)
             args = (q_base, k_base, pos, upstream, cos_sin)
             entry.update(time_contender(bench, fwd, apply_only, *args))
+            entry.update(host_us(fwd, device))
         except Exception as e:  # a peer that breaks is recorded, not fatal
             entry["error"] = f"{type(e).__name__}: {e}"
             print(f"[{name}] {cname}: {entry['error']}", file=sys.stderr)
@@ -368,7 +396,9 @@ def main(argv=None):
             "fwd: the forward alone; fwd_bwd: forward + autograd.backward with fixed upstream "
             "grads in transformers' layout, .grad reset between runs. *_graph_ms: the same pass "
             "captured in a CUDA graph and replayed (GPU time alone, no host overhead); "
-            "targets_met uses the do_bench times, targets_met_graph the graph times."
+            "targets_met uses the do_bench times, targets_met_graph the graph times. "
+            "host_*_us: host (CPU) time per call at q (1, 32, 16, 128) / k (1, 8, 16, 128), "
+            "where the GPU work is negligible: a loop of calls, synchronised once."
         ),
         "cos_sin": (
             "hf_eager, torch_compile, liger and surgery_cos_sin are timed INCLUDING the cos/sin "
@@ -415,7 +445,8 @@ def print_table(report, json_path):
         copy = case["copy"]
         print(f"\n{case['name']}   copy of q+k: {copy['ms']:.4f} ms = {copy['GBps']:.0f} GB/s")
         print(f"{'contender':<16}{'fwd ms':>9}{'%copy':>6}{'fwd+bwd ms':>12}{'%copy':>6}"
-              f"{'graph f/fb ms':>17}{'apply-only f/fb':>17}{'max err':>9}{'ok':>6}")  # fmt: skip
+              f"{'graph f/fb ms':>17}{'apply-only f/fb':>17}{'host f/fb us':>14}{'max err':>9}"
+              f"{'ok':>6}")  # fmt: skip
         for name, e in case["contenders"].items():
             if "error" in e:
                 print(f"{name:<16} error: {e['error'][:90]}")
@@ -425,9 +456,13 @@ def print_table(report, json_path):
             gr = "/".join(
                 f"{e[k]:.3f}" if k in e else "-" for k in ("fwd_graph_ms", "fwd_bwd_graph_ms")
             )
+            host = "/".join(
+                f"{e[k]:.0f}" if k in e else "-" for k in ("host_fwd_us", "host_fwd_bwd_us")
+            )
             print(f"{name:<16}{e['fwd_ms']:>9.4f}{100 * e['fwd_frac_copy']:>5.0f}%"
                   f"{e['fwd_bwd_ms']:>12.4f}{100 * e['fwd_bwd_frac_copy']:>5.0f}%{gr:>17}{ao:>17}"
-                  f"{max(e['rel_err'].values()):>9.1e}{e.get('correct', '?')!s:>6}")  # fmt: skip
+                  f"{host:>14}{max(e['rel_err'].values()):>9.1e}"
+                  f"{e.get('correct', '?')!s:>6}")  # fmt: skip
         for kind in ("", "_graph"):
             met = ", ".join(f"{k}: {v}" for k, v in case[f"targets_met{kind}"].items())
             print(f"targets ({'do_bench' if not kind else 'CUDA graph'}): {met}")

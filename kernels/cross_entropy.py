@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import triton_available, use_triton
+from .dispatch import cdiv, next_power_of_2, triton_available, use_triton
 from .reduction import REDUCTIONS, prepare_targets, sequence_starts, token_weights
 from .reference import LossOutput
 
@@ -259,7 +259,7 @@ def cross_entropy_fwd(
         float(softcap) if softcap else 1.0,
         float(label_smoothing),
         float(z_loss_scale),
-        BLOCK_V=min(FWD_BLOCK_V, triton.next_power_of_2(V)),
+        BLOCK_V=min(FWD_BLOCK_V, next_power_of_2(V)),
         SOFTCAP=bool(softcap),
         SMOOTHING=label_smoothing > 0.0,
         WRITE_GRAD=write_grad,
@@ -292,8 +292,8 @@ def cross_entropy_bwd(
         _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad_out, col_offset, V, softcap,
                    label_smoothing, z_loss_scale)  # fmt: skip
         return grad_out
-    block = min(BWD_BLOCK_V, triton.next_power_of_2(n_cols))
-    cross_entropy_bwd_kernel[(rows, triton.cdiv(n_cols, block))](
+    block = min(BWD_BLOCK_V, next_power_of_2(n_cols))
+    cross_entropy_bwd_kernel[(rows, cdiv(n_cols, block))](
         logits,
         logits.stride(0),
         targets,

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-__all__ = ["interpreter_enabled", "triton_available", "use_triton"]
+__all__ = ["cdiv", "interpreter_enabled", "next_power_of_2", "triton_available", "use_triton"]
 
 
 @functools.cache
@@ -33,3 +33,18 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return t.device.type == "cpu" and interpreter_enabled()
+
+
+# Launch arithmetic in plain Python: ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr
+# functions in recent Triton and cost several microseconds per host call, which adds up in
+# launchers that run every layer of every step.
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ``a`` and positive ``b``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n`` <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .dispatch import interpreter_enabled, triton_available, use_triton
+from .dispatch import cdiv, interpreter_enabled, next_power_of_2, triton_available, use_triton
 from .rounding import round_to
 
 if triton_available():
@@ -179,8 +179,8 @@ def gated_activation_fwd(
         _fwd_torch(gate, up, out, activation)
         return out
     launch = _launch(launch, gate)
-    block = min(launch.block, triton.next_power_of_2(numel))
-    gated_activation_fwd_kernel[(triton.cdiv(numel, block),)](
+    block = min(launch.block, next_power_of_2(numel))
+    gated_activation_fwd_kernel[(cdiv(numel, block),)](
         gate,
         up,
         out,
@@ -215,8 +215,8 @@ def gated_activation_bwd(
         _bwd_torch(dout, gate, up, dg, du, activation)
         return dg, du
     launch = _launch(launch, gate)
-    block = min(launch.block, triton.next_power_of_2(numel))
-    gated_activation_bwd_kernel[(triton.cdiv(numel, block),)](
+    block = min(launch.block, next_power_of_2(numel))
+    gated_activation_bwd_kernel[(cdiv(numel, block),)](
         dout,
         gate,
         up,

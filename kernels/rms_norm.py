@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from .dispatch import interpreter_enabled, triton_available, use_triton
+from .dispatch import cdiv, interpreter_enabled, next_power_of_2, triton_available, use_triton
 from .rounding import round_to
 
 if triton_available():
@@ -180,9 +180,9 @@ def _sm_count(device_index: int) -> int:
 
 
 def _tiling(launch: RmsNormLaunch, n_rows: int, N: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(N)
+    block_n = next_power_of_2(N)
     block_m = max(1, launch.tile_elems // block_n)
-    block_m = min(triton.next_power_of_2(block_m), triton.next_power_of_2(max(n_rows, 1)))
+    block_m = min(next_power_of_2(block_m), next_power_of_2(max(n_rows, 1)))
     num_warps = launch.num_warps
     if num_warps is None:
         num_warps = min(16, max(4, block_m * block_n // 512))
@@ -250,7 +250,7 @@ def rms_norm_fwd(
         return y, rstd
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
-    rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+    rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
         x2d,
         weight,
         y,
@@ -294,7 +294,7 @@ def rms_norm_bwd(
         return dx, None if dw32 is None else dw32.to(weight.dtype)
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
-    n_tiles = triton.cdiv(n_rows, block_m)
+    n_tiles = cdiv(n_rows, block_m)
     programs = launch.programs
     if programs is None:
         programs = launch.bwd_programs_per_sm * (_sm_count(dev.index or 0) if x2d.is_cuda else 1)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import interpreter_enabled, triton_available, use_triton
+from .dispatch import cdiv, interpreter_enabled, next_power_of_2, triton_available, use_triton
 from .rounding import round_to
 
 if triton_available():
@@ -350,29 +350,44 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _default_launch(x):
-    return DEFAULT_LAUNCH if x.is_cuda else INTERPRETER_LAUNCH
-
-
-def _grid(launch, B, T, Hq, Hk, half_pad, device):
+@functools.lru_cache(maxsize=512)
+def _plan(launch, B, T, Hq, Hk, D, rotary_dim, sm_count):
+    """Grid and compile-time meta-parameters of one launch. Cached: a training step launches the
+    same few shapes every layer, and this arithmetic would otherwise be a visible part of the
+    host time of a ~0.1 ms kernel. ``sm_count`` is None off CUDA (no head split)."""
+    half = rotary_dim // 2
+    half_pad = next_power_of_2(half)
     block_t = launch.block_t
     block_h = max(1, launch.tile_elems // (block_t * half_pad))
-    block_h = min(triton.next_power_of_2(block_h), triton.next_power_of_2(max(Hq, Hk)))
-    n_blocks = triton.cdiv(Hq, block_h) + triton.cdiv(Hk, block_h)
-    t_blocks = triton.cdiv(T, block_t)
+    block_h = min(next_power_of_2(block_h), next_power_of_2(max(Hq, Hk)))
+    n_blocks = cdiv(Hq, block_h) + cdiv(Hk, block_h)
+    t_blocks = cdiv(T, block_t)
     groups = launch.head_groups
     if groups is None:
         groups = 1
-        if device.type == "cuda":
+        if sm_count is not None:
             # Short sequences (decode, small batches) would leave SMs idle: split the heads.
-            target = _PROGRAMS_PER_SM * _sm_count(device.index or 0)
-            groups = min(n_blocks, max(1, triton.cdiv(target, B * t_blocks)))
+            groups = min(n_blocks, max(1, cdiv(_PROGRAMS_PER_SM * sm_count, B * t_blocks)))
     groups = max(1, min(groups, n_blocks))
-    return (t_blocks, groups, B), block_h
+    pass_dim = D - rotary_dim
+    meta = {
+        "HALF": half,
+        "HALF_PAD": half_pad,
+        "PASS": pass_dim,
+        "PASS_PAD": next_power_of_2(pass_dim) if pass_dim else 1,
+        "BLOCK_T": block_t,
+        "BLOCK_H": block_h,
+        "num_warps": launch.num_warps,
+    }
+    return (t_blocks, groups, B), meta
 
 
-def _strides(x):
-    return (x.stride(0), x.stride(1), x.stride(2), x.stride(3))
+def _launch_plan(launch, q, k, rotary_dim):
+    B, Hq, T, D = q.shape
+    if q.is_cuda:
+        return _plan(launch or DEFAULT_LAUNCH, B, T, Hq, k.shape[1], D, rotary_dim,
+                     _sm_count(q.device.index or 0))  # fmt: skip
+    return _plan(launch or INTERPRETER_LAUNCH, B, T, Hq, k.shape[1], D, rotary_dim, None)
 
 
 def _rotate_torch(x, out, cos_lo, sin_lo, cos_hi, sin_hi, rotary_dim):
@@ -396,11 +411,10 @@ def _outputs(q, k, out):
 
 def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, launch, out):
     oq, ok = _outputs(q, k, out)
-    B, Hq, T, D = q.shape
+    _, Hq, T, _ = q.shape
     Hk = k.shape[1]
     if q.numel() == 0 and k.numel() == 0:
         return oq, ok
-    half = rotary_dim // 2
     if not use_triton(q):
         pos = position_ids.to(torch.float32)[:, None, :, None]  # (B|1, 1, T, 1)
         angle = pos * inv_freq.to(device=q.device, dtype=torch.float32)
@@ -411,10 +425,8 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, 
         _rotate_torch(q, oq, cos, sin, cos, sin, rotary_dim)
         _rotate_torch(k, ok, cos, sin, cos, sin, rotary_dim)
         return oq, ok
-    launch = launch or _default_launch(q)
-    half_pad = triton.next_power_of_2(half)
-    grid, block_h = _grid(launch, B, T, Hq, Hk, half_pad, q.device)
-    pass_dim = D - rotary_dim
+    grid, meta = _launch_plan(launch, q, k, rotary_dim)
+    interpreted = interpreter_enabled()
     rope_fwd_kernel[grid](
         q,
         k,
@@ -426,24 +438,18 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, 
         Hq,
         Hk,
         float(attention_scaling),
-        *_strides(q),
-        *_strides(k),
-        *_strides(oq),
-        *_strides(ok),
+        *q.stride(),
+        *k.stride(),
+        *oq.stride(),
+        *ok.stride(),
         position_ids.stride(0) if position_ids.shape[0] > 1 else 0,
         position_ids.stride(1),
         inv_freq.stride(0),
-        HALF=half,
-        HALF_PAD=half_pad,
-        PASS=pass_dim,
-        PASS_PAD=triton.next_power_of_2(pass_dim) if pass_dim else 1,
-        BLOCK_T=launch.block_t,
-        BLOCK_H=block_h,
         INVERSE=inverse,
         # Inline PTX on NVIDIA only; the interpreter and ROCm take the precise tl.cos/tl.sin.
-        SFU_TRIG=not interpreter_enabled() and torch.version.hip is None,
-        INTERPRETED=interpreter_enabled(),
-        num_warps=launch.num_warps,
+        SFU_TRIG=not interpreted and torch.version.hip is None,
+        INTERPRETED=interpreted,
+        **meta,
     )
     return oq, ok
 
@@ -481,7 +487,7 @@ def rope_bwd(
 
 def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):
     oq, ok = _outputs(q, k, out)
-    B, Hq, T, D = q.shape
+    _, Hq, T, _ = q.shape
     Hk = k.shape[1]
     if q.numel() == 0 and k.numel() == 0:
         return oq, ok
@@ -495,10 +501,7 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):
         _rotate_torch(q, oq, c_lo, s_lo, c_hi, s_hi, rotary_dim)
         _rotate_torch(k, ok, c_lo, s_lo, c_hi, s_hi, rotary_dim)
         return oq, ok
-    launch = launch or _default_launch(q)
-    half_pad = triton.next_power_of_2(half)
-    grid, block_h = _grid(launch, B, T, Hq, Hk, half_pad, q.device)
-    pass_dim = D - rotary_dim
+    grid, meta = _launch_plan(launch, q, k, rotary_dim)
     rope_cos_sin_kernel[grid](
         q,
         k,
@@ -509,25 +512,19 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):
         T,
         Hq,
         Hk,
-        *_strides(q),
-        *_strides(k),
-        *_strides(oq),
-        *_strides(ok),
+        *q.stride(),
+        *k.stride(),
+        *oq.stride(),
+        *ok.stride(),
         cos.stride(0) if cos.shape[0] > 1 else 0,
         cos.stride(1),
         cos.stride(2),
         sin.stride(0) if sin.shape[0] > 1 else 0,
         sin.stride(1),
         sin.stride(2),
-        HALF=half,
-        HALF_PAD=half_pad,
-        PASS=pass_dim,
-        PASS_PAD=triton.next_power_of_2(pass_dim) if pass_dim else 1,
-        BLOCK_T=launch.block_t,
-        BLOCK_H=block_h,
         TRANSPOSE=transpose,
         INTERPRETED=interpreter_enabled(),
-        num_warps=launch.num_warps,
+        **meta,
     )
     return oq, ok
 
@@ -654,8 +651,13 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         scaling, rotary_dim, inverse = ctx.rope_args
-        dq, dk = _RopeFunction.apply(grad_q, grad_k, *ctx.saved_tensors, scaling, rotary_dim,
-                                     not inverse)  # fmt: skip
+        args = (grad_q, grad_k, *ctx.saved_tensors, scaling, rotary_dim, not inverse)
+        # Only a double backward (create_graph=True) needs this backward to be differentiable;
+        # otherwise the launcher runs directly, without a second Function's host cost.
+        if torch.is_grad_enabled():
+            dq, dk = _RopeFunction.apply(*args)
+        else:
+            dq, dk = _rope(*args, None, None)
         return dq, dk, None, None, None, None, None
 
 
@@ -671,7 +673,10 @@ class _RopeCosSinFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        dq, dk = _RopeCosSinFunction.apply(grad_q, grad_k, cos, sin, not ctx.transpose)
+        if torch.is_grad_enabled():  # double backward
+            dq, dk = _RopeCosSinFunction.apply(grad_q, grad_k, cos, sin, not ctx.transpose)
+        else:
+            dq, dk = _rope_cos_sin(grad_q, grad_k, cos, sin, not ctx.transpose, None, None)
         return dq, dk, None, None, None
 
 

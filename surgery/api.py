@@ -214,6 +214,7 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
             rotary=getattr(lm.model, spec.rotary_attr),
             eager_attention=spec.eager_attention(),
             fallback_rope=spec.rotary_pos_emb(),
+            share_mask=options.share_attention_mask,
         )
         attention_class = spec.attention_class()
         for module in lm.modules():
@@ -286,6 +287,8 @@ def patch(
     recompute_norm_output: bool = True,
     loss_low_memory: bool = False,
     loss_chunk_bytes: int | None = None,
+    share_attention_mask: bool = True,
+    causal_right_padding: bool = True,
     strict: bool = True,
 ) -> M:
     """Patch ``model`` in place and return it (the same object).
@@ -309,6 +312,8 @@ def patch(
         recompute_norm_output=recompute_norm_output,
         loss_low_memory=loss_low_memory,
         loss_chunk_bytes=loss_chunk_bytes,
+        share_attention_mask=share_attention_mask,
+        causal_right_padding=causal_right_padding,
     )
     try:
         lm, spec = find_causal_lm(model)

@@ -4,6 +4,15 @@
 The model's rotary module still runs once per forward (it applies dynamic RoPE updates to its
 frequencies); the attention reads the frequencies from it at call time instead of using the cos/sin
 tables it produced.
+
+With ``share_attention_mask`` (the default), a boolean 4-D mask bound for sdpa is converted to
+sdpa's additive form (0 where attended, -inf elsewhere, in the query dtype) once per forward, and
+every layer gets that one tensor. sdpa performs exactly this conversion itself on every call when
+handed a boolean mask, and its memory-efficient backend keeps the converted copy for the backward:
+one (batch, 1, seq, seq) tensor per layer, 64 MiB per layer at 2 x 4096 in bf16 (1 GiB for a
+16-layer model, measured on the H100). The converted mask is cached on the boolean mask tensor
+itself, so it lives exactly as long as the mask transformers built for this forward (and any
+autograd graph that saved it).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from surgery.models import ArchitectureSpec
 from . import recompute
 from .recompute import RECOMPUTE_ATTR
 
-__all__ = ["AttentionBinding", "attention_forward"]
+__all__ = ["AttentionBinding", "attention_forward", "shared_additive_mask"]
 
 
 @dataclass(frozen=True)
@@ -36,9 +45,30 @@ class AttentionBinding:
     fallback_rope: Callable
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``, for a caller that passes no
     position ids (the decoder layers of every supported model do)."""
+    share_mask: bool = True
+    """Hand sdpa one additive mask shared by all layers instead of the boolean one."""
 
 
 BINDING_ATTR = "_surgery_attention"
+ADDITIVE_MASK_ATTR = "_surgery_additive_mask"
+
+
+def shared_additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """sdpa's additive form of a boolean attention mask (0 where True, -inf where False, in
+    ``dtype``), built once per mask tensor and cached on it; anything else is returned as is.
+
+    These are the values ``scaled_dot_product_attention`` itself builds from a boolean mask, so the
+    attention output is the same; the difference is that every layer now holds the same tensor.
+    Under ``torch.compile`` the mask is passed through (the compiler sees the whole graph).
+    """
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or torch.compiler.is_compiling():
+        return mask
+    additive = getattr(mask, ADDITIVE_MASK_ATTR, None)
+    if additive is None or additive.dtype != dtype:
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        additive.masked_fill_(mask.logical_not(), float("-inf"))
+        setattr(mask, ADDITIVE_MASK_ATTR, additive)
+    return additive
 
 
 def _read_path(obj, path: str):
@@ -105,9 +135,10 @@ def attention_forward(
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, self.layer_idx)
 
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, binding.eager_attention
-    )
+    implementation = self.config._attn_implementation
+    if binding.share_mask and implementation == "sdpa":
+        attention_mask = shared_additive_mask(attention_mask, query.dtype)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, binding.eager_attention)
     extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
     attn_output, attn_weights = interface(
         self,

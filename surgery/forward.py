@@ -26,7 +26,13 @@ from surgery.models import ArchitectureSpec
 
 from .options import PatchOptions
 
-__all__ = ["CausalLMOutputWithZLoss", "PatchState", "causal_lm_forward", "lm_head_forward"]
+__all__ = [
+    "CausalLMOutputWithZLoss",
+    "PatchState",
+    "causal_lm_forward",
+    "lm_head_forward",
+    "padding_only_behind",
+]
 
 STATE_ATTR = "_surgery_state"
 LM_HEAD_ATTR = "_surgery_lm_head"
@@ -97,6 +103,20 @@ def _warn_unfused(head: nn.Module) -> None:
     )
 
 
+def padding_only_behind(
+    attention_mask: torch.Tensor, targets: torch.Tensor, ignore_index: int
+) -> bool:
+    """Whether a (batch, seq) ``attention_mask`` is right padding only (each row: ones, then
+    zeros) and every padding position's target is ``ignore_index``. Then, under causal attention,
+    no position that carries a loss ever sees a padding position, nor does anything it depends
+    on, and the mask can be dropped. One device-to-host read."""
+    if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
+        return False
+    real = attention_mask.to(targets.device) != 0
+    right = (real[:, 1:] <= real[:, :-1]).all()
+    return bool(right & (real | (targets == ignore_index)).all())
+
+
 @can_return_tuple
 def causal_lm_forward(
     self,
@@ -129,6 +149,29 @@ def causal_lm_forward(
         and (labels is not None or self.training)
     ):
         use_cache = False
+
+    fused = (
+        labels is not None
+        and self.training
+        and options.fused_linear_cross_entropy
+        and not options.return_logits
+    )
+    head_fused = fused and head_takes_loss(self.lm_head)
+    if (
+        options.causal_right_padding
+        and head_fused
+        and attention_mask is not None
+        and past_key_values is None
+        and position_ids is None
+        and self.config._attn_implementation == "sdpa"
+        and not kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        and not kwargs.get("output_attentions", self.config.output_attentions)
+        and not torch.compiler.is_compiling()
+        and padding_only_behind(
+            attention_mask, labels if shift_labels is None else shift_labels, ignore_index
+        )
+    ):
+        attention_mask = None  # see PatchOptions.causal_right_padding
 
     outputs = self.model(
         input_ids=input_ids,
@@ -166,8 +209,7 @@ def causal_lm_forward(
             label_smoothing=options.label_smoothing,
             shift=shift,
         )
-        fused = self.training and options.fused_linear_cross_entropy and not options.return_logits
-        if fused and head_takes_loss(self.lm_head):
+        if head_fused:
             out = self.lm_head(
                 hidden,
                 labels=targets,

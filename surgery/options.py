@@ -42,6 +42,19 @@ class PatchOptions:
       product: about 1.4x the loss's time) — ``linear_cross_entropy(low_memory=True)``.
     - ``loss_chunk_bytes``: the fused loss's chunk budget (``linear_cross_entropy(chunk_bytes=)``;
       None: its default).
+    - ``share_attention_mask``: with ``rope`` (whose attention forward runs the attention) and
+      ``attn_implementation="sdpa"``, a boolean 4-D mask is turned into sdpa's additive form once
+      per forward and that one tensor goes to every layer. sdpa would otherwise build a new
+      (batch, 1, seq, seq) copy in every layer and keep each for its backward (64 MiB per layer
+      at 2 x 4096 in bf16). Same values, same results; see ``surgery.attention``.
+    - ``causal_right_padding``: in a fused-loss training step on sdpa, a right-padded batch whose
+      padding positions are all ignored (label ``ignore_index``) runs without its attention mask,
+      as a plain causal batch: sdpa then takes its flash kernel (causal blocks skipped, no key/value
+      repeat for GQA) instead of a masked kernel over the full square. Exact for every trained
+      token: causal attention never lets a token see positions after it, which is where right
+      padding lives, and padding positions carry no loss. Checked on every such forward (one
+      device-to-host read of a flag); anything else (left padding, labels on padding, logits or
+      hidden states requested, a KV cache, position ids passed) keeps the mask.
     """
 
     rope: bool = True
@@ -56,6 +69,8 @@ class PatchOptions:
     recompute_norm_output: bool = True
     loss_low_memory: bool = False
     loss_chunk_bytes: int | None = None
+    share_attention_mask: bool = True
+    causal_right_padding: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -75,6 +90,8 @@ class PatchOptions:
             "recompute_mlp_product",
             "recompute_norm_output",
             "loss_low_memory",
+            "share_attention_mask",
+            "causal_right_padding",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

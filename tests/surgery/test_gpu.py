@@ -102,3 +102,63 @@ def test_torch_compile_training_step(arch):
     tol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(loss, want_loss, rtol=tol["rtol"], atol=tol["atol"])
     assert rel_err(grads, want_grads) < tol["rtol"]
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_shared_attention_mask_same_step_and_one_mask_kept(padding):
+    """sdpa's efficient backend keeps the additive copy it makes of a boolean mask, once per
+    layer; with ``share_attention_mask`` one copy is kept for all layers. Same loss bit for bit
+    and the same gradients (left padding: fully masked query rows included)."""
+    config = tiny_config("llama")
+    config.update(dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=8, max_position_embeddings=4096))  # fmt: skip
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    base = base.to("cuda", torch.bfloat16).train()
+    B, T = 2, 2048
+    ids = torch.randint(1, VOCAB, (B, T), device="cuda")
+    mask = torch.ones(B, T, dtype=torch.long, device="cuda")
+    if padding == "right":
+        mask[1, T // 2 :] = 0
+    else:
+        mask[1, : T // 2] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    kept, results = {}, {}
+    for share in (True, False):
+        # causal_right_padding off: the right-padded batch would otherwise run without a mask.
+        model = surgery.patch(
+            copy.deepcopy(base), share_attention_mask=share, causal_right_padding=False
+        )
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = model(**batch)
+        kept[share] = torch.cuda.memory_allocated() - before
+        out.loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        results[share] = (out.loss.detach(), grads)
+        del model, out
+    # The forward is deterministic: the loss is bit for bit the same. The efficient backend's
+    # backward accumulates in a nondeterministic order: gradients agree to bf16 rounding.
+    (loss, grads), (want_loss, want_grads) = results[True], results[False]
+    assert torch.equal(loss, want_loss), (loss, want_loss)
+    assert torch.isfinite(want_grads).all() == torch.isfinite(grads).all()
+    ok = torch.isfinite(want_grads)
+    assert rel_err(grads[ok], want_grads[ok]) < 2e-3, rel_err(grads[ok], want_grads[ok])
+    mask_bytes = B * T * T * 2  # (B, 1, T, T) bf16
+    saved = kept[False] - kept[True]
+    assert saved >= 0.9 * (config.num_hidden_layers - 1) * mask_bytes, (saved, mask_bytes)
+
+
+def test_right_padding_runs_causal_within_budget():
+    """``causal_right_padding``: the unmasked (flash) run of a right-padded bf16 batch against
+    the fp32 masked reference, within the budget of the masked bf16 run."""
+    fp32 = gpu_model("llama")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    batch = batch_of("padded")
+    ref_loss, ref_grads = step(surgery.patch(fp32, causal_right_padding=False), batch)
+    masked_loss, masked_grads = step(
+        surgery.patch(copy.deepcopy(bf16), causal_right_padding=False), batch
+    )
+    loss, grads = step(surgery.patch(bf16), batch)
+    assert_close_budget(loss, ref_loss, masked_loss, torch.bfloat16, what="loss")
+    assert_close_budget(grads, ref_grads, masked_grads, torch.bfloat16, what="grads")
