@@ -124,7 +124,8 @@ SMOKE_GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6
 
 CONTENDERS = ["unpatched", "surgery", "liger"]
 # liger_rope_flce: Liger with only RoPE and the fused loss, the same kernels surgery swaps.
-EXTRA_CONTENDERS = ["liger_rope_flce"]
+# surgery_masked: surgery with causal_right_padding=False (padded batches keep their mask).
+EXTRA_CONTENDERS = ["liger_rope_flce", "surgery_masked"]
 
 SEQ = 4096
 SCENARIOS = [("padded", 2), ("packed", 2), ("padded", 4), ("padded", 8)]
@@ -177,11 +178,11 @@ def apply_contender(model, contender: str) -> dict[str, Any]:
     """Patch ``model`` in place for ``contender``; returns which kernels are on."""
     if contender == "unpatched":
         return {}
-    if contender == "surgery":
+    if contender in ("surgery", "surgery_masked"):
         surgery = import_surgery()
         if not hasattr(surgery, "patch"):
             raise Unavailable("surgery.patch does not exist yet")
-        surgery.patch(model)
+        surgery.patch(model, **({"causal_right_padding": False} if contender != "surgery" else {}))
         opts = surgery.patch_options(model) if hasattr(surgery, "patch_options") else None
         if is_dataclass(opts):
             return {k: v for k, v in asdict(opts).items() if not callable(v)}
