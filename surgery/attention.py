@@ -5,14 +5,16 @@ The model's rotary module still runs once per forward (it applies dynamic RoPE u
 frequencies); the attention reads the frequencies from it at call time instead of using the cos/sin
 tables it produced.
 
-With ``share_attention_mask`` (the default), a boolean 4-D mask bound for sdpa is converted to
-sdpa's additive form (0 where attended, -inf elsewhere, in the query dtype) once per forward, and
-every layer gets that one tensor. sdpa performs exactly this conversion itself on every call when
-handed a boolean mask, and its memory-efficient backend keeps the converted copy for the backward:
-one (batch, 1, seq, seq) tensor per layer, 64 MiB per layer at 2 x 4096 in bf16 (1 GiB for a
-16-layer model, measured on the H100). The converted mask is cached on the boolean mask tensor
-itself, so it lives exactly as long as the mask transformers built for this forward (and any
-autograd graph that saved it).
+With ``share_attention_mask`` (the default), a boolean 4-D mask bound for sdpa is converted to an
+additive one (0 where attended, the dtype's lowest finite value elsewhere, in the query dtype) once
+per forward, and every layer gets that one tensor. sdpa converts a boolean mask itself on every
+call, and its masked backends (cuDNN on sm90, memory-efficient elsewhere) keep the converted copy
+for the backward: one (batch, 1, seq, seq) tensor per layer, 64 MiB per layer at 2 x 4096 in bf16
+(1 GiB for a 16-layer model). The lowest finite value rather than -inf, as transformers' own eager
+masks and sdpa's cuDNN conversion use: a fully masked row (left padding) stays finite on every
+backend, and any other row gets exactly the weights it gets with -inf (exp underflows to 0). The
+converted mask is cached on the boolean mask tensor itself, so it lives exactly as long as the mask
+transformers built for this forward (and any autograd graph that saved it).
 """
 
 from __future__ import annotations
@@ -54,19 +56,20 @@ ADDITIVE_MASK_ATTR = "_surgery_additive_mask"
 
 
 def shared_additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """sdpa's additive form of a boolean attention mask (0 where True, -inf where False, in
-    ``dtype``), built once per mask tensor and cached on it; anything else is returned as is.
+    """An additive form of a boolean attention mask (0 where True, ``dtype``'s lowest finite value
+    where False), built once per mask tensor and cached on it; anything else is returned as is.
 
-    These are the values ``scaled_dot_product_attention`` itself builds from a boolean mask, so the
-    attention output is the same; the difference is that every layer now holds the same tensor.
-    Under ``torch.compile`` the mask is passed through (the compiler sees the whole graph).
+    Every row with at least one attended position gets the same attention as with the boolean
+    mask (the masked weights underflow to exactly 0); a fully masked row gets finite values where
+    -inf could give NaN. Under ``torch.compile`` the mask is passed through (the compiler sees the
+    whole graph).
     """
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or torch.compiler.is_compiling():
         return mask
     additive = getattr(mask, ADDITIVE_MASK_ATTR, None)
     if additive is None or additive.dtype != dtype:
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        additive.masked_fill_(mask.logical_not(), float("-inf"))
+        additive.masked_fill_(mask.logical_not(), torch.finfo(dtype).min)
         setattr(mask, ADDITIVE_MASK_ATTR, additive)
     return additive
 

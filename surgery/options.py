@@ -43,10 +43,11 @@ class PatchOptions:
     - ``loss_chunk_bytes``: the fused loss's chunk budget (``linear_cross_entropy(chunk_bytes=)``;
       None: its default).
     - ``share_attention_mask``: with ``rope`` (whose attention forward runs the attention) and
-      ``attn_implementation="sdpa"``, a boolean 4-D mask is turned into sdpa's additive form once
-      per forward and that one tensor goes to every layer. sdpa would otherwise build a new
+      ``attn_implementation="sdpa"``, a boolean 4-D mask is turned into an additive one once per
+      forward and that one tensor goes to every layer. sdpa would otherwise build a new
       (batch, 1, seq, seq) copy in every layer and keep each for its backward (64 MiB per layer
-      at 2 x 4096 in bf16). Same values, same results; see ``surgery.attention``.
+      at 2 x 4096 in bf16). Same attention for every row that attends anywhere; see
+      ``surgery.attention``.
     - ``causal_right_padding``: in a fused-loss training step on sdpa, a right-padded batch whose
       padding positions are all ignored (label ``ignore_index``) runs without its attention mask,
       as a plain causal batch: sdpa then takes its flash kernel (causal blocks skipped, no key/value

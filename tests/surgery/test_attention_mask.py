@@ -1,9 +1,9 @@
 """How the patched attention treats masks.
 
-``share_attention_mask``: sdpa gets one additive mask per forward, shared by every layer, with the
-values sdpa itself derives from a boolean mask: the same loss and gradients, bit for bit, as
-handing it the boolean mask; the shared tensor is freed with the forward's graph. (The memory it
-saves, one mask per layer kept by sdpa's efficient backend, is measured on the GPU:
+``share_attention_mask``: sdpa gets one additive mask per forward, shared by every layer: the same
+loss and gradients, bit for bit, as handing it the boolean mask (masked weights underflow to
+exactly 0 either way); the shared tensor is freed with the forward's graph. (The memory it saves,
+one mask per layer kept by sdpa's masked backends, is measured on the GPU:
 tests/surgery/test_gpu.py.)
 
 ``causal_right_padding``: a right-padded training batch with ignored padding labels runs as plain
@@ -124,7 +124,8 @@ def test_helper_values_and_pass_through():
     mask = torch.tensor([[True, False], [True, True]])[None, None]
     additive = shared_additive_mask(mask, torch.bfloat16)
     assert additive.dtype == torch.bfloat16
-    assert torch.equal(additive[0, 0], torch.tensor([[0.0, float("-inf")], [0.0, 0.0]]).bfloat16())
+    low = torch.finfo(torch.bfloat16).min
+    assert torch.equal(additive[0, 0], torch.tensor([[0.0, low], [0.0, 0.0]]).bfloat16())
     assert shared_additive_mask(mask, torch.bfloat16) is additive  # cached on the mask
     assert shared_additive_mask(mask, torch.float32).dtype == torch.float32  # dtype change
     for other in (None, torch.zeros(1, 1, 2, 2), torch.ones(2, 2, dtype=torch.bool)):

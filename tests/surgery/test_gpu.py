@@ -106,9 +106,9 @@ def test_torch_compile_training_step(arch):
 
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_shared_attention_mask_same_step_and_one_mask_kept(padding):
-    """sdpa's efficient backend keeps the additive copy it makes of a boolean mask, once per
-    layer; with ``share_attention_mask`` one copy is kept for all layers. Same loss bit for bit
-    and the same gradients (left padding: fully masked query rows included)."""
+    """sdpa's masked backends keep the additive copy they make of a boolean mask, once per
+    layer; with ``share_attention_mask`` one copy is kept for all layers. The same step (left
+    padding: fully masked query rows included)."""
     config = tiny_config("llama")
     config.update(dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                        num_hidden_layers=8, max_position_embeddings=4096))  # fmt: skip
@@ -139,11 +139,13 @@ def test_shared_attention_mask_same_step_and_one_mask_kept(padding):
         del model, out
     # The forward is deterministic: the loss is bit for bit the same. The efficient backend's
     # backward accumulates in a nondeterministic order: gradients agree to bf16 rounding.
+    # Masked weights are exactly 0 either way, but the boolean and the additive mask may reach
+    # different sdpa backends, and the backward accumulates in a nondeterministic order: the step
+    # agrees to bf16 rounding, and stays finite (left padding: fully masked rows).
     (loss, grads), (want_loss, want_grads) = results[True], results[False]
-    assert torch.equal(loss, want_loss), (loss, want_loss)
-    assert torch.isfinite(want_grads).all() == torch.isfinite(grads).all()
-    ok = torch.isfinite(want_grads)
-    assert rel_err(grads[ok], want_grads[ok]) < 2e-3, rel_err(grads[ok], want_grads[ok])
+    assert torch.isfinite(loss) and torch.isfinite(grads).all()
+    assert rel_err(loss, want_loss) < 1e-3, (loss, want_loss)
+    assert rel_err(grads, want_grads) < 2e-3, rel_err(grads, want_grads)
     mask_bytes = B * T * T * 2  # (B, 1, T, T) bf16
     saved = kept[False] - kept[True]
     assert saved >= 0.9 * (config.num_hidden_layers - 1) * mask_bytes, (saved, mask_bytes)
