@@ -105,16 +105,16 @@ def test_torch_compile_training_step(arch):
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
-def test_shared_attention_mask_same_step_and_one_mask_kept(padding):
+def test_shared_attention_mask_within_budget_and_one_mask_kept(padding):
     """sdpa's masked backends keep the additive copy they make of a boolean mask, once per
-    layer; with ``share_attention_mask`` one copy is kept for all layers. The same step (left
-    padding: fully masked query rows included)."""
+    layer; with ``share_attention_mask`` one copy is kept for all layers. The bf16 step stays
+    within the budget of the boolean-mask bf16 step against fp32 (left padding: fully masked
+    query rows included, where the two masks give different but ignored values)."""
     config = tiny_config("llama")
     config.update(dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                        num_hidden_layers=8, max_position_embeddings=4096))  # fmt: skip
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    base = base.to("cuda", torch.bfloat16).train()
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().train()
     B, T = 2, 2048
     ids = torch.randint(1, VOCAB, (B, T), device="cuda")
     mask = torch.ones(B, T, dtype=torch.long, device="cuda")
@@ -123,31 +123,30 @@ def test_shared_attention_mask_same_step_and_one_mask_kept(padding):
     else:
         mask[1, : T // 2] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    kept, results = {}, {}
-    for share in (True, False):
+
+    def run(dtype, share):
         # causal_right_padding off: the right-padded batch would otherwise run without a mask.
         model = surgery.patch(
-            copy.deepcopy(base), share_attention_mask=share, causal_right_padding=False
+            copy.deepcopy(base).to(dtype), share_attention_mask=share, causal_right_padding=False
         )
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = model(**batch)
-        kept[share] = torch.cuda.memory_allocated() - before
-        out.loss.backward()
+        for _ in range(2):  # the first step also allocates library workspaces: measure the second
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            out = model(**batch)
+            kept = torch.cuda.memory_allocated() - before
+            out.loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        results[share] = (out.loss.detach(), grads)
-        del model, out
-    # The forward is deterministic: the loss is bit for bit the same. The efficient backend's
-    # backward accumulates in a nondeterministic order: gradients agree to bf16 rounding.
-    # Masked weights are exactly 0 either way, but the boolean and the additive mask may reach
-    # different sdpa backends, and the backward accumulates in a nondeterministic order: the step
-    # agrees to bf16 rounding, and stays finite (left padding: fully masked rows).
-    (loss, grads), (want_loss, want_grads) = results[True], results[False]
+        return out.loss.detach().float(), grads, kept
+
+    ref_loss, ref_grads, _ = run(torch.float32, False)
+    bool_loss, bool_grads, bool_kept = run(torch.bfloat16, False)
+    loss, grads, kept = run(torch.bfloat16, True)
     assert torch.isfinite(loss) and torch.isfinite(grads).all()
-    assert rel_err(loss, want_loss) < 1e-3, (loss, want_loss)
-    assert rel_err(grads, want_grads) < 2e-3, rel_err(grads, want_grads)
+    assert_close_budget(loss, ref_loss, bool_loss, torch.bfloat16, what=f"{padding} loss")
+    assert_close_budget(grads, ref_grads, bool_grads, torch.bfloat16, what=f"{padding} grads")
     mask_bytes = B * T * T * 2  # (B, 1, T, T) bf16
-    saved = kept[False] - kept[True]
+    saved = bool_kept - kept
     assert saved >= 0.9 * (config.num_hidden_layers - 1) * mask_bytes, (saved, mask_bytes)
 
 
