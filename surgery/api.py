@@ -215,6 +215,7 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
             eager_attention=spec.eager_attention(),
             fallback_rope=spec.rotary_pos_emb(),
             share_mask=options.share_attention_mask,
+            lean_eager=options.eager_attention_recompute,
         )
         attention_class = spec.attention_class()
         for module in lm.modules():
@@ -289,6 +290,7 @@ def patch(
     loss_chunk_bytes: int | None = None,
     share_attention_mask: bool = True,
     causal_right_padding: bool = True,
+    eager_attention_recompute: bool = True,
     strict: bool = True,
 ) -> M:
     """Patch ``model`` in place and return it (the same object).
@@ -314,6 +316,7 @@ def patch(
         loss_chunk_bytes=loss_chunk_bytes,
         share_attention_mask=share_attention_mask,
         causal_right_padding=causal_right_padding,
+        eager_attention_recompute=eager_attention_recompute,
     )
     try:
         lm, spec = find_causal_lm(model)

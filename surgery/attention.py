@@ -15,6 +15,15 @@ masks and sdpa's cuDNN conversion use: a fully masked row (left padding) stays f
 backend, and any other row gets exactly the weights it gets with -inf (exp underflows to 0). The
 converted mask is cached on the boolean mask tensor itself, so it lives exactly as long as the mask
 transformers built for this forward (and any autograd graph that saved it).
+
+With ``eager_attention_recompute`` (the default), ``attn_implementation="eager"`` (Gemma 2's, for
+its attention-logit softcap) runs ``lean_eager_attention``: transformers' eager chain, op for op,
+but the fp32 softmax output is not kept for the backward. transformers keeps, per layer, the tanh
+output (softcap), the fp32 probabilities and their half-precision copy; here only the tanh output
+(or, with no softcap, the scores) and the half-precision copy, and the backward recomputes the
+softmax from them with the same ops, so gradients are bit for bit transformers'. That is 4 bytes
+per attention score less per layer (2 bytes with no softcap): 1 GiB per layer for Gemma-2-2B at
+2 x 4096.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from surgery.kernels import apply_rope
@@ -32,7 +42,12 @@ from surgery.models import ArchitectureSpec
 from . import recompute
 from .recompute import RECOMPUTE_ATTR
 
-__all__ = ["AttentionBinding", "attention_forward", "shared_additive_mask"]
+__all__ = [
+    "AttentionBinding",
+    "attention_forward",
+    "lean_eager_attention",
+    "shared_additive_mask",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,8 @@ class AttentionBinding:
     position ids (the decoder layers of every supported model do)."""
     share_mask: bool = True
     """Hand sdpa one additive mask shared by all layers instead of the boolean one."""
+    lean_eager: bool = True
+    """Run the eager implementation through ``lean_eager_attention``."""
 
 
 BINDING_ATTR = "_surgery_attention"
@@ -80,6 +97,76 @@ def _read_path(obj, path: str):
         if obj is None:
             return None
     return obj
+
+
+def _probabilities(kept: torch.Tensor, mask: torch.Tensor | None, softcap: float | None):
+    # transformers' eager chain after the tanh (softcap) or from the scaled scores (no softcap).
+    x = kept * softcap if softcap is not None else kept
+    if mask is not None:
+        x = x + mask
+    return F.softmax(x, dim=-1, dtype=torch.float32).to(kept.dtype)
+
+
+class _LeanProbabilities(torch.autograd.Function):
+    """``softmax(softcap(scores) + mask)`` in fp32, rounded to the scores' dtype, keeping only
+    ``tanh(scores / softcap)`` (or the scores) for the backward, which rebuilds the rest with the
+    same ops and differentiates them with autograd: the gradient is transformers', bit for bit."""
+
+    @staticmethod
+    def forward(ctx, scores, mask, softcap):
+        kept = torch.tanh(scores / softcap) if softcap is not None else scores
+        ctx.softcap = softcap
+        ctx.save_for_backward(kept, mask)
+        return _probabilities(kept, mask, softcap)
+
+    @staticmethod
+    def backward(ctx, grad):
+        kept, mask = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = kept.detach().requires_grad_()
+            (grad_kept,) = torch.autograd.grad(_probabilities(leaf, mask, ctx.softcap), leaf, grad)
+        if ctx.softcap is None:
+            return grad_kept, None, None
+        # transformers' TanhBackward0 then DivBackward0 (scores / softcap).
+        return torch.ops.aten.tanh_backward(grad_kept, kept) / ctx.softcap, None, None
+
+
+def lean_eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``eager_attention_forward`` (GQA repeat, scaling, optional softcap, additive
+    mask, fp32 softmax), keeping less for the backward (see the module docstring). Without
+    gradients, with attention dropout in training, or under ``torch.compile``, the model's own eager
+    function runs instead."""
+    if (
+        not torch.is_grad_enabled()
+        or (dropout and module.training)
+        or torch.compiler.is_compiling()
+    ):
+        eager = module.__dict__[BINDING_ATTR].eager_attention
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     softcap=softcap, **kwargs)  # fmt: skip
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # transformers' repeat_kv
+        b, h, t, d = key.shape
+        key = key[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+        value = value[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    probs = _LeanProbabilities.apply(scores, attention_mask, softcap)
+    output = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return output, probs
 
 
 def rope_frequencies(module: nn.Module, binding: AttentionBinding) -> tuple[torch.Tensor, float]:
@@ -141,7 +228,10 @@ def attention_forward(
     implementation = self.config._attn_implementation
     if binding.share_mask and implementation == "sdpa":
         attention_mask = shared_additive_mask(attention_mask, query.dtype)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, binding.eager_attention)
+    if implementation == "eager" and binding.lean_eager:
+        interface = lean_eager_attention
+    else:
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, binding.eager_attention)
     extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
     attn_output, attn_weights = interface(
         self,

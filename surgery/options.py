@@ -56,6 +56,11 @@ class PatchOptions:
       padding lives, and padding positions carry no loss. Checked on every such forward (one
       device-to-host read of a flag); anything else (left padding, labels on padding, logits or
       hidden states requested, a KV cache, position ids passed) keeps the mask.
+    - ``eager_attention_recompute``: with ``rope`` and ``attn_implementation="eager"`` (Gemma 2's
+      default), the fp32 attention probabilities are not kept for the backward, which recomputes
+      them from the kept half-precision tanh output (or scores) with transformers' own ops:
+      gradients bit for bit transformers', 4 bytes per attention score and layer less (2 without
+      a softcap) for one softmax pass more in the backward; see ``surgery.attention``.
     """
 
     rope: bool = True
@@ -72,6 +77,7 @@ class PatchOptions:
     loss_chunk_bytes: int | None = None
     share_attention_mask: bool = True
     causal_right_padding: bool = True
+    eager_attention_recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -93,6 +99,7 @@ class PatchOptions:
             "loss_low_memory",
             "share_attention_mask",
             "causal_right_padding",
+            "eager_attention_recompute",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
