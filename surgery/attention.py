@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from surgery.kernels import apply_rope
@@ -154,13 +155,10 @@ def lean_eager_attention(
         eager = module.__dict__[BINDING_ATTR].eager_attention
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      softcap=softcap, **kwargs)  # fmt: skip
-    if scaling is None:
+    if scaling is None:  # as the models' eager functions do; attention_forward always passes it
         scaling = module.head_dim**-0.5
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # transformers' repeat_kv
-        b, h, t, d = key.shape
-        key = key[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
-        value = value[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
