@@ -291,6 +291,7 @@ def patch(
     share_attention_mask: bool = True,
     causal_right_padding: bool = True,
     eager_attention_recompute: bool = True,
+    varlen_attention: bool = True,
     strict: bool = True,
 ) -> M:
     """Patch ``model`` in place and return it (the same object).
@@ -317,6 +318,7 @@ def patch(
         share_attention_mask=share_attention_mask,
         causal_right_padding=causal_right_padding,
         eager_attention_recompute=eager_attention_recompute,
+        varlen_attention=varlen_attention,
     )
     try:
         lm, spec = find_causal_lm(model)

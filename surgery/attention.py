@@ -24,10 +24,22 @@ output (softcap), the fp32 probabilities and their half-precision copy; here onl
 softmax from them with the same ops, so gradients are bit for bit transformers'. That is 4 bytes
 per attention score less per layer (2 bytes with no softcap): 1 GiB per layer for Gemma-2-2B at
 2 x 4096.
+
+With ``varlen_attention`` (the default), a packed batch on sdpa (rows holding several documents,
+``position_ids`` restarting at each; see ``surgery.forward``) runs every layer's attention through
+torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) over the
+documents, given as cumulative lengths over the flattened (batch * seq) tokens: each document
+attends causally to itself only, exactly what transformers' block-diagonal mask allows, but the
+kernel skips every block outside the documents and needs no mask and no key/value repeat for GQA
+(sdpa with a mask takes a masked kernel that computes the whole (seq x seq) square). A layer that
+varlen cannot serve (fp32, attention dropout in training, an attention-logit softcap, head_dim
+over 256) takes the mask transformers built as usual.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +50,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from surgery.kernels import apply_rope
+from surgery.kernels.reduction import sequence_starts
 from surgery.models import ArchitectureSpec
 
 from . import recompute
@@ -45,9 +58,12 @@ from .recompute import RECOMPUTE_ATTR
 
 __all__ = [
     "AttentionBinding",
+    "PackedSequences",
     "attention_forward",
     "lean_eager_attention",
+    "packed_sequences",
     "shared_additive_mask",
+    "varlen_attention",
 ]
 
 
@@ -71,6 +87,91 @@ class AttentionBinding:
 
 BINDING_ATTR = "_surgery_attention"
 ADDITIVE_MASK_ATTR = "_surgery_additive_mask"
+PACKED_KWARG = "surgery_packed_sequences"
+"""The keyword argument that carries ``PackedSequences`` from the causal-LM forward through the
+base model and its decoder layers (which pass their keyword arguments on) to the attention."""
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """The documents of a packed batch, over its flattened (batch * seq) tokens."""
+
+    cu_seqlens: torch.Tensor
+    """int32 (documents + 1,): where each document starts, then the token count; on the device."""
+    max_length: int
+    """The longest document's length."""
+    kernel: Callable
+    """``varlen_attn``'s signature (see ``varlen_kernel``)."""
+
+
+def packed_sequences(
+    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device
+) -> PackedSequences | None:
+    """``PackedSequences`` of a (batch, seq) batch on ``device`` from its position ids, or None
+    when every row holds one document (causal attention over the row is then already exact) or
+    ``device`` has no varlen kernel.
+
+    A document starts at each row's first token and wherever the position does not continue
+    (``pos[t] != pos[t - 1] + 1``): transformers' rule for its packed mask, and the loss's
+    (``surgery.kernels.reduction.sequence_starts``). Labels play no part: a run of ignored labels
+    (a masked prompt) is not a boundary. One device-to-host copy of the position ids.
+    """
+    kernel = varlen_kernel(device)
+    if kernel is None:
+        return None
+    starts = sequence_starts(shape, torch.device("cpu"), position_ids=position_ids.cpu())
+    first = torch.nonzero(starts).flatten()
+    if first.numel() == shape[0]:
+        return None
+    cu_seqlens = torch.cat([first, first.new_tensor([starts.numel()])])
+    max_length = int(cu_seqlens.diff().max())
+    return PackedSequences(cu_seqlens.to(device=device, dtype=torch.int32), max_length, kernel)
+
+
+def varlen_kernel(device: torch.device) -> Callable | None:
+    """torch's ``varlen_attn`` when it can run on ``device`` (CUDA, flash attention: sm80+,
+    torch 2.10+), else None."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return None
+    return _varlen_attn()
+
+
+@functools.cache
+def _varlen_attn() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params:  # torch 2.10 had only is_causal
+        return None
+    # torch 2.13 asks for enable_gqa=True when key/value have fewer heads; earlier releases hand
+    # them to flash attention (which groups the heads itself) without the flag.
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+    return functools.partial(varlen_attn, **gqa)
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed: PackedSequences,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention within each document of ``packed``. query (B, Hq, T, D), key and value
+    (B, Hk, T, D), any strides; returns (B, T, Hq, D) like transformers' attention functions.
+
+    ``sliding_window`` has transformers' meaning: a query attends to the keys less than
+    ``sliding_window`` positions before it (flash attention's left window is one less).
+    """
+    B, H, T, D = query.shape
+    # (B, H, T, D) views of (B, T, H, D) projections: these reshapes are free.
+    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))
+    window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+    cu, n = packed.cu_seqlens, packed.max_length
+    out = packed.kernel(q, k, v, cu, cu, n, n, scale=scaling, window_size=window)
+    return out.view(B, T, H, D)
 
 
 def shared_additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -223,6 +324,22 @@ def attention_forward(
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, self.layer_idx)
 
+    dropout = self.attention_dropout if self.training else 0.0
+    extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
+    packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
+    if (
+        packed is not None
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and not dropout
+        and extra.get("softcap") is None
+        and self.head_dim <= 256
+        and past_key_values is None
+    ):
+        attn_output = varlen_attention(
+            query, key, value, packed, self.scaling, extra.get("sliding_window")
+        )
+        return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+
     implementation = self.config._attn_implementation
     if binding.share_mask and implementation == "sdpa":
         attention_mask = shared_additive_mask(attention_mask, query.dtype)
@@ -230,14 +347,13 @@ def attention_forward(
         interface = lean_eager_attention
     else:
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, binding.eager_attention)
-    extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
     attn_output, attn_weights = interface(
         self,
         query,
         key,
         value,
         attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
+        dropout=dropout,
         scaling=self.scaling,
         **extra,
         **kwargs,

@@ -24,6 +24,7 @@ from transformers.utils.generic import can_return_tuple
 from surgery.kernels import cross_entropy, linear_cross_entropy
 from surgery.models import ArchitectureSpec
 
+from .attention import PACKED_KWARG, packed_sequences
 from .options import PatchOptions
 
 __all__ = [
@@ -142,13 +143,27 @@ def causal_lm_forward(
     # exists, and with use_cache on it creates one first, so tokens would attend across sequences.
     # A loss call has no use for the cache; without it every sequence sees only itself (flash
     # attention reads the boundaries from position_ids / cu_seq_lens either way).
-    if (
+    packed_step = (
         past_key_values is None
         and attention_mask is None
         and position_ids is not None
         and (labels is not None or self.training)
-    ):
+    )
+    if packed_step:
         use_cache = False
+    output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
+    if (
+        packed_step
+        and options.varlen_attention
+        and options.rope
+        and self.config._attn_implementation == "sdpa"
+        and not output_attentions
+        and not torch.compiler.is_compiling()
+    ):
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        packed = packed_sequences(position_ids, tuple(tokens.shape[:2]), tokens.device)
+        if packed is not None:  # see PatchOptions.varlen_attention
+            kwargs[PACKED_KWARG] = packed
 
     fused = (
         labels is not None
@@ -165,7 +180,7 @@ def causal_lm_forward(
         and position_ids is None
         and self.config._attn_implementation == "sdpa"
         and not kwargs.get("output_hidden_states", self.config.output_hidden_states)
-        and not kwargs.get("output_attentions", self.config.output_attentions)
+        and not output_attentions
         and not torch.compiler.is_compiling()
         and padding_only_behind(
             attention_mask, labels if shift_labels is None else shift_labels, ignore_index

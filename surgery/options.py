@@ -61,6 +61,15 @@ class PatchOptions:
       them from the kept half-precision tanh output (or scores) with transformers' own ops:
       gradients bit for bit transformers', 4 bytes per attention score and layer less (2 without
       a softcap) for one softmax pass more in the backward; see ``surgery.attention``.
+    - ``varlen_attention``: with ``rope`` and ``attn_implementation="sdpa"`` on a CUDA GPU with
+      flash attention (sm80+, torch 2.11+), a packed batch in a training or loss call (position
+      ids restarting inside a row, no attention mask, no KV cache) runs its attention through
+      ``torch.nn.attention.varlen.varlen_attn`` over the documents instead of sdpa with
+      transformers' (batch, 1, seq, seq) block-diagonal mask: the same attention (each document
+      sees only itself, causally, within any sliding window), but only the blocks inside documents
+      are computed. Document boundaries come from the position ids, as transformers' mask and the
+      loss take them (one device-to-host copy of the position ids per forward). fp32 layers,
+      attention dropout and attention-logit softcaps keep the mask.
     """
 
     rope: bool = True
@@ -78,6 +87,7 @@ class PatchOptions:
     share_attention_mask: bool = True
     causal_right_padding: bool = True
     eager_attention_recompute: bool = True
+    varlen_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -100,6 +110,7 @@ class PatchOptions:
             "share_attention_mask",
             "causal_right_padding",
             "eager_attention_recompute",
+            "varlen_attention",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

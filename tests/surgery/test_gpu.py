@@ -163,3 +163,51 @@ def test_right_padding_runs_causal_within_budget():
     loss, grads = step(surgery.patch(bf16), batch)
     assert_close_budget(loss, ref_loss, masked_loss, torch.bfloat16, what="loss")
     assert_close_budget(grads, ref_grads, masked_grads, torch.bfloat16, what="grads")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
+def test_varlen_attention_within_budget(arch, monkeypatch):
+    """``varlen_attention``: two packed bf16 rows (GQA, sliding windows of 64 on the sliding
+    layers) through torch's varlen flash attention, against the fp32 masked reference, within
+    the budget of the masked bf16 run; the kernel really ran, once per layer."""
+    import surgery.attention as attention
+
+    windows = []
+    real = attention.varlen_kernel
+
+    def counting(device):
+        kernel = real(device)
+        assert kernel is not None, "no varlen kernel on this GPU / torch"
+
+        def run(*args, **kwargs):
+            windows.append(kwargs["window_size"])
+            return kernel(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(attention, "varlen_kernel", counting)
+    rows = [[301, 200, 57], [100, 380, 78]]
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, VOCAB, (2, 558), generator=g)
+    pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
+    labels = ids.masked_fill(pos == 0, -100)
+    batch = {"input_ids": ids.cuda(), "position_ids": pos.cuda(), "labels": labels.cuda()}
+
+    fp32 = gpu_model(arch)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        return out.loss.detach().float(), grads
+
+    ref_loss, ref_grads = run(surgery.patch(fp32, varlen_attention=False))
+    masked_loss, masked_grads = run(surgery.patch(copy.deepcopy(bf16), varlen_attention=False))
+    assert windows == []
+    loss, grads = run(surgery.patch(bf16))
+    assert len(windows) == fp32.config.num_hidden_layers
+    assert any(w != (-1, 0) for w in windows) == (arch != "llama"), windows
+    assert_close_budget(loss, ref_loss, masked_loss, torch.bfloat16, what=f"{arch} loss")
+    assert_close_budget(grads, ref_grads, masked_grads, torch.bfloat16, what=f"{arch} grads")

@@ -1,0 +1,170 @@
+"""``varlen_attention``: packed batches run their attention per document through torch's
+variable-length flash attention instead of sdpa with transformers' block-diagonal mask.
+
+Flash attention needs CUDA, so here the kernel is replaced by ``reference_varlen`` (a loop over
+the documents with an explicit causal / sliding-window mask in fp32), which tests the plumbing:
+document boundaries from the position ids, the flattened layout, GQA, the scale, the mapping of
+transformers' ``sliding_window`` to flash attention's window, and when the path is taken at all.
+The real kernel is compared with the masked path on the GPU (tests/surgery/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import surgery
+import surgery.attention as attention
+from surgery.attention import packed_sequences
+from tests.models.tiny import (
+    attn_for,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_config,
+    tiny_model,
+    twin,
+)
+from tests.utils import assert_close_budget
+
+LENGTHS = [9, 6, 3]  # the tiny configs' sliding window is 5: it cuts into the first two
+
+
+class ReferenceVarlen:
+    """``varlen_attn``'s signature, computed document by document in fp32; records its calls."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
+        assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == cu_q[-1]
+        left, right = window_size
+        self.calls.append(dict(cu=cu_q.tolist(), max=max_q, scale=scale, window=window_size))
+        groups = q.shape[1] // k.shape[1]
+        out = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qq, kk, vv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))
+            kk, vv = kk.repeat_interleave(groups, 0), vv.repeat_interleave(groups, 0)
+            i = torch.arange(b - a)[:, None]
+            j = torch.arange(b - a)[None, :]
+            allowed = j <= i + right
+            if left >= 0:
+                allowed &= j >= i - left
+            scores = (qq @ kk.transpose(1, 2)) * scale
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out.append((probs @ vv).transpose(0, 1).to(q.dtype))
+        return torch.cat(out)
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    kernel = ReferenceVarlen()
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device: kernel)
+    return kernel
+
+
+def expected_windows(arch):
+    """flash attention's (left, right) window of each layer, from transformers' rule that a query
+    sees the keys less than ``sliding_window`` positions back, on its sliding layers."""
+    config = tiny_config(arch)
+    windows = []
+    for i in range(config.num_hidden_layers):
+        if arch == "mistral":
+            sliding = config.sliding_window is not None
+        else:
+            types = getattr(config, "layer_types", None)
+            sliding = types is not None and types[i] == "sliding_attention"
+        windows.append((config.sliding_window - 1, 0) if sliding else (-1, 0))
+    return windows
+
+
+SDPA_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"]
+
+
+@pytest.mark.parametrize("arch", SDPA_ARCHS)
+def test_packed_bf16_within_budget_of_the_masked_path(arch, reference_kernel):
+    fp32 = tiny_model(arch).train()
+    bf16 = twin(fp32).to(torch.bfloat16)
+    batch = packed_batch(sequences(LENGTHS)).kwargs()
+    ref_loss, ref_grads = loss_and_grads(surgery.patch(fp32), **batch)
+    assert reference_kernel.calls == []  # fp32 layers keep the mask
+    masked_loss, masked_grads = loss_and_grads(
+        surgery.patch(twin(bf16), varlen_attention=False), **batch
+    )
+    assert reference_kernel.calls == []
+    loss, grads = loss_and_grads(surgery.patch(bf16), **batch)
+
+    config = tiny_config(arch)
+    scaling = surgery.attention._read_path(bf16.model.layers[0].self_attn, "scaling")
+    assert reference_kernel.calls == [
+        dict(cu=[0, 9, 15, 18], max=9, scale=scaling, window=w) for w in expected_windows(arch)
+    ]
+    assert len(reference_kernel.calls) == config.num_hidden_layers
+
+    def flat(g):
+        return torch.cat([t.float().flatten() for t in g.values()])
+
+    assert_close_budget(loss.float(), ref_loss, masked_loss.float(), torch.bfloat16, what="loss")
+    assert_close_budget(flat(grads), flat(ref_grads), flat(masked_grads), torch.bfloat16,
+                        what="grads")  # fmt: skip
+
+
+def test_several_packed_rows_are_flattened_row_by_row(reference_kernel):
+    """Two rows, each packed: documents never span rows, and every row's first token starts
+    one even where its position does not restart (a chunk of a longer document)."""
+    model = surgery.patch(tiny_model("llama", dtype=torch.bfloat16).train())
+    ids = torch.randint(1, 100, (2, 10))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [7, 8, 9, 0, 1, 0, 1, 2, 3, 4]])
+    model(input_ids=ids, position_ids=pos, labels=ids)
+    assert reference_kernel.calls[0]["cu"] == [0, 4, 10, 13, 15, 20]
+    assert reference_kernel.calls[0]["max"] == 6
+
+
+def test_ignored_label_runs_are_not_boundaries(reference_kernel):
+    """A masked prompt inside a document (a run of -100) does not split it."""
+    model = surgery.patch(tiny_model("llama", dtype=torch.bfloat16).train())
+    batch = packed_batch(sequences(LENGTHS))
+    batch.labels[0, 2:7] = -100
+    model(**batch.kwargs())
+    assert reference_kernel.calls[0]["cu"] == [0, 9, 15, 18]
+
+
+def test_not_taken_without_packing(reference_kernel):
+    """Rows of one document each, padded batches, calls without labels in eval, a softcapped
+    eager model, the option off: the attention runs as before and the kernel is never called."""
+    model = surgery.patch(tiny_model("llama", dtype=torch.bfloat16).train())
+    ids = torch.randint(1, 100, (2, 8))
+    model(input_ids=ids, position_ids=torch.arange(8).expand(2, 8), labels=ids)
+    model(**padded_batch(sequences(LENGTHS)).kwargs())
+    packed = packed_batch(sequences(LENGTHS)).kwargs()
+    with torch.no_grad():
+        model.eval()(input_ids=packed["input_ids"], position_ids=packed["position_ids"])
+    model.train()
+    surgery.patch(model, varlen_attention=False)(**packed)
+    gemma2 = tiny_model("gemma2", dtype=torch.bfloat16).train()
+    assert attn_for("gemma2") == "eager"
+    surgery.patch(gemma2)(**packed)
+    assert reference_kernel.calls == []
+
+
+def test_packed_sequences_from_position_ids(monkeypatch):
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device: "kernel")
+    cpu = torch.device("cpu")
+    for dtype in (torch.int32, torch.int64):
+        pos = torch.tensor([[0, 1, 2, 0, 1, 0]], dtype=dtype)
+        packed = packed_sequences(pos, (1, 6), cpu)
+        assert packed.cu_seqlens.tolist() == [0, 3, 5, 6] and packed.max_length == 3
+        assert packed.cu_seqlens.dtype == torch.int32 and packed.kernel == "kernel"
+    # (1, T) position ids shared by every row of a (B, T) batch
+    packed = packed_sequences(torch.tensor([[0, 1, 0, 1]]), (2, 4), cpu)
+    assert packed.cu_seqlens.tolist() == [0, 2, 4, 6, 8]
+    # one document per row, whatever its offset: nothing to do
+    assert packed_sequences(torch.tensor([[0, 1, 2], [5, 6, 7]]), (2, 3), cpu) is None
+
+
+def test_no_kernel_on_cpu():
+    """Without the monkeypatch: a CPU tensor gets no varlen kernel, the mask path runs."""
+    assert attention.varlen_kernel(torch.device("cpu")) is None
+    assert packed_sequences(torch.tensor([[0, 1, 0]]), (1, 3), torch.device("cpu")) is None
