@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import cdiv, interpreter_enabled, next_power_of_2, triton_available, use_triton
+from .launch import FastLauncher
 from .rounding import round_to
 
 if triton_available():
@@ -315,6 +316,13 @@ if triton is not None:
                         HALF, HALF_PAD, PASS, PASS_PAD, BLOCK_H, INTERPRETED)  # fmt: skip
 
 
+if triton is not None:
+    # Launched directly once compiled (kernels/launch.py): the host time of a launch otherwise
+    # exceeds the kernel's GPU time at training shapes.
+    _launch_rope = FastLauncher(rope_fwd_kernel)
+    _launch_cos_sin = FastLauncher(rope_cos_sin_kernel)
+
+
 # ---------------------------------------------------------------------------------------------
 # Host launchers. Outputs are always new tensors laid out like the input (``empty_like``), so
 # transformers' (B, T, H, D) buffer seen as (B, H, T, D) stays (B, T, H, D) underneath.
@@ -352,9 +360,10 @@ def _sm_count(device_index: int) -> int:
 
 @functools.lru_cache(maxsize=512)
 def _plan(launch, B, T, Hq, Hk, D, rotary_dim, sm_count):
-    """Grid and compile-time meta-parameters of one launch. Cached: a training step launches the
-    same few shapes every layer, and this arithmetic would otherwise be a visible part of the
-    host time of a ~0.1 ms kernel. ``sm_count`` is None off CUDA (no head split)."""
+    """Grid and compile-time meta-parameters ((name, value) pairs) of one launch. Cached: a
+    training step launches the same few shapes every layer, and this arithmetic would otherwise
+    be a visible part of the host time of a ~0.1 ms kernel. ``sm_count`` is None off CUDA (no
+    head split)."""
     half = rotary_dim // 2
     half_pad = next_power_of_2(half)
     block_t = launch.block_t
@@ -370,15 +379,15 @@ def _plan(launch, B, T, Hq, Hk, D, rotary_dim, sm_count):
             groups = min(n_blocks, max(1, cdiv(_PROGRAMS_PER_SM * sm_count, B * t_blocks)))
     groups = max(1, min(groups, n_blocks))
     pass_dim = D - rotary_dim
-    meta = {
-        "HALF": half,
-        "HALF_PAD": half_pad,
-        "PASS": pass_dim,
-        "PASS_PAD": next_power_of_2(pass_dim) if pass_dim else 1,
-        "BLOCK_T": block_t,
-        "BLOCK_H": block_h,
-        "num_warps": launch.num_warps,
-    }
+    meta = (
+        ("HALF", half),
+        ("HALF_PAD", half_pad),
+        ("PASS", pass_dim),
+        ("PASS_PAD", next_power_of_2(pass_dim) if pass_dim else 1),
+        ("BLOCK_T", block_t),
+        ("BLOCK_H", block_h),
+        ("num_warps", launch.num_warps),
+    )
     return (t_blocks, groups, B), meta
 
 
@@ -427,30 +436,13 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, inverse, 
         return oq, ok
     grid, meta = _launch_plan(launch, q, k, rotary_dim)
     interpreted = interpreter_enabled()
-    rope_fwd_kernel[grid](
-        q,
-        k,
-        oq,
-        ok,
-        position_ids,
-        inv_freq,
-        T,
-        Hq,
-        Hk,
-        float(attention_scaling),
-        *q.stride(),
-        *k.stride(),
-        *oq.stride(),
-        *ok.stride(),
-        position_ids.stride(0) if position_ids.shape[0] > 1 else 0,
-        position_ids.stride(1),
-        inv_freq.stride(0),
-        INVERSE=inverse,
-        # Inline PTX on NVIDIA only; the interpreter and ROCm take the precise tl.cos/tl.sin.
-        SFU_TRIG=not interpreted and torch.version.hip is None,
-        INTERPRETED=interpreted,
-        **meta,
-    )
+    scalars = (T, Hq, Hk, float(attention_scaling), *q.stride(), *k.stride(), *oq.stride(),
+               *ok.stride(), position_ids.stride(0) if position_ids.shape[0] > 1 else 0,
+               position_ids.stride(1), inv_freq.stride(0))  # fmt: skip
+    # Inline PTX on NVIDIA only; the interpreter and ROCm take the precise tl.cos/tl.sin.
+    sfu = not interpreted and torch.version.hip is None
+    flags = (("INVERSE", inverse), ("SFU_TRIG", sfu), ("INTERPRETED", interpreted))
+    _launch_rope(grid, (q, k, oq, ok, position_ids, inv_freq), scalars, meta + flags)
     return oq, ok
 
 
@@ -502,30 +494,11 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):
         _rotate_torch(k, ok, c_lo, s_lo, c_hi, s_hi, rotary_dim)
         return oq, ok
     grid, meta = _launch_plan(launch, q, k, rotary_dim)
-    rope_cos_sin_kernel[grid](
-        q,
-        k,
-        oq,
-        ok,
-        cos,
-        sin,
-        T,
-        Hq,
-        Hk,
-        *q.stride(),
-        *k.stride(),
-        *oq.stride(),
-        *ok.stride(),
-        cos.stride(0) if cos.shape[0] > 1 else 0,
-        cos.stride(1),
-        cos.stride(2),
-        sin.stride(0) if sin.shape[0] > 1 else 0,
-        sin.stride(1),
-        sin.stride(2),
-        TRANSPOSE=transpose,
-        INTERPRETED=interpreter_enabled(),
-        **meta,
-    )
+    scalars = (T, Hq, Hk, *q.stride(), *k.stride(), *oq.stride(), *ok.stride(),
+               cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
+               sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2))  # fmt: skip
+    flags = (("TRANSPOSE", transpose), ("INTERPRETED", interpreter_enabled()))
+    _launch_cos_sin(grid, (q, k, oq, ok, cos, sin), scalars, meta + flags)
     return oq, ok
 
 
@@ -786,6 +759,9 @@ def apply_rope(
     scaling = float(attention_scaling)
     if torch.compiler.is_compiling():
         return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        # Nothing to differentiate: the launcher alone, without the Function's host time.
+        return _rope(q, k, position_ids, inv_freq, scaling, rd, False, None, None)
     return _RopeFunction.apply(q, k, position_ids, inv_freq, scaling, rd, False)
 
 
@@ -865,6 +841,8 @@ def apply_rotary_pos_emb(
         oq, ok = _cos_sin_eager(q, k, cos, sin)
     elif torch.compiler.is_compiling():
         oq, ok = _rope_cos_sin_fwd_op(q, k, cos, sin)
+    elif not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        oq, ok = _rope_cos_sin(q, k, cos, sin, False, None, None)
     else:
         oq, ok = _RopeCosSinFunction.apply(q, k, cos, sin, False)
     if ud == 2:
