@@ -17,9 +17,9 @@ Triton releases this was checked against (3.6 and 3.9); on any other release, fo
 annotated or ``do_not_specialize`` parameters, and whenever Triton's launch hooks (a profiler),
 pre-run hooks or stage-inspection hook are set, every launch goes through ``JITFunction.run``;
 in debug mode (``TRITON_DEBUG``, read when a key is first seen) nothing is cached.
-``SURGERY_VERIFY_LAUNCH=1`` makes every direct launch also compute Triton's own specialization
-and check that it is the one the cached kernel was compiled for (tests/kernels/test_launch.py
-runs the RoPE kernels that way on the GPU).
+``SURGERY_VERIFY_LAUNCH=1`` sends every launch of a cached key through ``JITFunction.run``
+instead and checks that the compiled kernel Triton picks is the one cached under the key
+(tests/kernels/test_launch.py runs the RoPE kernels both ways on the GPU).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ __all__ = ["FastLauncher"]
 # specialization depends on nothing the key leaves out.
 _CHECKED_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
 VERIFY = os.environ.get("SURGERY_VERIFY_LAUNCH", "0") not in ("", "0")
-"""Check every direct launch against Triton's own specialization (read once, at import)."""
+"""Launch every cached key through Triton's own path instead and check that Triton picks the
+cached kernel (read once, at import)."""
 MAX_ENTRIES = 4096
 
 
@@ -126,23 +127,19 @@ class FastLauncher:
             if len(self._cache) >= MAX_ENTRIES:
                 self._cache.clear()
             values = tuple(options[name] for name in self._constexpr_names)
-            self._cache[key] = (kernel, values, self._triton_key(device, tensors, scalars, options))
+            self._cache[key] = (kernel, values)
             return
-        kernel, values, triton_key = entry
-        if VERIFY and self._triton_key(device, tensors, scalars, dict(constexprs)) != triton_key:
-            raise RuntimeError(
-                f"FastLauncher({self.fn.__name__}): Triton specializes these arguments "
-                "differently from the cached kernel"
-            )
+        kernel, values = entry
+        if VERIFY:
+            # Triton's own path picks (and launches) the kernel for these arguments: it must be
+            # the very one cached under this key.
+            chosen = self.fn[grid](*tensors, *scalars, **dict(constexprs))
+            if chosen is not kernel and getattr(chosen, "result", lambda: None)() is not kernel:
+                raise RuntimeError(
+                    f"FastLauncher({self.fn.__name__}): Triton picks another compiled kernel "
+                    "for these arguments than the one cached under their key"
+                )
+            return
         kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device),
                    kernel.function, kernel.packed_metadata, None, None, None, *tensors, *scalars,
                    *values)  # fmt: skip
-
-    def _triton_key(self, device, tensors, scalars, options) -> str | None:
-        # Triton's own specialization of these arguments (its binder, as JITFunction.run calls
-        # it); only kept when VERIFY will compare against it.
-        if not VERIFY:
-            return None
-        binder = self.fn.device_caches[device][-1]
-        _, specialization, _ = binder(*tensors, *scalars, **options)
-        return str(specialization)

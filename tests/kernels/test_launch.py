@@ -1,8 +1,8 @@
 """``FastLauncher`` (kernels/launch.py): launches compiled Triton kernels without
 ``JITFunction.run``'s per-call binding, and must never reuse a kernel compiled for another
-specialization. On the GPU every launch here runs with ``VERIFY`` on (Triton's own specialization
-of the arguments checked against the cached kernel's) and its result is compared with the
-reference, first (compiled through Triton) and second (direct) call alike.
+specialization. On the GPU each case is launched through Triton (filling the cache), directly, and
+with ``VERIFY`` (Triton's path, which must pick the cached kernel), each result against the
+reference.
 """
 
 from __future__ import annotations
@@ -44,24 +44,26 @@ CASES = [
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
-def test_direct_launches_match_reference_and_triton_specialization(monkeypatch, pos_dtype):
-    monkeypatch.setattr(launch, "VERIFY", True)
+def test_direct_launches_match_reference_and_tritons_choice(monkeypatch, pos_dtype):
+    """Per case, three launches on new tensors of the same layout (same key, other addresses
+    and values): the first through Triton (fills the cache), the second direct, the third with
+    ``VERIFY`` (Triton's path, which must pick the kernel cached under the key); every result
+    against the fp64 reference."""
     assert rope_mod._launch_rope._direct, "this Triton release is not on the checked list"
     for B, Hq, Hk, T, D, offset, layout in CASES:
-        q, k = _inputs(B, Hq, Hk, T, D, offset, layout)
-        pos = torch.randint(0, 4096, (B if B > 1 else 1, T), device="cuda", dtype=pos_dtype)
-        inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
-        want = apply_rope_reference(q.double(), k.double(), pos, inv.double())
-        for _ in range(2):  # the first launch compiles or fills the cache, the second is direct
-            got = rope_fwd(q, k, pos, inv, 1.0, D)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g.double(), w.to(g.dtype).double(), atol=2e-2, rtol=0)
-        cos = torch.cos(pos[..., None].float() * torch.cat([inv, inv]))
-        sin = torch.sin(pos[..., None].float() * torch.cat([inv, inv]))
-        for _ in range(2):
-            got = rope_cos_sin_fwd(q, k, cos, sin)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g.double(), w.to(g.dtype).double(), atol=2e-2, rtol=0)
+        for verify in (False, False, True):
+            monkeypatch.setattr(launch, "VERIFY", verify)
+            q, k = _inputs(B, Hq, Hk, T, D, offset, layout)
+            pos = torch.randint(0, 4096, (B if B > 1 else 1, T), device="cuda", dtype=pos_dtype)
+            inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+            want = apply_rope_reference(q.double(), k.double(), pos, inv.double())
+            cos = torch.cos(pos[..., None].float() * torch.cat([inv, inv]))
+            sin = torch.sin(pos[..., None].float() * torch.cat([inv, inv]))
+            for got in (rope_fwd(q, k, pos, inv, 1.0, D), rope_cos_sin_fwd(q, k, cos, sin)):
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(
+                        g.double(), w.to(g.dtype).double(), atol=2e-2, rtol=0
+                    )
     assert len(rope_mod._launch_rope._cache) >= len(CASES)
 
 
