@@ -87,11 +87,14 @@ class FastLauncher:
             for p in params[:n_runtime]
         ) and all(p.is_constexpr for p in params[n_runtime:])
         self._constexpr_names = [p.name for p in params[n_runtime:]]
+        from triton import knobs
+        from triton.runtime import driver
+
+        # Bound once: the launch path runs per layer and step.
+        self._runtime, self._driver = knobs.runtime, driver
 
     def _hooks_set(self) -> bool:
-        from triton import knobs
-
-        runtime = knobs.runtime
+        runtime = self._runtime
         return bool(
             self.fn.pre_run_hooks
             or _hook_active(runtime.launch_enter_hook)
@@ -110,8 +113,7 @@ class FastLauncher:
         if not self._direct or not tensors[0].is_cuda or self._hooks_set():
             self.fn[grid](*tensors, *scalars, **dict(constexprs))
             return
-        from triton.runtime import driver
-
+        driver = self._driver
         device = driver.active.get_current_device()
         key = (device, constexprs, scalars, *[(t.dtype, t.data_ptr() & 127) for t in tensors])
         entry = self._cache.get(key)
@@ -120,9 +122,7 @@ class FastLauncher:
             kernel = self.fn[grid](*tensors, *scalars, **options)  # compiles (or finds), launches
             if hasattr(kernel, "result"):  # asynchronous compilation
                 kernel = kernel.result()
-            from triton import knobs
-
-            if knobs.runtime.debug:  # TRITON_DEBUG: keep every launch on Triton's own path
+            if self._runtime.debug:  # TRITON_DEBUG: keep every launch on Triton's own path
                 return
             if len(self._cache) >= MAX_ENTRIES:
                 self._cache.clear()
