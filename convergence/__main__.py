@@ -173,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     if not args.no_plot and png_path is None:
-        print("(no loss-curve png: matplotlib is not installed)")
+        print(
+            "(no loss-curve png: matplotlib is not installed; `pip install matplotlib`, or install "
+            'surgery with its extra: pip install "transformers-surgery[convergence]")'
+        )
     failed = [c for c in checks if not c.passed]
     elapsed = time.perf_counter() - t0
     if failed:

@@ -95,6 +95,28 @@ class ArchitectureSpec:
     def _resolve(self, name: str):
         return getattr(importlib.import_module(self.module), name)
 
+    def is_instance(self, module: object, name: str) -> bool:
+        """Whether ``module`` is an instance of transformers' own class ``name`` of ``module``
+        (or of a subclass), matched by where the class was defined, not by what the module-level
+        name points to now: other libraries rebind those names (Liger-Kernel's class-level
+        patches put their own classes there)."""
+        return any(
+            cls.__module__ == self.module and cls.__qualname__ == name
+            for cls in type(module).__mro__
+        )
+
+    def rebound_functions(self) -> dict[str, object]:
+        """transformers' functions the generic forwards call (``apply_rotary_pos_emb``,
+        ``eager_attention_forward``) whose name in ``module`` now points to a function defined
+        elsewhere (another library rebound it), with that function. Rebound class names do not
+        matter: modules are matched with ``is_instance``."""
+        found = {}
+        for name in ("apply_rotary_pos_emb", "eager_attention_forward"):
+            obj = self._resolve(name)
+            if getattr(obj, "__module__", None) != self.module:
+                found[name] = obj
+        return found
+
     def causal_lm_class(self) -> type:
         return self._resolve(self.causal_lm)
 

@@ -1,9 +1,14 @@
 """``patch`` / ``unpatch`` / ``patched`` on one model instance, and ``apply_<arch>`` / ``revert``
 for the models built afterwards.
 
-Patching sets ``forward`` on instances (``types.MethodType``) and keeps the previous instance
-attribute (usually none: the class forward) to restore. It adds no parameters, buffers or
-submodules: what a patched forward needs lives in plain attributes of the instance's ``__dict__``.
+Patching replaces the forward of each module it patches by one of the generic forwards, bound to
+the module (``types.MethodType``), and keeps what it replaced to restore. It adds no parameters,
+buffers or submodules: what a patched forward needs lives in plain attributes of the instance's
+``__dict__``. Modules are matched by transformers' own classes (``ArchitectureSpec.is_instance``).
+``patch`` is all or nothing: every swap is planned and checked first (signatures, forwards other
+code installed: see ``surgery.foreign``), then installed; a failure while installing undoes the
+swaps already made. accelerate's hooks and mixed-precision wrapper are kept around the patched
+forward; other libraries' forwards are refused.
 """
 
 from __future__ import annotations
@@ -11,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import nn
@@ -31,14 +36,20 @@ from surgery.models import (
 )
 
 from .attention import BINDING_ATTR, AttentionBinding, attention_forward
+from .foreign import (
+    ForeignForwardError,
+    ForwardSlot,
+    find_forward_slot,
+    foreign_kernel_modules,
+    library_of,
+    restore_forward,
+)
 from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, causal_lm_forward, lm_head_forward
 from .layers import (
     MLP_ATTR,
     NORM_ATTR,
     gated_mlp_forward,
-    rms_norm_forward,
     rms_norm_forward_for,
-    rms_norm_forward_x,
 )
 from .options import PatchOptions
 from .recompute import RECOMPUTE_ATTR, RecomputePlan
@@ -64,19 +75,30 @@ M = TypeVar("M", bound=nn.Module)
 
 ORIGINAL_ATTR = "_surgery_original_forward"
 ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
-_PATCHED_FUNCTIONS = (
-    causal_lm_forward,
-    attention_forward,
-    lm_head_forward,
-    rms_norm_forward,
-    rms_norm_forward_x,
-    gated_mlp_forward,
-)
 _EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR, NORM_ATTR, MLP_ATTR, RECOMPUTE_ATTR)
 
 
 # ---------------------------------------------------------------------------------------------
 # swapping one module's forward
+
+
+@dataclass(frozen=True)
+class _Installed:
+    """Kept in a patched module's ``__dict__`` under ``ORIGINAL_ATTR``: what was installed and
+    what it replaced (``ForwardSlot.current``: None for the class forward)."""
+
+    value: Any
+    previous: Any
+
+
+@dataclass
+class _Swap:
+    """One planned swap: checked before anything is changed (``patch`` is all or nothing)."""
+
+    module: nn.Module
+    function: Callable
+    extra: dict[str, Any]
+    slot: ForwardSlot
 
 
 def _positional(sig: inspect.Signature, drop_self: bool) -> list[inspect.Parameter]:
@@ -106,46 +128,53 @@ def _check_signature(module: nn.Module, original: Callable, replacement: Callabl
             ok = False
         if not ok:
             raise RuntimeError(
-                f"surgery cannot patch {type(module).__name__}.forward: its signature "
+                f"surgery cannot patch {type(module).__name__}.forward: transformers' "
                 f"{inspect.signature(original)} does not match the replacement "
                 f"{replacement.__name__}{inspect.signature(replacement)} at {p.name!r}; this "
                 "transformers version is not supported"
             )
 
 
-def _swap_forward(module: nn.Module, function: Callable, extra: dict[str, Any]) -> None:
+def _plan_swap(module: nn.Module, function: Callable, extra: dict[str, Any], name: str):
+    """The swap of ``module``'s forward for ``function``, checked; None when already patched.
+    Raises ``ForeignForwardError`` for a forward other code installed that surgery cannot keep,
+    and ``RuntimeError`` for a signature this transformers version changed."""
     if ORIGINAL_ATTR in module.__dict__:
-        return  # already patched: a no-op
-    previous = module.__dict__.get("forward")  # an instance-level forward someone set, or None
-    _check_signature(module, previous if previous is not None else type(module).forward, function)
-    module.__dict__.update(extra)
-    module.__dict__[ORIGINAL_ATTR] = previous
-    module.__dict__["forward"] = types.MethodType(function, module)
+        return None  # already patched: a no-op
+    slot = find_forward_slot(module, name or "the model")
+    original = slot.current if slot.current is not None else type(module).forward
+    _check_signature(module, original, function)
+    return _Swap(module, function, extra, slot)
 
 
-def _is_ours(module: nn.Module) -> bool:
-    current = module.__dict__.get("forward")
-    return (
-        getattr(current, "__func__", None) in _PATCHED_FUNCTIONS
-        and getattr(current, "__self__", None) is module
-    )
+def _apply_swaps(swaps: list[_Swap]) -> None:
+    """Install every planned swap; on any failure undo those already installed and re-raise."""
+    done: list[nn.Module] = []
+    try:
+        for swap in swaps:
+            module = swap.module
+            value = swap.slot.install(swap.function)
+            module.__dict__[ORIGINAL_ATTR] = _Installed(value, swap.slot.current)
+            done.append(module)
+            module.__dict__.update(swap.extra)
+    except BaseException:
+        for module in reversed(done):
+            _restore_forward(module)
+        raise
 
 
 def _restore_forward(module: nn.Module) -> None:
-    if ORIGINAL_ATTR not in module.__dict__:
+    installed: _Installed | None = module.__dict__.get(ORIGINAL_ATTR)
+    if installed is None:
         return
-    if not _is_ours(module):
+    if not restore_forward(module, installed.value, installed.previous):
         warnings.warn(
             f"surgery.unpatch: {type(module).__name__}.forward was replaced after surgery.patch "
             "(by another library?); leaving that module as it is",
             stacklevel=3,
         )
         return
-    previous = module.__dict__.pop(ORIGINAL_ATTR)
-    if previous is None:
-        del module.__dict__["forward"]
-    else:
-        module.__dict__["forward"] = previous
+    del module.__dict__[ORIGINAL_ATTR]
     for name in _EXTRA_ATTRS:
         module.__dict__.pop(name, None)
 
@@ -205,9 +234,38 @@ def _feeds_projections(lm: nn.Module, norm: nn.Module) -> bool:
     )
 
 
-def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> None:
+def _check_not_foreign(lm: nn.Module, spec: ArchitectureSpec) -> None:
+    """Refuse a model that another kernel library patched, or whose transformers functions another
+    library rebound, before anything is changed."""
+    foreign = foreign_kernel_modules(lm)
+    if foreign:
+        more = len(foreign) - 3
+        shown = "; ".join(foreign[:3]) + (f"; and {more} more" if more > 0 else "")
+        raise ForeignForwardError(
+            f"surgery.patch: {type(lm).__name__} holds modules patched by another kernel "
+            f"library: {shown}. surgery and that library replace the same forwards: use one of "
+            "them, on a model built without the other's patches. Nothing was changed."
+        )
+    rebound = spec.rebound_functions()
+    if rebound:
+        found = ", ".join(
+            f"{name} is now {obj.__module__}.{obj.__qualname__} ({library_of(obj)})"
+            for name, obj in rebound.items()
+        )
+        raise ForeignForwardError(
+            f"surgery.patch: another library rebound functions of {spec.module} that surgery "
+            f"calls ({found}). Liger-Kernel's apply_liger_kernel_to_* does this for the whole "
+            "process: run surgery in a process that never applies it. Nothing was changed."
+        )
+
+
+def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[_Swap]:
+    """Every swap ``options`` asks for on ``lm``, checked; nothing is changed yet."""
+    _check_not_foreign(lm, spec)
     plan = _recompute_plan(spec, options)
     norm_plan = {RECOMPUTE_ATTR: plan} if plan is not None and plan.norm_output else {}
+    modules = list(lm.named_modules())
+    wanted: list[tuple[str, nn.Module, Callable, dict[str, Any]]] = []
     if options.rope:
         binding = AttentionBinding(
             spec=spec,
@@ -217,19 +275,17 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
             share_mask=options.share_attention_mask,
             lean_eager=options.eager_attention_recompute,
         )
-        attention_class = spec.attention_class()
-        for module in lm.modules():
-            if isinstance(module, attention_class):
-                _swap_forward(module, attention_forward, {BINDING_ATTR: binding, **norm_plan})
+        for name, module in modules:
+            if spec.is_instance(module, spec.attention):
+                extra = {BINDING_ATTR: binding, **norm_plan}
+                wanted.append((name, module, attention_forward, extra))
     if options.rms_norm and spec.rms_norm is not None:
-        norm_class = spec.rms_norm_class()
-        for module in lm.modules():
-            if isinstance(module, norm_class):
-                forward = rms_norm_forward_for(module)
+        for name, module in modules:
+            if spec.is_instance(module, spec.rms_norm):
                 extra = {NORM_ATTR: spec.rms_norm_style}
                 if _feeds_projections(lm, module):
                     extra.update(norm_plan)
-                _swap_forward(module, forward, extra)
+                wanted.append((name, module, rms_norm_forward_for(module), extra))
     if options.gated_mlp and spec.mlp is not None:
         activation = spec.gated_activation(lm.config)
         if activation is None:
@@ -237,19 +293,27 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
                 f"surgery: no fused kernel for the MLP activation "
                 f"{getattr(lm.config, spec.mlp_activation_attr, None)!r}; the MLPs keep their own "
                 "forward",
-                stacklevel=3,
+                stacklevel=4,
             )
         else:
-            mlp_class = spec.mlp_class()
-            for module in lm.modules():
-                if isinstance(module, mlp_class):
+            for name, module in modules:
+                if spec.is_instance(module, spec.mlp):
                     extra = {MLP_ATTR: activation}
                     if plan is not None:
                         extra[RECOMPUTE_ATTR] = plan
-                    _swap_forward(module, gated_mlp_forward, extra)
+                    wanted.append((name, module, gated_mlp_forward, extra))
     if options.fused_linear_cross_entropy:
+        names = {id(m): n for n, m in modules}
         for head in _lm_head_linears(lm):
-            _swap_forward(head, lm_head_forward, {LM_HEAD_ATTR: True})
+            wanted.append((names[id(head)], head, lm_head_forward, {LM_HEAD_ATTR: True}))
+    state = {STATE_ATTR: PatchState(spec=spec, options=options)}
+    wanted.append(("", lm, causal_lm_forward, state))
+    swaps = [_plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
+    return [swap for swap in swaps if swap is not None]
+
+
+def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> None:
+    _apply_swaps(_plan_lm(lm, spec, options))
     if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
         # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
         # use it. With accepts_loss_kwargs False the HF Trainer passes none and divides each
@@ -259,7 +323,6 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
             lm.__dict__.get("accepts_loss_kwargs"),
         )
         lm.__dict__["accepts_loss_kwargs"] = False
-    _swap_forward(lm, causal_lm_forward, {STATE_ATTR: PatchState(spec=spec, options=options)})
 
 
 def _unpatch_lm(lm: nn.Module) -> None:
@@ -330,7 +393,13 @@ def patch(
     state = lm.__dict__.get(STATE_ATTR)
     if state is not None and state.options != options:
         _unpatch_lm(lm)
-    _patch_lm(lm, spec, options)
+        try:
+            _patch_lm(lm, spec, options)
+        except BaseException:
+            _patch_lm(lm, spec, state.options)  # as it was: all or nothing
+            raise
+    else:
+        _patch_lm(lm, spec, options)
     return model
 
 

@@ -74,12 +74,11 @@ def rms_norm_forward_x(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_forward_for(module: nn.Module) -> Callable:
-    """The norm forward whose argument is named like the one of ``module``'s current forward (the
-    patch checks that the names match, so a caller passing it by keyword still works)."""
-    current = module.__dict__.get("forward") or type(module).forward
-    params = list(inspect.signature(current).parameters)
-    if not inspect.ismethod(current):
-        params = params[1:]
+    """The norm forward whose argument is named like the one of ``module``'s class forward (the
+    patch checks that the names match, so a caller passing it by keyword still works). The class
+    forward, not an instance one: what ``patch`` replaces is always transformers' own forward,
+    possibly inside accelerate's hook (``surgery.foreign``)."""
+    params = list(inspect.signature(type(module).forward).parameters)[1:]
     return rms_norm_forward_x if params[:1] == ["x"] else rms_norm_forward
 
 

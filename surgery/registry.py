@@ -22,7 +22,7 @@ def supported() -> dict[str, ArchitectureSpec]:
 def _spec_of(module: nn.Module) -> ArchitectureSpec | None:
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     spec = supported().get(model_type)
-    if spec is not None and isinstance(module, spec.causal_lm_class()):
+    if spec is not None and spec.is_instance(module, spec.causal_lm):
         return spec
     return None
 

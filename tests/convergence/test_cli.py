@@ -36,3 +36,25 @@ def test_cli_fails_on_a_bug(tmp_path, capsys, monkeypatch):
 
 def test_cli_rejects_unknown_model(capsys):
     assert cli.main(["--model", "gpt2"]) == 2
+
+
+def test_readme_main_command_installs_what_the_plot_needs():
+    """The README's first command (the main job) must bring matplotlib, or a new user's first run
+    writes no loss-curve png."""
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)```", readme.split("## The two commands", 1)[1], re.S)
+    main = commands[0]
+    assert "python -m surgery.convergence" in main
+    extras = re.findall(r'-e "\.\[([a-z,]+)\]"', main)
+    assert extras, f"the main command installs no extra: {main!r}"
+    optional = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    needs = [dep for extra in extras[0].split(",") for dep in optional[extra]]
+    assert any(dep.startswith("matplotlib") for dep in needs), needs

@@ -92,17 +92,15 @@ def test_patch_twice_is_a_noop_and_unpatch_restores_exactly():
 
 
 def test_unpatch_restores_a_previous_instance_forward():
+    """An instance forward that is the class's own (``model.forward = model.forward``) is replaced
+    and put back; any other instance forward is refused (tests/surgery/test_foreign.py)."""
     model = tiny_model("llama")
-    wrapped = model.forward  # e.g. another library's instance-level wrapper
-
-    def outer(*args, **kwargs):
-        return wrapped(*args, **kwargs)
-
-    model.forward = outer
+    bound = model.forward
+    model.forward = bound
     surgery.patch(model, rope=False, fused_linear_cross_entropy=False)
-    assert model.__dict__[ORIGINAL_ATTR] is outer
+    assert model.__dict__[ORIGINAL_ATTR].previous is bound
     surgery.unpatch(model)
-    assert model.__dict__["forward"] is outer
+    assert model.__dict__["forward"] is bound
 
 
 def test_patch_with_other_options_repatches():
