@@ -9,6 +9,10 @@ The causal-LM forward runs the base model (``self.model``), then either the fuse
   run around it and a tied head reads the shared weight; ``logits`` is None;
 - otherwise: logits as transformers computes them (with the final softcap, if any), and when labels
   are given the loss through ``cross_entropy``.
+
+Either way the final hidden states are first cut to ``logits_to_keep`` by transformers' own
+``slice_logits_to_keep`` (an int, a 1-D tensor of positions, a 2-D tensor of positions per row or a
+boolean mask), so the kept positions are the ones the unpatched model keeps.
 """
 
 from __future__ import annotations
@@ -26,6 +30,21 @@ from surgery.models import ArchitectureSpec
 
 from .attention import PACKED_KWARG, packed_sequences
 from .options import PatchOptions
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # releases before the helper (5.17 among them)
+
+    def slice_logits_to_keep(
+        hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
+        """The slicing those releases' causal-LM forwards do inline: an int keeps the last
+        ``logits_to_keep`` positions (0: all), a tensor indexes the sequence dimension."""
+        indices = (
+            slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        )
+        return hidden_states[:, indices, :]
+
 
 __all__ = [
     "CausalLMOutputWithZLoss",
@@ -77,13 +96,6 @@ def head_takes_loss(head: nn.Module) -> bool:
         if module._parameters and LM_HEAD_ATTR not in module.__dict__:
             return False
     return True
-
-
-def _keep_last(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    # transformers' meaning: 0 keeps every position, k > 0 the last k, a tensor the listed indices.
-    if isinstance(logits_to_keep, int):
-        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
-    return hidden[:, logits_to_keep, :]
 
 
 def _logits(self, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -197,7 +209,7 @@ def causal_lm_forward(
         use_cache=use_cache,
         **kwargs,
     )
-    hidden = _keep_last(outputs.last_hidden_state, logits_to_keep)
+    hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     softcap = (
         getattr(self.config, state.spec.logit_softcap, None) if state.spec.logit_softcap else None
     )

@@ -46,8 +46,9 @@ class PatchOptions:
       ``attn_implementation="sdpa"``, a boolean 4-D mask is turned into an additive one once per
       forward and that one tensor goes to every layer. sdpa would otherwise build a new
       (batch, 1, seq, seq) copy in every layer and keep each for its backward (64 MiB per layer
-      at 2 x 4096 in bf16). Same attention for every row that attends anywhere; see
-      ``surgery.attention``.
+      at 2 x 4096 in bf16). Exact: every row that attends to some key gets the same attention,
+      and a row that attends to no key (left padding) gets sdpa's zeros and passes no gradient;
+      see ``surgery.attention``.
     - ``causal_right_padding``: in a fused-loss training step on sdpa, a right-padded batch whose
       padding positions are all ignored (label ``ignore_index``) runs without its attention mask,
       as a plain causal batch: sdpa then takes its flash kernel (causal blocks skipped, no key/value

@@ -2,9 +2,11 @@
 
 ``share_attention_mask``: sdpa gets one additive mask per forward, shared by every layer: the same
 loss and gradients, bit for bit, as handing it the boolean mask (masked weights underflow to
-exactly 0 either way); the shared tensor is freed with the forward's graph. (The memory it saves,
-one mask per layer kept by sdpa's masked backends, is measured on the GPU:
-tests/surgery/test_gpu.py.)
+exactly 0 either way, and a query row that attends to no key, as every left-pad position, gets
+sdpa's zeros); the shared tensor is freed with the forward's graph. (The memory it saves, one mask
+per layer kept by sdpa's masked backends, is measured on the GPU: tests/surgery/test_gpu.py.)
+Left padding is also checked against unpatched transformers for every architecture, on sdpa and
+on eager attention (which spreads a fully masked row evenly over every key instead).
 
 ``causal_right_padding``: a right-padded training batch with ignored padding labels runs as plain
 causal attention (no mask) with the same loss and gradients as the masked run; every other batch
@@ -13,17 +15,24 @@ keeps its mask.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
 
 import surgery
-from surgery.attention import shared_additive_mask
+from surgery.attention import lean_eager_attention, shared_sdpa_mask
 from tests.models.tiny import (
+    ARCHS,
+    attn_for,
     loss_and_grads,
     packed_batch,
     padded_batch,
@@ -32,6 +41,8 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
+from tests.surgery.test_recompute import kept_bytes
+from tests.utils import TOLERANCES, rel_err
 
 LENGTHS = [9, 6, 3]
 OFF = {"share_attention_mask": False}
@@ -56,6 +67,8 @@ def sdpa_masks(monkeypatch):
 
 
 def batch_of(kind):
+    if kind == "left":
+        return left_padded()
     seqs = sequences(LENGTHS)
     return (packed_batch(seqs) if kind == "packed" else padded_batch(seqs)).kwargs()
 
@@ -64,7 +77,7 @@ CASES = [
     (arch, dtype, kind)
     for arch in ("llama", "qwen3", "gemma3_text")
     for dtype in (torch.float32, torch.bfloat16)
-    for kind in ("padded", "packed")
+    for kind in ("padded", "packed", "left")
 ]
 
 
@@ -121,15 +134,19 @@ def test_alternating_masks_each_converted_once(sdpa_masks):
 
 
 def test_helper_values_and_pass_through():
-    mask = torch.tensor([[True, False], [True, True]])[None, None]
-    additive = shared_additive_mask(mask, torch.bfloat16)
-    assert additive.dtype == torch.bfloat16
+    # Row 0 attends to key 0 only, row 1 to both keys, row 2 to none.
+    mask = torch.tensor([[True, False], [True, True], [False, False]])[None, None]
+    shared = shared_sdpa_mask(mask, torch.bfloat16)
+    assert shared.additive.dtype == torch.bfloat16
     low = torch.finfo(torch.bfloat16).min
-    assert torch.equal(additive[0, 0], torch.tensor([[0.0, low], [0.0, 0.0]]).bfloat16())
-    assert shared_additive_mask(mask, torch.bfloat16) is additive  # cached on the mask
-    assert shared_additive_mask(mask, torch.float32).dtype == torch.float32  # dtype change
-    for other in (None, torch.zeros(1, 1, 2, 2), torch.ones(2, 2, dtype=torch.bool)):
-        assert shared_additive_mask(other, torch.float32) is other
+    want = torch.tensor([[0.0, low], [0.0, 0.0], [low, low]]).bfloat16()
+    assert torch.equal(shared.additive[0, 0], want)
+    assert torch.equal(shared.unattended, torch.tensor([[[False], [False], [True]]]))
+    assert shared_sdpa_mask(mask, torch.bfloat16) is shared  # cached on the mask
+    assert shared_sdpa_mask(mask, torch.float32).additive.dtype == torch.float32  # dtype change
+    per_head = torch.ones(1, 2, 2, 2, dtype=torch.bool)
+    for other in (None, torch.zeros(1, 1, 2, 2), torch.ones(2, 2, dtype=torch.bool), per_head):
+        assert shared_sdpa_mask(other, torch.float32) is None
 
 
 def test_option_is_validated():
@@ -214,3 +231,235 @@ def test_mask_kept_unless_dropping_is_exact(case, sdpa_masks):
     out = model(**make_batch(), **call_kwargs)
     assert torch.isfinite(out.loss)
     assert sdpa_masks and all(m is not None for m in sdpa_masks), case
+
+
+# ---------------------------------------------------------------------------------------------
+# Left padding: query rows that attend to no key
+
+
+LEFT_LENGTHS = [9, 5, 2]  # 0, 4 and 7 pad positions
+
+
+def left_padded(lengths=LEFT_LENGTHS) -> dict:
+    """Left-padded rows, every real token a label: the prediction from a row's last pad position
+    to its first real token is trained, as transformers trains it. Every pad position is a query
+    row that attends to no key."""
+    seqs = sequences(lengths)
+    T = max(lengths)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s) :] = s
+        mask[i, T - len(s) :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+LEFT_CASES = [(arch, "sdpa") for arch in ARCHS] + [("llama", "eager"), ("qwen3", "eager")]
+
+
+@pytest.mark.parametrize(
+    ("arch", "attn"), LEFT_CASES, ids=[f"{a}-{attn_for(a, i)}" for a, i in LEFT_CASES]
+)
+def test_left_padding_same_loss_and_grads_as_transformers(arch, attn):
+    """Patched (every option at its default) against unpatched transformers, fp32: sdpa gives a
+    row that attends to nothing zeros and eager spreads it evenly over every key, and the patched
+    model does what the model's own attention does, including the trained prediction of each
+    row's first real token from its last pad position."""
+    model = tiny_model(arch, attn=attn).train()
+    reference = twin(model)
+    surgery.patch(model)
+    batch = left_padded()
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(loss, want_loss, rtol=tol["rtol"], atol=0.0)
+    for name, g in want_grads.items():
+        assert rel_err(grads[name], g) < tol["rtol"], name
+
+
+def test_left_padding_keeps_one_mask_and_nothing_per_layer():
+    """The unattended rows cost one (batch, seq) bool tensor per forward, nothing per layer: the
+    shared mask keeps one additive mask where sdpa keeps its own copy in every layer."""
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    batch = left_padded()
+    B, T = batch["input_ids"].shape
+    kept = {}
+    for share in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+        kept[share] = kept_bytes(surgery.patch(model, share_attention_mask=share), batch)
+    mask_bytes = B * T * T * 4  # (B, 1, T, T) fp32
+    assert kept[False] - kept[True] == (config.num_hidden_layers - 1) * mask_bytes - B * T
+
+
+def _attention_layer(bias: bool, share: bool, device="cpu", dtype=torch.float32):
+    config = tiny_config("llama")
+    config.attention_bias = bias  # q, k, v and o_proj biases
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    surgery.patch(model.to(device, dtype), share_attention_mask=share)
+    return model.model.layers[0].self_attn
+
+
+def _left_padded_4d(T: int, pads: list[int]) -> torch.Tensor:
+    real = torch.arange(T)[None, :] >= torch.tensor(pads)[:, None]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return causal[None, None] & real[:, None, None, :]  # what transformers builds for sdpa
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "o_proj-bias"])
+def test_unattended_rows_as_sdpa_boolean_mask(bias):
+    """One attention layer on a boolean mask with fully masked query rows: with the shared
+    additive mask, the output and every gradient are sdpa's on the boolean mask, bit for bit
+    (o_proj's bias gradient: the same terms summed in another order). The fully masked rows give
+    what o_proj gives a zero row, and the query, key and value of a pad position get no
+    gradient."""
+    pads = [0, 4, 7]
+    B, T = len(pads), 9
+    mask = _left_padded_4d(T, pads)
+    assert not mask[1, 0, :4].any() and mask[1, 0, 4:].any(-1).all()
+    hidden = torch.randn(B, T, tiny_config("llama").hidden_size)
+    grad_out = torch.randn_like(hidden)
+    position_ids = torch.arange(T)[None].expand(B, -1)
+    results = {}
+    for share in (False, True):
+        attn = _attention_layer(bias, share)
+        x = hidden.clone().requires_grad_()
+        out, _ = attn(x, attention_mask=mask.clone(), position_ids=position_ids)
+        out.backward(grad_out)
+        grads = {n: p.grad for n, p in attn.named_parameters()}
+        results[share] = (out.detach(), x.grad, grads, attn.o_proj.bias)
+    (out, dx, grads, o_bias), (want_out, want_dx, want_grads, _) = results[True], results[False]
+    assert torch.equal(out, want_out)
+    assert torch.equal(dx, want_dx)
+    for name, g in want_grads.items():
+        if name == "o_proj.bias":
+            torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=0.0)
+        else:
+            assert torch.equal(grads[name], g), name
+    for row, pad in enumerate(pads):
+        zero_row = torch.zeros(pad, out.shape[-1]) if o_bias is None else o_bias.expand(pad, -1)
+        assert torch.equal(out[row, :pad], zero_row.detach())
+        assert not dx[row, :pad].any()  # no gradient through q, k or v of a pad position
+
+
+def test_lean_eager_matches_transformers_eager_on_unattended_rows():
+    """transformers' eager attention gives a fully masked row (the lowest finite value on every
+    key) an even spread over every key: the mean of the values. ``lean_eager_attention`` gives
+    the same, bit for bit, forward and backward, with and without a softcap."""
+    module = surgery.patch(tiny_model("llama", attn="eager")).model.layers[0].self_attn
+    pads = [0, 4, 7]
+    B, T, D = len(pads), 9, module.head_dim
+    mask = _left_padded_4d(T, pads)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, 4, T, D, generator=g)
+    k, v = (torch.randn(B, 2, T, D, generator=g) for _ in range(2))
+    grad_out = torch.randn(B, T, 4, D, generator=g)
+    # Llama's eager function has no softcap; Gemma 2's applies one.
+    for transformers_eager, softcap in ((llama_eager, None), (gemma2_eager, 5.0)):
+        results = []
+        for fn in (transformers_eager, lean_eager_attention):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            extra = {} if softcap is None else {"softcap": softcap}
+            out, _ = fn(module, *leaves, additive, scaling=D**-0.5, **extra)
+            out.backward(grad_out)
+            results.append((out.detach(), *(t.grad for t in leaves)))
+        for got, want in zip(results[1], results[0], strict=True):
+            assert torch.equal(got, want), softcap
+        values_mean = v[2].mean(dim=1).repeat_interleave(2, dim=0)  # (heads, D), GQA groups of 2
+        torch.testing.assert_close(results[1][0][2, :7], values_mean.expand(7, -1, -1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_left_padding_lean_eager_bitwise(arch):
+    model = tiny_model(arch, attn="eager").train()
+    reference = surgery.patch(twin(model), eager_attention_recompute=False)
+    surgery.patch(model)
+    batch = left_padded()
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    assert torch.equal(loss, want_loss)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
+# sdpa's backends, forced one at a time on the GPU. The fp32 references run on the default choice
+# (memory-efficient for fp32), which gives a fully masked row zeros.
+BACKENDS = {
+    "default": None,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def _on_backend(name: str):
+    return contextlib.nullcontext() if BACKENDS[name] is None else sdpa_kernel(BACKENDS[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "efficient", "math"])
+def test_unattended_rows_on_every_sdpa_backend(backend):
+    """On the GPU, in bf16, each masked sdpa backend forced: the shared mask's fully masked rows
+    give exactly o_proj's zero row and no gradient to any pad position, and every other row is
+    the boolean mask's, bit for bit. (torch <= 2.11 hands cuDNN a boolean mask with -65504 for
+    False, so that on the boolean mask a fully masked row attends to every key there: only the
+    other rows are compared on cuDNN.)"""
+    pads = [0, 100, 300]
+    B, T = len(pads), 512
+    mask = _left_padded_4d(T, pads).cuda()
+    hidden = torch.randn(B, T, tiny_config("llama").hidden_size, device="cuda").bfloat16()
+    position_ids = torch.arange(T, device="cuda")[None].expand(B, -1)
+    results = {}
+    with _on_backend(backend):
+        for share in (False, True):
+            attn = _attention_layer(False, share, "cuda", torch.bfloat16)
+            x = hidden.clone().requires_grad_()
+            out, _ = attn(x, attention_mask=mask.clone(), position_ids=position_ids)
+            out.backward(torch.ones_like(out))
+            results[share] = (out.detach(), x.grad)
+    (out, dx), (want_out, want_dx) = results[True], results[False]
+    attends = mask.any(-1).transpose(1, 2).expand_as(out)
+    assert torch.equal(out[attends], want_out[attends])
+    assert not out[~attends].any()
+    assert not dx[~attends].any()  # pad positions: every query row there is fully masked
+    if backend != "cudnn":
+        assert torch.equal(dx, want_dx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["default", "efficient", "math"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_left_padding_bf16_within_the_boolean_mask_budget(arch, backend):
+    """On the GPU: a left-padded bf16 step on the shared mask against unpatched fp32 transformers.
+    Its error (loss, and the concatenated gradient of every parameter) may exceed the error of the
+    same patched step on the boolean mask (``share_attention_mask=False``, same backend) by the
+    bf16 budget's factor, and by none of its floor: the floor (2e-3) is larger than what a wrong
+    value in the fully masked rows costs the loss, and the two steps differ only in the mask's
+    form. (On sm90 the default masked backend is cuDNN, where the boolean mask's error is the
+    larger: see ``test_unattended_rows_on_every_sdpa_backend``.)"""
+    config = tiny_config(arch)
+    config.update(dict(vocab_size=32_000, hidden_size=128, intermediate_size=256,
+                       sliding_window=64, max_position_embeddings=1024))  # fmt: skip
+    torch.manual_seed(0)
+    fp32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().train()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    batch = {k: v.cuda() for k, v in left_padded([512, 401, 150]).items()}
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        return out.loss.detach().float(), grads
+
+    reference = step(fp32)
+    with _on_backend(backend):
+        boolean = step(surgery.patch(copy.deepcopy(bf16), share_attention_mask=False))
+        shared = step(surgery.patch(bf16))
+    factor = TOLERANCES[torch.bfloat16]["factor"]
+    for what, got, on_boolean, want in zip(("loss", "grads"), shared, boolean, reference):
+        err, budget = rel_err(got, want), factor * rel_err(on_boolean, want)
+        assert err <= budget, f"{arch} {what}: rel err {err:.3e} > {budget:.3e}"

@@ -109,7 +109,8 @@ def test_shared_attention_mask_within_budget_and_one_mask_kept(padding):
     """sdpa's masked backends keep the additive copy they make of a boolean mask, once per
     layer; with ``share_attention_mask`` one copy is kept for all layers. The bf16 step stays
     within the budget of the boolean-mask bf16 step against fp32 (left padding: fully masked
-    query rows included, where the two masks give different but ignored values)."""
+    query rows included, which get sdpa's zeros on both paths; the bitwise and fp32 checks of
+    those rows are in test_attention_mask.py)."""
     config = tiny_config("llama")
     config.update(dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                        num_hidden_layers=8, max_position_embeddings=4096))  # fmt: skip
