@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import nn
@@ -36,15 +34,15 @@ from surgery.models import (
 )
 
 from .attention import BINDING_ATTR, AttentionBinding, attention_forward
-from .foreign import (
-    ForeignForwardError,
-    ForwardSlot,
-    find_forward_slot,
-    foreign_kernel_modules,
-    library_of,
-    restore_forward,
+from .foreign import ForeignForwardError, foreign_kernel_modules, library_of
+from .forward import (
+    LM_HEAD_ATTR,
+    STATE_ATTR,
+    PatchState,
+    causal_lm_forward,
+    head_linears,
+    lm_head_forward,
 )
-from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, causal_lm_forward, lm_head_forward
 from .layers import (
     MLP_ATTR,
     NORM_ATTR,
@@ -54,6 +52,7 @@ from .layers import (
 from .options import PatchOptions
 from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
+from .swap import Swap, apply_swaps, plan_swap, restore_swap
 
 __all__ = [
     "apply_gemma",
@@ -73,144 +72,11 @@ __all__ = [
 
 M = TypeVar("M", bound=nn.Module)
 
-ORIGINAL_ATTR = "_surgery_original_forward"
 ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
-_EXTRA_ATTRS = (STATE_ATTR, BINDING_ATTR, LM_HEAD_ATTR, NORM_ATTR, MLP_ATTR, RECOMPUTE_ATTR)
-
-
-# ---------------------------------------------------------------------------------------------
-# swapping one module's forward
-
-
-@dataclass(frozen=True)
-class _Installed:
-    """Kept in a patched module's ``__dict__`` under ``ORIGINAL_ATTR``: what was installed and
-    what it replaced (``ForwardSlot.current``: None for the class forward)."""
-
-    value: Any
-    previous: Any
-
-
-@dataclass
-class _Swap:
-    """One planned swap: checked before anything is changed (``patch`` is all or nothing)."""
-
-    module: nn.Module
-    function: Callable
-    extra: dict[str, Any]
-    slot: ForwardSlot
-
-
-def _positional(sig: inspect.Signature, drop_self: bool) -> list[inspect.Parameter]:
-    params = list(sig.parameters.values())
-    return params[1:] if drop_self else params
-
-
-def _check_signature(module: nn.Module, original: Callable, replacement: Callable) -> None:
-    """The replacement must accept every argument the original accepts, in the same positions
-    (STYLE.md 4): a transformers release that changes a forward fails here, not silently."""
-    orig = _positional(inspect.signature(original), drop_self=not inspect.ismethod(original))
-    repl = _positional(inspect.signature(replacement), drop_self=True)
-    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    repl_positional = [p.name for p in repl if p.kind in positional_kinds]
-    repl_names = {p.name for p in repl}
-    repl_var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in repl)
-    i = 0
-    for p in orig:
-        if p.kind in positional_kinds:
-            ok = i < len(repl_positional) and repl_positional[i] == p.name
-            i += 1
-        elif p.kind == inspect.Parameter.KEYWORD_ONLY:
-            ok = p.name in repl_names or repl_var_kw
-        elif p.kind == inspect.Parameter.VAR_KEYWORD:
-            ok = repl_var_kw
-        else:  # *args: the replacement takes the named positionals only
-            ok = False
-        if not ok:
-            raise RuntimeError(
-                f"surgery cannot patch {type(module).__name__}.forward: transformers' "
-                f"{inspect.signature(original)} does not match the replacement "
-                f"{replacement.__name__}{inspect.signature(replacement)} at {p.name!r}; this "
-                "transformers version is not supported"
-            )
-
-
-def _plan_swap(module: nn.Module, function: Callable, extra: dict[str, Any], name: str):
-    """The swap of ``module``'s forward for ``function``, checked; None when already patched.
-    Raises ``ForeignForwardError`` for a forward other code installed that surgery cannot keep,
-    and ``RuntimeError`` for a signature this transformers version changed."""
-    if ORIGINAL_ATTR in module.__dict__:
-        return None  # already patched: a no-op
-    slot = find_forward_slot(module, name or "the model")
-    original = slot.current if slot.current is not None else type(module).forward
-    _check_signature(module, original, function)
-    return _Swap(module, function, extra, slot)
-
-
-def _apply_swaps(swaps: list[_Swap]) -> None:
-    """Install every planned swap; on any failure undo those already installed and re-raise."""
-    done: list[nn.Module] = []
-    try:
-        for swap in swaps:
-            module = swap.module
-            value = swap.slot.install(swap.function)
-            module.__dict__[ORIGINAL_ATTR] = _Installed(value, swap.slot.current)
-            done.append(module)
-            module.__dict__.update(swap.extra)
-    except BaseException:
-        for module in reversed(done):
-            _restore_forward(module)
-        raise
-
-
-def _restore_forward(module: nn.Module) -> None:
-    installed: _Installed | None = module.__dict__.get(ORIGINAL_ATTR)
-    if installed is None:
-        return
-    if not restore_forward(module, installed.value, installed.previous):
-        warnings.warn(
-            f"surgery.unpatch: {type(module).__name__}.forward was replaced after surgery.patch "
-            "(by another library?); leaving that module as it is",
-            stacklevel=3,
-        )
-        return
-    del module.__dict__[ORIGINAL_ATTR]
-    for name in _EXTRA_ATTRS:
-        module.__dict__.pop(name, None)
 
 
 # ---------------------------------------------------------------------------------------------
 # one model
-
-
-def _is_plain_linear(module: nn.Module) -> bool:
-    """``nn.Linear`` itself, not a subclass (a quantised layer, whose weight the fused loss cannot
-    read), or the class FSDP2's ``fully_shard`` swaps in for it, ``FSDPLinear(FSDPModule,
-    nn.Linear)``: a head sharded before ``patch`` is still fused."""
-    cls = type(module)
-    if cls is nn.Linear:
-        return True
-    if cls.__bases__[-1:] != (nn.Linear,):
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return False
-    return cls.__bases__ == (FSDPModule, nn.Linear)
-
-
-def _lm_head_linears(lm: nn.Module) -> list[nn.Linear]:
-    """The vocabulary projections under ``lm.lm_head``: the head itself (sharded by FSDP2 or not),
-    or the copies inside a PEFT ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer
-    (whose own A/B projections have other shapes and are left alone)."""
-    config = lm.config
-    return [
-        m
-        for m in lm.lm_head.modules()
-        if _is_plain_linear(m)
-        and m.out_features == config.vocab_size
-        and m.in_features == config.hidden_size
-    ]
 
 
 def _recompute_plan(spec: ArchitectureSpec, options: PatchOptions) -> RecomputePlan | None:
@@ -259,7 +125,7 @@ def _check_not_foreign(lm: nn.Module, spec: ArchitectureSpec) -> None:
         )
 
 
-def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[_Swap]:
+def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[Swap]:
     """Every swap ``options`` asks for on ``lm``, checked; nothing is changed yet."""
     _check_not_foreign(lm, spec)
     plan = _recompute_plan(spec, options)
@@ -304,16 +170,16 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
                     wanted.append((name, module, gated_mlp_forward, extra))
     if options.fused_linear_cross_entropy:
         names = {id(m): n for n, m in modules}
-        for head in _lm_head_linears(lm):
+        for head in head_linears(lm):
             wanted.append((names[id(head)], head, lm_head_forward, {LM_HEAD_ATTR: True}))
     state = {STATE_ATTR: PatchState(spec=spec, options=options)}
     wanted.append(("", lm, causal_lm_forward, state))
-    swaps = [_plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
+    swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
     return [swap for swap in swaps if swap is not None]
 
 
 def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> None:
-    _apply_swaps(_plan_lm(lm, spec, options))
+    apply_swaps(_plan_lm(lm, spec, options))
     if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
         # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
         # use it. With accepts_loss_kwargs False the HF Trainer passes none and divides each
@@ -327,7 +193,7 @@ def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> N
 
 def _unpatch_lm(lm: nn.Module) -> None:
     for module in lm.modules():
-        _restore_forward(module)
+        restore_swap(module)
     if ACCEPTS_ATTR in lm.__dict__:
         had, value = lm.__dict__.pop(ACCEPTS_ATTR)
         if had:

@@ -30,6 +30,7 @@ from surgery.models import ArchitectureSpec
 
 from .attention import PACKED_KWARG, packed_sequences
 from .options import PatchOptions
+from .swap import apply_swaps, is_swapped, plan_swap
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -86,6 +87,36 @@ def lm_head_forward(
     return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
 
 
+def _is_plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, not a subclass (a quantised layer, whose weight the fused loss cannot
+    read), or the class FSDP2's ``fully_shard`` swaps in for it, ``FSDPLinear(FSDPModule,
+    nn.Linear)``: a head sharded before ``patch`` is still fused."""
+    cls = type(module)
+    if cls is nn.Linear:
+        return True
+    if cls.__bases__[-1:] != (nn.Linear,):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return cls.__bases__ == (FSDPModule, nn.Linear)
+
+
+def head_linears(lm: nn.Module) -> list[nn.Linear]:
+    """The vocabulary projections under ``lm.lm_head``: the head itself (sharded by FSDP2 or not),
+    or the copies inside a PEFT ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer
+    (whose own A/B projections have other shapes and are left alone)."""
+    config = lm.config
+    return [
+        m
+        for m in lm.lm_head.modules()
+        if _is_plain_linear(m)
+        and m.out_features == config.vocab_size
+        and m.in_features == config.hidden_size
+    ]
+
+
 def head_takes_loss(head: nn.Module) -> bool:
     """Whether ``head(hidden, labels=...)`` reaches only patched lm_head Linears: every module
     under ``head`` that owns parameters is one (PEFT's ``ModulesToSaveWrapper`` dispatches to
@@ -105,13 +136,41 @@ def _logits(self, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits
 
 
+def _fuse_replaced_head(lm: nn.Module) -> bool:
+    """Fuse a head that was replaced after ``patch`` (``resize_token_embeddings`` and
+    ``set_output_embeddings`` put a new ``nn.Linear`` there) the way ``patch`` fuses one: its
+    forward is swapped for ``lm_head_forward``, undone by ``unpatch``. Not when anything else
+    under the head owns parameters (an adapter: its logits are used, see ``head_takes_loss``), nor
+    under ``torch.compile`` (no swapping inside a traced forward). True when the head now takes
+    the loss."""
+    if torch.compiler.is_compiling():
+        return False
+    new = [m for m in head_linears(lm) if not is_swapped(m)]
+    if not new:
+        return False
+    for module in lm.lm_head.modules():
+        if module._parameters and LM_HEAD_ATTR not in module.__dict__ and module not in new:
+            return False
+    swaps = [plan_swap(m, lm_head_forward, {LM_HEAD_ATTR: True}, "lm_head") for m in new]
+    apply_swaps([swap for swap in swaps if swap is not None])
+    return head_takes_loss(lm.lm_head)
+
+
 def _warn_unfused(head: nn.Module) -> None:
     # Python's default warning filter shows it once per process.
+    if torch.compiler.is_compiling():
+        cause = (
+            "was replaced after surgery.patch (resize_token_embeddings?) and cannot be fused "
+            "inside torch.compile; call surgery.patch(model) again before compiling"
+        )
+    else:
+        cause = (
+            f"is a {type(head).__name__} holding parameters of its own (e.g. a LoRA adapter); "
+            "leave lm_head out of the adapter's target_modules (use modules_to_save=['lm_head'] "
+            "to train it)"
+        )
     warnings.warn(
-        f"surgery: lm_head is a {type(head).__name__} holding parameters of its own (e.g. a LoRA "
-        "adapter) or modules added after surgery.patch; the loss is computed from its logits "
-        "(correct, but not fused). Leave lm_head out of the adapter's target_modules (use "
-        "modules_to_save=['lm_head'] to train it), or call surgery.patch again after wrapping.",
+        f"surgery: lm_head {cause}. The loss is computed from its logits (correct, but not fused).",
         stacklevel=3,
     )
 
@@ -183,7 +242,7 @@ def causal_lm_forward(
         and options.fused_linear_cross_entropy
         and not options.return_logits
     )
-    head_fused = fused and head_takes_loss(self.lm_head)
+    head_fused = fused and (head_takes_loss(self.lm_head) or _fuse_replaced_head(self))
     if (
         options.causal_right_padding
         and head_fused

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.api import ORIGINAL_ATTR
+from surgery.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     ARCHS,
     assert_grads_close,
@@ -185,7 +185,7 @@ def test_mlp_activation_without_kernel_keeps_the_mlp_forward():
 
 
 def test_signature_mismatch_raises():
-    from surgery.api import _check_signature
+    from surgery.swap import check_signature
     from surgery.attention import attention_forward
 
     class Attention(nn.Module):
@@ -193,7 +193,7 @@ def test_signature_mismatch_raises():
             return hidden_states
 
     with pytest.raises(RuntimeError, match="not supported"):
-        _check_signature(Attention(), Attention.forward, attention_forward)
+        check_signature(Attention(), Attention.forward, attention_forward)
 
 
 def test_apply_and_revert_class_level():
@@ -327,3 +327,38 @@ def test_sequence_reduction_ignores_num_items_in_batch():
         a = model(**batch.kwargs()).loss
         b = model(**batch.kwargs(), num_items_in_batch=1000).loss
     torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("how", ["apply", "patch"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_resize_token_embeddings_after_patch_stays_fused(arch, how):
+    """``resize_token_embeddings`` puts a new lm_head Linear in place (untied models) after
+    ``apply_<arch>()`` or ``patch``: the next training forward fuses it as ``patch`` would, with
+    no warning, the loss equals the unpatched resized model's, and ``unpatch`` restores it."""
+    spec = surgery.supported()[tiny_config(arch).model_type]
+    if how == "apply":
+        getattr(surgery, spec.apply_name)()
+        try:
+            model = tiny_model(arch)
+        finally:
+            surgery.revert()
+    else:
+        model = surgery.patch(tiny_model(arch))
+    reference = twin(model)
+    surgery.unpatch(reference)
+    for m in (model, reference):
+        torch.manual_seed(1)
+        m.resize_token_embeddings(150)
+        m.train()
+    ids = torch.randint(1, 150, (2, 9))
+    batch = {"input_ids": ids, "labels": ids}
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, grads = loss_and_grads(model, **batch)
+        assert model(**batch).logits is None  # fused
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    surgery.unpatch(model)
+    assert surgery_attrs(model) == []
+    assert instance_forwards(model) == instance_forwards(reference)

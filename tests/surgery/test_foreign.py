@@ -18,8 +18,8 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 import surgery
-from surgery.api import ORIGINAL_ATTR
 from surgery.foreign import ForeignForwardError, ForwardSlot
+from surgery.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     assert_grads_close,
     loss_and_grads,
