@@ -316,6 +316,13 @@ def gated_activation(
     ``torch.compile(fullgraph=True)`` it runs as ``torch.ops.surgery.gated_activation_fwd``. CUDA
     tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels, other CPU
     tensors a PyTorch path with the same fp32 math.
+
+    Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
+    ops would cast them, and nothing after that depends on autocast): ``act(gate) * up`` is
+    elementwise, which autocast leaves alone, so nothing is cast and the output has the promoted
+    dtype of gate and up, as transformers' ``act_fn(gate) * up`` under autocast (in an fp32 model
+    the autocast projections hand over gate and up in the autocast dtype, and the product keeps
+    it). No op inside depends on autocast: the result is that of the call without it, bit for bit.
     """
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
         raise TypeError(f"gated_activation: gate and up must be tensors, got {type(gate)}")

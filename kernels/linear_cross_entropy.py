@@ -16,6 +16,12 @@ Two schedules share the row kernels of ``cross_entropy.py`` (cuBLAS does the mat
 Extra memory is bounded by ``chunk_bytes`` (logits of one chunk, in the input dtype) plus, in the
 eager schedule with several chunks, one fp32 weight-sized accumulator; it does not grow with the
 number of tokens. Under ``torch.no_grad()`` only the loss is computed.
+
+Under ``torch.autocast`` the public function casts hidden, weight and bias to the autocast dtype on
+entry, as ``F.linear`` (transformers' ``lm_head``) casts them, and the ops run with autocast
+disabled: their products are then the products of the unpatched head, and nothing inside them is
+cast again (autocast is thread-local state that a custom op would otherwise inherit, forward and
+backward, and ``torch.mm(..., out=...)`` rejects the dtype autocast would pick).
 """
 
 from __future__ import annotations
@@ -131,7 +137,20 @@ def _logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
     return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
 
 
+def _autocast_disabled(fn):
+    """``fn(x, ...)`` run with autocast off on x's device: the body's products run in the dtype
+    of their inputs whatever autocast the caller, or the thread running the backward, has on."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
+@_autocast_disabled
 def lce_fwd(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -204,6 +223,7 @@ def lce_fwd(
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
+@_autocast_disabled
 def lce_bwd_recompute(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -375,6 +395,23 @@ def _check_shapes(hidden, weight, bias) -> None:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
 
 
+def _autocast_inputs(hidden, weight, bias):
+    """hidden, weight and bias as ``F.linear`` sees them under the autocast of hidden's device:
+    every floating tensor but fp64 in the autocast dtype (differentiable casts: gradients flow
+    back to the tensors as given). Unchanged outside autocast."""
+    dev = hidden.device.type
+    # Not torch.amp.is_autocast_available: dynamo (torch 2.11) cannot trace it. Of the device
+    # types a tensor can have, only meta has no autocast state to ask for.
+    if dev == "meta" or not torch.is_autocast_enabled(dev):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        return t if t is None or t.dtype in (dtype, torch.float64) else t.to(dtype)
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -397,8 +434,8 @@ def linear_cross_entropy(
 
     Args:
         hidden: (N, D) or (B, T, D); fp32, bf16 or fp16.
-        weight: (V, D), the lm_head weight, same dtype as ``hidden`` (under autocast both are cast
-            to the autocast dtype, as ``F.linear`` would).
+        weight: (V, D), the lm_head weight, same dtype as ``hidden`` (under autocast any dtypes:
+            see below).
         labels: (N,) or (B, T) integer targets; ``ignore_index`` marks tokens without one. A label
             outside [0, V) that is not ``ignore_index`` raises (CPU, or SURGERY_DEBUG=1) or is
             treated as ignored and flagged for ``check_labels()`` (GPU, no host sync).
@@ -424,21 +461,27 @@ def linear_cross_entropy(
 
     Returns:
         ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".
+
+    Autocast (the rule every kernel follows: inputs are cast on entry where the unpatched module's
+    ops would cast them, and nothing after that depends on autocast): under ``torch.autocast`` on
+    hidden's device, hidden, weight and bias are cast to the autocast dtype on entry, as
+    ``F.linear`` (transformers' ``lm_head``) casts them, so the logits are the autocast-dtype
+    logits of the unpatched head; softcap and loss are computed in fp32 from them, and the
+    gradients flow back through the casts to the tensors as given (an fp32 weight gets an fp32
+    gradient, as through ``F.linear``). The matrix products run with autocast disabled, forward
+    and backward: the result is bit for bit that of the same call without autocast on the cast
+    inputs.
     """
     _check_not_sharded(hidden=hidden, weight=weight, bias=bias)
     _check_shapes(hidden, weight, bias)
     check_options(reduction, label_smoothing, z_loss_scale, softcap)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        dev = hidden.device.type
-        if torch.is_autocast_enabled(dev):
-            dtype = torch.get_autocast_dtype(dev)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        else:
-            raise TypeError(
-                f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
-                "(or run under torch.autocast)"
-            )
+        raise TypeError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
+            f"({None if bias is None else bias.dtype}) must have the same dtype (or run under "
+            "torch.autocast)"
+        )
     V = weight.shape[0]
     x = hidden.reshape(-1, hidden.shape[-1])
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != x.shape[1]):

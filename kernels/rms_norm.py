@@ -461,6 +461,14 @@ def rms_norm(
     it runs as the op ``torch.ops.surgery.rms_norm_fwd`` (fake tensors and autograd registered).
     CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; other CPU
     tensors a PyTorch path with the same fp32 math.
+
+    Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
+    ops would cast them, and nothing after that depends on autocast): transformers' norms are
+    elementwise, which autocast leaves alone, so nothing is cast and the output dtype follows
+    ``casting`` as without autocast — ``"llama"``: promote(x, weight), fp32 for an fp32 weight
+    whatever x's dtype; ``"gemma"``: x's dtype — which is what transformers' module returns under
+    autocast. No op inside depends on autocast: the result is that of the call without it, bit for
+    bit.
     """
     _check(x, weight, eps, casting)
     N = x.shape[-1]

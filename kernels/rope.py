@@ -754,6 +754,16 @@ def apply_rope(
     tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; other CPU
     tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices are checked before
     anything runs.
+
+    Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
+    ops would cast them, and nothing after that depends on autocast): the rotation is elementwise,
+    which autocast leaves alone, so nothing is cast and the outputs keep q's and k's dtype, bit for
+    bit the call without autocast. transformers' path differs in dtype only: in an fp32 model under
+    autocast its cos/sin are fp32 and ``q * cos`` promotes q/k from the autocast projections to
+    fp32; every attention implementation casts them back to the autocast dtype before reading them
+    (sdpa and eager attention's matmuls are autocast ops, flash attention casts to the autocast
+    dtype itself), so attention reads the same values (but for a rare one-ulp difference: one
+    rounding here against two there), and no fp32 copy of q and k is written.
     """
     rd = _check_rope(q, k, position_ids, inv_freq, rotary_dim)
     scaling = float(attention_scaling)
@@ -804,6 +814,9 @@ def apply_rotary_pos_emb(
         rounded once to q's dtype; new tensors laid out like q and k (inputs are never written).
         Differentiable in q and k through the Triton kernel; if cos or sin require grad, the
         eager formula runs instead so that they get theirs.
+
+    Autocast: as ``apply_rope`` (nothing is cast, the outputs keep q's and k's dtype, where
+    transformers' formula promotes them with fp32 cos/sin).
     """
     if not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
         raise TypeError("apply_rotary_pos_emb: cos and sin must be tensors")

@@ -391,7 +391,12 @@ def attention_forward(
     implementation = self.config._attn_implementation
     shared = None
     if binding.share_mask and implementation == "sdpa":
-        shared = shared_sdpa_mask(attention_mask, query.dtype)
+        # Under autocast sdpa runs in the autocast dtype whatever the queries' (fp32 queries come
+        # from an fp32 q_norm): a mask built in fp32 would become -inf in fp16.
+        device = query.device.type
+        autocast = torch.is_autocast_enabled(device)
+        mask_dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
+        shared = shared_sdpa_mask(attention_mask, mask_dtype)
         if shared is not None:
             attention_mask = shared.additive
     if implementation == "eager" and binding.lean_eager:

@@ -12,8 +12,9 @@ The producer (the patched MLP or norm forward) registers its output with the fun
 rebuilds it (``register``). While a patched consumer runs its projections it opens
 ``saved_tensor_scope()``: saved-tensor hooks that store a registered output, or any view of it, as a
 reference to its producer's inputs, and rebuild it on unpack with the same kernel on the same
-inputs: the same bits. A rebuilt tensor is shared by every consumer of one output (q, k and v
-unpack one rebuild) and freed with the last of them.
+inputs, under the autocast state the output was registered in (the backward may run under
+another: autocast is thread-local): the same bits. A rebuilt tensor is shared by every consumer of
+one output (q, k and v unpack one rebuild) and freed with the last of them.
 
 Anything unexpected saves normally: the scope is not opened under ``torch.compile`` (the compiled
 graph decides itself what to keep), when other saved-tensor hooks are active (activation
@@ -68,6 +69,7 @@ class _Source:
 
     __slots__ = (
         "__weakref__",
+        "autocast",
         "cache",
         "device",
         "dtype",
@@ -94,6 +96,12 @@ class _Source:
             output.storage_offset(),
         )
         self.nbytes = output.untyped_storage().nbytes()
+        dev = output.device.type
+        self.autocast = (
+            None
+            if dev == "meta"
+            else (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        )
         self.cache: torch.Tensor | None = None
         self.output_ref: weakref.ref | None = None
 
@@ -105,6 +113,17 @@ class _Source:
             and t.untyped_storage().nbytes() == self.nbytes
         )
 
+    def _forward_autocast(self):
+        # The forward's autocast state on the output's device; no context on the common path,
+        # autocast off both in the forward and now.
+        if self.autocast is None:
+            return _NO_SCOPE
+        enabled, dtype = self.autocast
+        dev = self.device.type
+        if not enabled and not torch.is_autocast_enabled(dev):
+            return _NO_SCOPE
+        return torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=False)
+
     def rebuild(self) -> torch.Tensor:
         if self.cache is None:
             if tuple(t._version for t in self.inputs) != self.input_versions:
@@ -114,7 +133,7 @@ class _Source:
                     "MLP activation); patch with recompute_norm_output=False / "
                     "recompute_mlp_product=False to keep the activation instead"
                 )
-            with torch.no_grad():
+            with torch.no_grad(), self._forward_autocast():
                 out = self.fn(*self.inputs)
             if out.size() != self.size or out.stride() != self.stride or out.dtype != self.dtype:
                 raise RuntimeError(  # a bug, never expected: the rebuild is the forward's kernel
@@ -203,10 +222,11 @@ def _forget(key: int, source_ref: weakref.ref) -> Callable:
 
 
 def register(output: torch.Tensor, fn: Callable, *inputs: torch.Tensor) -> None:
-    """Declare that ``fn(*inputs)`` (run under no_grad) rebuilds ``output`` exactly: same values,
-    shape, strides and dtype. Call it right after computing ``output`` from ``inputs`` in the
-    producer, and only where ``recording()``; it is skipped unless the output requires grad (then
-    autograd keeps the inputs for the producer's own backward)."""
+    """Declare that ``fn(*inputs)`` (run under no_grad, and under the autocast state of this call)
+    rebuilds ``output`` exactly: same values, shape, strides and dtype. Call it right after
+    computing ``output`` from ``inputs`` in the producer, and only where ``recording()``; it is
+    skipped unless the output requires grad (then autograd keeps the inputs for the producer's own
+    backward)."""
     if not output.requires_grad or output.numel() == 0:
         return
     source = _Source(output, fn, inputs)

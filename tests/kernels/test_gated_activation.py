@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from surgery.kernels import gated_activation, gated_activation_reference
@@ -105,6 +106,74 @@ def test_mixed_dtypes_promote():
     assert out.dtype == torch.float32
     out.sum().backward()
     assert gate.grad.dtype == torch.bfloat16 and up.grad.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.autocast: transformers' ``act_fn(gate) * up`` is elementwise, which autocast leaves
+# alone, so gate and up keep the dtype they arrive in (fp32 inputs stay fp32; in an fp32 model the
+# autocast projections hand over the autocast dtype) and the product is rounded to it.
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("inputs", ["fp32", "autocast"])
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+@pytest.mark.parametrize("activation", list(HF_ACTIVATIONS))
+def test_under_autocast_matches_transformers_activation(activation, name, inputs):
+    dtype = AUTOCAST_DTYPES[name]
+    gate, up = make_inputs((37, 67), dtype if inputs == "autocast" else torch.float32)
+    dout = torch.randn(37, 67, device=DEVICE)
+
+    def ours(g, u):
+        return gated_activation(g, u, activation)
+
+    plain = output_and_grads(ours, gate, up, dout)
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        got = output_and_grads(ours, gate, up, dout)
+        hf = output_and_grads(hf_eager(activation), gate, up, dout)
+    ref = ground_truth(gate, up, activation, dout)
+    assert got[0].dtype == hf[0].dtype == gate.dtype
+    for what, x, p, r, h in zip(("out", "dgate", "dup"), got, plain, ref, hf):
+        # Autocast changes nothing inside the kernel: the call without it, bit for bit.
+        assert torch.equal(x, p), what
+        assert x.dtype == h.dtype, what
+        assert_close_budget(x, r, h, gate.dtype, f"{activation} {name} {inputs} {what}")
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+@pytest.mark.parametrize("activation", list(HF_ACTIVATIONS))
+def test_mlp_with_fp32_weights_under_autocast(activation, name):
+    """The gated MLP of an fp32 model under autocast, ``down(act(gate(x)) * up(x))`` with fp32
+    weights and input: the output and the gradients of the input and of every weight against
+    transformers' MLP under the same autocast."""
+    dtype = AUTOCAST_DTYPES[name]
+    g = torch.Generator().manual_seed(2)
+    H, I = 48, 80
+    x = torch.randn(37, H, generator=g).to(DEVICE).requires_grad_()
+    weights = [
+        (torch.randn(shape, generator=g) / shape[1] ** 0.5).to(DEVICE).requires_grad_()
+        for shape in ((I, H), (I, H), (H, I))
+    ]
+    dout = torch.randn(37, H, generator=g).to(DEVICE)
+
+    def mlp(middle, x, w_gate, w_up, w_down):
+        return F.linear(middle(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+
+    def run(middle, leaves):
+        out = mlp(middle, *leaves)
+        return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+
+    leaves = (x, *weights)
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        got = run(lambda a, b: gated_activation(a, b, activation), leaves)
+        hf = run(hf_eager(activation), leaves)
+    leaves64 = tuple(t.detach().double().requires_grad_() for t in leaves)
+    ref = run(lambda a, b: gated_activation_reference(a, b, activation), leaves64)
+    assert got[0].dtype == hf[0].dtype == dtype
+    names = ("out", "dx", "dw_gate", "dw_up", "dw_down")
+    for what, a, r, h in zip(names, got, ref, hf):
+        assert a.dtype == h.dtype, what
+        assert_close_budget(a, r, h, dtype, f"{activation} {name} {what}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,6 +113,43 @@ def test_matches_transformers_module(family, shape, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# Under torch.autocast, fp32 weights (an fp32 model under HF Trainer bf16=True): x in fp32 (the
+# residual stream) or in the autocast dtype (Qwen3's and Gemma 3's q/k norms after an autocast
+# projection). transformers' norms are elementwise, which autocast leaves alone: type promotion
+# picks the output dtype (Llama's ``weight * normed.to(x.dtype)``: fp32; Gemma's ``.type_as(x)``:
+# x's dtype).
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("x_dtype", ["fp32", "autocast"], ids=["x_fp32", "x_autocast"])
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma3"])
+def test_under_autocast_matches_transformers_module(family, name, x_dtype):
+    dtype = AUTOCAST_DTYPES[name]
+    norm, offset, casting = hf_norm(family, 67, torch.float32)
+    x = make_x((37, 67), dtype if x_dtype == "autocast" else torch.float32)
+    dy = torch.randn(37, 67, device=DEVICE)
+
+    def ours(a, w):
+        return rms_norm(a, w, EPS, offset, casting)
+
+    plain = output_and_grads(ours, x, norm.weight, dy)
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        got = output_and_grads(ours, x, norm.weight, dy)
+        hf = output_and_grads(lambda a, w: norm(a), x, norm.weight, dy)
+    ref = ground_truth(x, norm.weight, offset, casting, dy)
+
+    want_dtype = torch.float32 if casting == "llama" else x.dtype
+    assert got[0].dtype == hf[0].dtype == want_dtype
+    for what, g, p, r, h in zip(("y", "dx", "dw"), got, plain, ref, hf):
+        # Autocast changes nothing inside the kernel: the call without it, bit for bit.
+        assert torch.equal(g, p), what
+        assert g.dtype == h.dtype, what
+        assert_close_budget(g, r, h, x.dtype, f"{family} {name} {x_dtype} {what}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The reference, every dtype and both castings, a weight dtype other than x's.
 
 REF_CASES = [

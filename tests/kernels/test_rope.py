@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import surgery.kernels.rope as rope_mod
 from surgery.kernels import apply_rope, apply_rope_reference, apply_rotary_pos_emb
@@ -369,6 +370,77 @@ def test_partial_rotary_matches_transformers_phi3():
     )
     assert_close_budget(g[0], rg[0], hg[0], dtype, "grad q")
     assert_close_budget(g[1], rg[1], hg[1], dtype, "grad k")
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.autocast, in an fp32 model: the rotary module's cos/sin are fp32 (computed from the
+# fp32 hidden states), q/k arrive in the autocast dtype (q_proj under autocast) or in fp32 (after
+# Qwen3's fp32-weight q/k norms). transformers' ``q * cos`` promotes to fp32; apply_rope returns
+# q's dtype. Attention casts q/k to the autocast dtype before reading them (sdpa and eager's
+# matmuls are autocast ops; flash attention casts to the autocast dtype itself), so what it sees
+# is the same.
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def causal_attention(q, k, v):
+    """sdpa as transformers calls it, GQA keys and values repeated (``repeat_kv``)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("entry", ["apply_rope", "apply_rotary_pos_emb"])
+@pytest.mark.parametrize("qk", ["autocast", "fp32"], ids=["qk_autocast", "qk_fp32"])
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+def test_under_autocast_attention_sees_transformers_values(name, qk, entry):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
+
+    dtype = AUTOCAST_DTYPES[name]
+    B, Hq, Hk, T, D = 2, 4, 2, 24, 32
+    module = llama_rotary("default", D)
+    in_dtype = dtype if qk == "autocast" else torch.float32
+    q, k = make_qk(B, Hq, Hk, T, D, in_dtype, "hf", requires_grad=True)
+    v = torch.randn(B, Hk, T, D, device=DEVICE).to(in_dtype).requires_grad_()
+    pos = torch.tensor([[0], [90]], device=DEVICE) + torch.arange(T, device=DEVICE)
+    hidden = torch.randn(B, T, Hq * D, device=DEVICE)  # the fp32 residual stream
+    inv, scaling = module.inv_freq, module.attention_scaling
+
+    def ours(q, k, cos, sin):
+        if entry == "apply_rope":
+            return apply_rope(q, k, pos, inv, scaling)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+    plain = ours(q, k, *module(hidden, pos))
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        cos, sin = module(hidden, pos)
+        assert cos.dtype == sin.dtype == torch.float32
+        hq, hk = hf_apply(q, k, cos, sin)
+        aq, ak = ours(q, k, cos, sin)
+        # Autocast changes nothing inside the kernel: the call without it, bit for bit.
+        assert torch.equal(aq, plain[0]) and torch.equal(ak, plain[1])
+        assert hq.dtype == torch.float32 and aq.dtype == ak.dtype == q.dtype
+        out = causal_attention(aq, ak, v)
+        hf_out = causal_attention(hq, hk, v)
+    assert out.dtype == hf_out.dtype == dtype
+
+    # What attention reads: transformers' fp32 rotation and ours, both in the autocast dtype, equal
+    # but for rare one-ulp differences (another cos/sin, and one rounding where transformers has
+    # two in fp32, can move a value across a rounding boundary).
+    for what, a, h in (("q", aq, hq), ("k", ak, hk)):
+        a, h = a.to(dtype), h.to(dtype)
+        torch.testing.assert_close(a, h, rtol=torch.finfo(dtype).eps, atol=0, msg=what)
+        assert (a != h).float().mean() <= 0.01, what
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64 = causal_attention(*apply_rope_reference(q64, k64, pos, inv.double(), scaling), v64)
+    up = torch.randn_like(out64)
+    got = (out, *grads((out,), (q, k, v), (up,)))
+    hf = (hf_out, *grads((hf_out,), (q, k, v), (up,)))
+    ref = (out64, *grads((out64,), (q64, k64, v64), (up,)))
+    for what, a, r, h in zip(("attention", "grad q", "grad k", "grad v"), got, ref, hf):
+        assert a.dtype == h.dtype, what
+        assert_close_budget(a, r, h, dtype, f"{entry} {name} {qk} {what}")
 
 
 # ---------------------------------------------------------------------------------------------

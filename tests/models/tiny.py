@@ -166,6 +166,19 @@ def padded_batch(seqs) -> Batch:
     return Batch(ids, labels, attention_mask=mask)
 
 
+def left_padded_batch(seqs) -> Batch:
+    """Left-padded rows, every real token a label: the prediction from a row's last pad position
+    to its first real token is trained, as transformers trains it. Every pad position is a query
+    row that attends to no key."""
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s) :] = s
+        mask[i, T - len(s) :] = 1
+    return Batch(ids, ids.masked_fill(mask == 0, -100), mask)
+
+
 def packed_batch(seqs, mask_first: bool = True) -> Batch:
     """One row, position ids restarting at every sequence, no attention mask: what
     DataCollatorWithFlattening makes (it sets each sequence's first label to -100)."""

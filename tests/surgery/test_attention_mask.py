@@ -33,6 +33,7 @@ from surgery.attention import lean_eager_attention, shared_sdpa_mask
 from tests.models.tiny import (
     ARCHS,
     attn_for,
+    left_padded_batch,
     loss_and_grads,
     packed_batch,
     padded_batch,
@@ -241,17 +242,7 @@ LEFT_LENGTHS = [9, 5, 2]  # 0, 4 and 7 pad positions
 
 
 def left_padded(lengths=LEFT_LENGTHS) -> dict:
-    """Left-padded rows, every real token a label: the prediction from a row's last pad position
-    to its first real token is trained, as transformers trains it. Every pad position is a query
-    row that attends to no key."""
-    seqs = sequences(lengths)
-    T = max(lengths)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s) :] = s
-        mask[i, T - len(s) :] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return left_padded_batch(sequences(lengths)).kwargs()
 
 
 LEFT_CASES = [(arch, "sdpa") for arch in ARCHS] + [("llama", "eager"), ("qwen3", "eager")]

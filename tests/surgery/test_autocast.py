@@ -1,0 +1,332 @@
+"""Patched fp32 models under ``torch.autocast`` (bf16, fp16): what HF Trainer(bf16=True) and
+accelerate's ``mixed_precision="bf16"`` run.
+
+The bar is the unpatched model under the same autocast, same weights, same batch. Budget: the
+unpatched model's own drift. Autocast moves the unpatched model's loss and gradients away from its
+fp32 answer (no autocast) by the error of the autocast dtype; the patched model's distance from
+that fp32 answer may exceed the unpatched model's by the TOLERANCES margin of the autocast dtype
+(``assert_close_budget``: factor 1.5 and floor 2e-3 for bf16, 5e-4 for fp16; the interpreter's
+bf16 entry where the kernels run through it), for the loss and for every parameter's gradient on
+its own. A kernel that computed in another precision than the unpatched module (a product in fp32
+instead of the autocast dtype, or a loss in bf16) shows as an error far from the unpatched one.
+Every recompute option is on (the default); recomputing is bit for bit keeping, under autocast too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import surgery
+from surgery import recompute
+from tests.models.tiny import (
+    ARCHS,
+    attn_for,
+    left_padded_batch,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_config,
+    tiny_model,
+    twin,
+)
+from tests.utils import assert_close_budget
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LENGTHS = [7, 5, 3]
+KEEP = {"recompute_mlp_product": False, "recompute_norm_output": False}
+
+
+def batch_of(kind: str):
+    seqs = sequences(LENGTHS)
+    make = {"packed": packed_batch, "padded": padded_batch, "left": left_padded_batch}[kind]
+    return make(seqs).kwargs()
+
+
+def step(model, batch, dtype=None, backward_inside=False, **kwargs):
+    """Loss of one training forward under autocast (none when ``dtype`` is None) and the gradient
+    of every parameter, the backward called outside the autocast region (as HF Trainer and
+    accelerate do) or inside it."""
+    model.zero_grad(set_to_none=True)
+    region = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+    with region:
+        loss = model(**batch, **kwargs).loss
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def assert_within_drift(arch, name, dtype, got, want, ref):
+    """``got`` (patched, autocast) against ``ref`` (unpatched, fp32) within the budget that
+    ``want`` (unpatched, same autocast) sets; dtypes equal to the unpatched model's."""
+    (loss, grads), (want_loss, want_grads), (ref_loss, ref_grads) = got, want, ref
+    assert loss.dtype == want_loss.dtype == torch.float32
+    assert_close_budget(loss, ref_loss, want_loss, dtype, f"{arch} {name} loss")
+    assert grads.keys() == want_grads.keys()
+    for param in want_grads:
+        assert grads[param].dtype == want_grads[param].dtype, param
+        assert_close_budget(grads[param], ref_grads[param], want_grads[param], dtype,
+                            f"{arch} {name} grad {param}")  # fmt: skip
+
+
+def compare(arch, name, kind, **patch_options):
+    dtype = AUTOCAST_DTYPES[name]
+    model = tiny_model(arch).train()
+    unpatched = twin(model)
+    patched = surgery.patch(model, **patch_options)
+    batch = batch_of(kind)
+    # unpatched transformers keeps packed sequences apart only without a KV cache
+    extra = {"use_cache": False} if kind == "packed" else {}
+    ref = step(unpatched, batch, **extra)
+    want = step(unpatched, batch, dtype, **extra)
+    got = step(patched, batch, dtype)
+    assert_within_drift(arch, name, dtype, got, want, ref)
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed", "left"])
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_step_matches_unpatched_under_autocast(arch, name, kind):
+    """Every architecture, the kernels' PyTorch path (fast on CPU)."""
+    compare(arch, name, kind)
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3_text"])
+def test_training_step_matches_unpatched_under_autocast_triton(arch, name, interpreted):
+    """The Triton kernels themselves (the interpreter on CPU): norms of both castings, Qwen3's and
+    Gemma 3's q/k norms, Gemma 2's final softcap and eager attention."""
+    compare(arch, name, "padded")
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["eager", "recompute"])
+def test_loss_schedules_under_autocast(low_memory):
+    compare("gemma2", "bf16", "padded", loss_low_memory=low_memory)
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST_DTYPES))
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_eval_loss_and_logits_under_autocast(arch, name):
+    """Outside training the patched model returns logits (lm_head under autocast, as unpatched)
+    and the loss through ``cross_entropy``."""
+    dtype = AUTOCAST_DTYPES[name]
+    model = tiny_model(arch).eval()
+    unpatched = twin(model)
+    surgery.patch(model)
+    batch = batch_of("padded")
+    with torch.no_grad():
+        ref = unpatched(**batch)
+        with torch.autocast("cpu", dtype=dtype):
+            want = unpatched(**batch)
+            got = model(**batch)
+    assert got.logits.dtype == want.logits.dtype
+    assert got.loss.dtype == want.loss.dtype == torch.float32
+    assert_close_budget(got.logits, ref.logits, want.logits, dtype, "logits")
+    assert_close_budget(got.loss, ref.loss, want.loss, dtype, "loss")
+
+
+def bf16_model_fp32_norms(arch):
+    """bf16 weights but fp32 norm weights (as ``_keep_in_fp32_modules`` keeps some): bf16
+    activations meet fp32 weights inside the norms, whose outputs the recompute rebuilds."""
+    model = tiny_model(arch).to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name.endswith("norm"):
+            module.float()
+    return model
+
+
+MODELS = {"fp32": lambda arch: tiny_model(arch), "bf16-fp32-norms": bf16_model_fp32_norms}
+RECOMPUTE_CASES = [
+    (arch, model, backward)
+    for arch in ("llama", "qwen3", "gemma2")
+    for model in MODELS
+    for backward in ("outside", "inside")
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "model", "backward"),
+    RECOMPUTE_CASES,
+    ids=[f"{a}-{m}-backward_{b}" for a, m, b in RECOMPUTE_CASES],
+)
+def test_recompute_is_bitwise_under_autocast(arch, model, backward, monkeypatch):
+    """Under autocast, rebuilding the norm outputs and MLP products gives the loss and every
+    gradient of keeping them, bit for bit, wherever the backward runs; and rebuilds happened."""
+    rebuilds = []
+    rebuild = recompute._Source.rebuild
+
+    def counting(source):
+        rebuilds.append(source.dtype)
+        return rebuild(source)
+
+    monkeypatch.setattr(recompute._Source, "rebuild", counting)
+    base = MODELS[model](arch).train()
+    kept = surgery.patch(twin(base), **KEEP)
+    rebuilt = surgery.patch(base)
+    batch = batch_of("padded")
+    inside = backward == "inside"
+    want_loss, want_grads = step(kept, batch, torch.bfloat16, backward_inside=inside)
+    assert not rebuilds
+    loss, grads = step(rebuilt, batch, torch.bfloat16, backward_inside=inside)
+    assert rebuilds
+    assert torch.equal(loss, want_loss)
+    for name in want_grads:
+        assert torch.equal(grads[name], want_grads[name]), name
+
+
+@pytest.mark.parametrize("backward", ["outside", "inside_fp16"])
+def test_recompute_replays_the_forward_autocast_state(backward):
+    """``recompute.register``: the rebuild runs under the autocast state of the forward, so an
+    output that autocast shaped (here a bf16 product of fp32 tensors) is rebuilt bit for bit
+    whether the backward runs outside autocast or under another one."""
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    w2 = torch.randn(16, 4, requires_grad=True)
+
+    def run(rebuilt: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.mm(x, w)
+            assert y.dtype == torch.bfloat16
+            if rebuilt:
+                recompute.register(y, torch.mm, x, w)
+            with recompute.saved_tensor_scope(rebuilt):
+                z = torch.mm(y, w2)  # saves y itself (already bf16) for w2's gradient
+        region = (
+            torch.autocast("cpu", dtype=torch.float16)
+            if backward == "inside_fp16"
+            else contextlib.nullcontext()
+        )
+        with region:
+            return torch.autograd.grad(z.float().square().sum(), (x, w, w2))
+
+    want = run(rebuilt=False)
+    got = run(rebuilt=True)
+    for g, wg in zip(got, want):
+        assert torch.equal(g, wg)
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def trainer_step(model, tmp_path, name, bf16):
+    """One HF Trainer step (bf16=True: accelerate's autocast around the forward), SGD with lr 1:
+    the parameter change is minus the gradient."""
+    from transformers import Trainer, TrainingArguments
+
+    rows = ListDataset([{"input_ids": s.tolist()} for s in sequences([9, 6, 7, 4], seed=3)])
+
+    def collate(examples):
+        return padded_batch([torch.tensor(e["input_ids"]) for e in examples]).kwargs()
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,  # no clipping: the change is the gradient itself
+        bf16=bf16,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    trainer.train()
+    loss = torch.tensor(next(log["loss"] for log in trainer.state.log_history if "loss" in log))
+    grads = {n: before[n] - p.detach() for n, p in model.named_parameters()}
+    return loss, grads
+
+
+def test_trainer_bf16_on_fp32_model(tmp_path):
+    """The reported crash: Trainer(bf16=True) on an fp32 model. One step trains like unpatched."""
+    model = tiny_model("llama")
+    unpatched = twin(model)
+    reference = twin(model)
+    surgery.patch(model)
+    got = trainer_step(model, tmp_path, "patched", bf16=True)
+    want = trainer_step(unpatched, tmp_path, "unpatched", bf16=True)
+    ref = trainer_step(reference, tmp_path, "fp32", bf16=False)
+    # bf16=True really ran under autocast: the unpatched model moved away from its fp32 step.
+    assert not torch.equal(want[1]["lm_head.weight"], ref[1]["lm_head.weight"])
+    assert_within_drift("llama", "Trainer bf16", torch.bfloat16, got, want, ref)
+
+
+GPU_VOCAB = 32_000  # a real vocabulary size
+GPU_HEAD_DIM = 64
+
+
+def gpu_model(arch: str, seed: int = 0):
+    """An fp32 model of ``arch`` on CUDA with a real vocabulary and head_dim 64, so that the q/k
+    norm weights hold 64 elements: a relative error over the 8 of the tiny configs is too noisy
+    a measure for a per-parameter budget (two bf16 runs differ by up to 2x there by chance)."""
+    config = tiny_config(arch)
+    config.update(
+        dict(
+            vocab_size=GPU_VOCAB,
+            hidden_size=4 * GPU_HEAD_DIM,
+            intermediate_size=512,
+            head_dim=GPU_HEAD_DIM,
+            sliding_window=64,
+            max_position_embeddings=1024,
+        )
+    )
+    if getattr(config, "query_pre_attn_scalar", None) is not None:
+        config.query_pre_attn_scalar = GPU_HEAD_DIM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_for(arch))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.cuda().train()
+
+
+def gpu_batch(kind: str, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, GPU_VOCAB, (n,), generator=g) for n in (301, 200, 57)]
+    return (packed_batch(seqs) if kind == "packed" else padded_batch(seqs)).to("cuda").kwargs()
+
+
+def cuda_step(model, batch, autocast, **kwargs):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_cuda_autocast_bf16_step(arch, kind):
+    """CUDA autocast bf16 on an fp32 model at a real vocabulary size: loss and every parameter's
+    gradient against the unpatched model under the same autocast, within its own drift."""
+    model = gpu_model(arch)
+    unpatched = twin(model)
+    surgery.patch(model)
+    batch = gpu_batch(kind)
+    # unpatched transformers keeps packed sequences apart only without a KV cache
+    ref = cuda_step(unpatched, batch, autocast=False, use_cache=False)
+    want = cuda_step(unpatched, batch, autocast=True, use_cache=False)
+    got = cuda_step(model, batch, autocast=True)
+    assert_within_drift(arch, kind, torch.bfloat16, got, want, ref)
