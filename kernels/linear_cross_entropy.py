@@ -360,6 +360,20 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _check_not_sharded(**tensors) -> None:
+    for name, t in tensors.items():
+        # DeepSpeed ZeRO-3 gives each parameter ds_numel (its full size) and, outside the forward
+        # of the module that owns it, leaves an empty placeholder in it. No deepspeed import.
+        full = getattr(t, "ds_numel", None)
+        if full is not None and t.numel() != full:
+            status = getattr(getattr(t, "ds_status", None), "name", None)
+            raise ValueError(
+                f"linear_cross_entropy got {name} as a DeepSpeed ZeRO-3 parameter that is not "
+                f"gathered (shape {tuple(t.shape)}, full shape {tuple(t.ds_shape)}, status "
+                f"{status}): outside the forward of the module that owns it, ZeRO-3 leaves only an "
+                "empty placeholder. Call it through that module, inside its forward, where ZeRO-3 "
+                "has gathered it: a patched model does (lm_head(hidden, labels=...)). For a loss "
+                "without gradients, deepspeed.zero.GatheredParameters(weight) gathers it."
+            )
     # A DTensor exists only once its module is imported: no import cost for anyone else.
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None:

@@ -74,6 +74,7 @@ class _Source:
         "device",
         "dtype",
         "fn",
+        "input_shapes",
         "input_versions",
         "inputs",
         "nbytes",
@@ -88,6 +89,7 @@ class _Source:
         self.fn = fn
         self.inputs = inputs
         self.input_versions = tuple(t._version for t in inputs)
+        self.input_shapes = tuple(t.shape for t in inputs)
         self.version = output._version
         self.dtype, self.device = output.dtype, output.device
         self.size, self.stride, self.offset = (
@@ -131,6 +133,13 @@ class _Source:
                     "surgery: a tensor needed to recompute an activation for the backward was "
                     "modified in place after the forward (an input of an RMSNorm or of the gated "
                     "MLP activation); patch with recompute_norm_output=False / "
+                    "recompute_mlp_product=False to keep the activation instead"
+                )
+            if tuple(t.shape for t in self.inputs) != self.input_shapes:
+                raise RuntimeError(
+                    "surgery: a tensor needed to recompute an activation for the backward changed "
+                    "shape since the forward (a parameter released outside its module's call, as "
+                    "DeepSpeed ZeRO-3 does); patch with recompute_norm_output=False / "
                     "recompute_mlp_product=False to keep the activation instead"
                 )
             with torch.no_grad(), self._forward_autocast():
@@ -228,6 +237,10 @@ def register(output: torch.Tensor, fn: Callable, *inputs: torch.Tensor) -> None:
     skipped unless the output requires grad (then autograd keeps the inputs for the producer's own
     backward)."""
     if not output.requires_grad or output.numel() == 0:
+        return
+    if any(hasattr(t, "ds_id") for t in inputs):
+        # A DeepSpeed ZeRO-3 parameter is released (emptied in place) after its module's call:
+        # nothing could be rebuilt from it in the backward. Keep the activation.
         return
     source = _Source(output, fn, inputs)
     key = output.untyped_storage().data_ptr()

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import surgery
 from surgery import forward as surgery_forward
+from surgery import recompute
 from tests.models.tiny import (
     HIDDEN,
     loss_and_grads,
@@ -172,6 +173,38 @@ def test_in_place_change_of_a_recompute_input_raises():
         model.model.layers[1].post_attention_layernorm.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified"):
         loss.backward()
+
+
+def test_released_recompute_input_raises():
+    """A parameter emptied after its module's call (as DeepSpeed ZeRO-3 releases one, through
+    ``.data`` without a version bump) is never read to rebuild an activation."""
+    model = surgery.patch(tiny_model("llama").train())
+    loss = model(**padded_batch(sequences(LENGTHS)).kwargs()).loss
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.weight.data = torch.empty(0)
+    with pytest.raises(RuntimeError, match="changed shape"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_zero3_parameters_are_not_registered_for_recompute(monkeypatch, zero3):
+    registered = []
+    original = recompute._Source.__init__
+
+    def spy(self, output, fn, inputs):
+        registered.append(inputs)
+        original(self, output, fn, inputs)
+
+    monkeypatch.setattr(recompute._Source, "__init__", spy)
+    model = surgery.patch(tiny_model("llama").train())
+    if zero3:
+        for name, norm in model.named_modules():
+            if name.endswith("layernorm"):
+                norm.weight.ds_id = 0  # what ZeRO-3 puts on every parameter it partitions
+    model(**padded_batch(sequences(LENGTHS)).kwargs()).loss.backward()
+    from_norms = [inputs for inputs in registered if any(t.dim() == 1 for t in inputs)]
+    assert registered  # the MLP products still are
+    assert bool(from_norms) is not zero3
 
 
 def test_loss_options_reach_the_fused_loss(monkeypatch):
