@@ -7,11 +7,11 @@ one and like one GPU without DeepSpeed, in less memory.
         benchmarks/zero3_two_gpu.py --cpu --tiny --out /tmp/zero3          # CPU, gloo: plumbing
 
 DeepSpeed must be importable. Where it is not installed (the GPU image has no DeepSpeed, and no
-network), install the wheels kept in the git-ignored folder ``.wheels/`` (a pure-Python DeepSpeed
+network), install the wheels kept in the git-ignored folder ``.whl/`` (a pure-Python DeepSpeed
 built with ``DS_BUILD_OPS=0``, and the dependencies the image lacks), carried to the machine:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .wheels/*.whl && export PYTHONPATH=/tmp/site
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 
 Models and data are fsdp_two_gpu.py's (Llama-shaped, untied; Gemma2-shaped: tied lm_head,
 final-logit softcap, eager attention), with the same initial weights on every rank and the same
