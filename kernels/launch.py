@@ -5,25 +5,34 @@ each one, turns the specialization into a string key, looks the compiled kernel 
 it: 25-40 us of host time per launch for a 30-argument kernel on the GPU machine, more than the
 kernel itself takes on a (4, 32, 2048, 128) RoPE, and two to three times as much on the autograd
 engine's device thread, where backward functions run. ``FastLauncher`` keeps its own cache, keyed
-on more than Triton specializes on: the device, every constexpr and launch option, every scalar
-argument's exact value, and each tensor's dtype and address modulo 128 (Triton specializes on
-16-byte alignment). The first launch of a key goes through ``JITFunction.run`` (which compiles,
-or finds the kernel compiled); later ones call the compiled kernel's launcher directly. A finer
-key can only cost a cache miss, never a kernel compiled for other arguments: a new sequence length
-is a miss, then cached (up to ``MAX_ENTRIES`` keys per kernel).
+on everything Triton's own cache key holds and more: the device; the options ``JITFunction.run``
+reads from Triton's knobs on every launch (``knobs.runtime.debug``,
+``knobs.compilation.instrumentation_mode`` and, in 3.9, ``fpsan_homomorphic_casts``); every
+constexpr and launch option, and every scalar argument, by exact value and type; each tensor's
+dtype and address modulo 128 (Triton specializes on 16-byte alignment). The first launch of a key
+goes through ``JITFunction.run`` (which compiles, or finds the kernel compiled); later ones call
+the compiled kernel's launcher directly, after the check ``JITFunction.run`` makes on every launch
+that the global variables the kernel reads still hold the values it was compiled with (when one
+changed, the launch goes through ``JITFunction.run``, which raises Triton's error). A finer key
+can only cost a cache miss, never a kernel compiled for other arguments: a new sequence length is
+a miss, then cached (up to ``MAX_ENTRIES`` keys per kernel).
 
 The direct call uses the compiled kernel's launcher the way ``JITFunction.run`` does in the
-Triton releases this was checked against (3.6 and 3.9); on any other release, for kernels with
-annotated or ``do_not_specialize`` parameters, and whenever Triton's launch hooks (a profiler),
-pre-run hooks or stage-inspection hook are set, every launch goes through ``JITFunction.run``;
-in debug mode (``TRITON_DEBUG``, read when a key is first seen) nothing is cached.
-``SURGERY_VERIFY_LAUNCH=1`` sends every launch of a cached key through ``JITFunction.run``
-instead and checks that the compiled kernel Triton picks is the one cached under the key
-(tests/kernels/test_launch.py runs the RoPE kernels both ways on the GPU).
+Triton releases it was verified against on the GPU (3.6 and 3.9, checked at import); on any other
+release, for kernels with annotated or ``do_not_specialize`` parameters, and whenever Triton's
+launch hooks (a profiler), pre-run hooks or stage-inspection hook are set, every launch goes
+through ``JITFunction.run``. Switches:
+
+- ``SURGERY_FAST_LAUNCH=0``: every launch through ``JITFunction.run`` (read when a launcher is
+  made, that is when the kernel modules are imported).
+- ``SURGERY_VERIFY_LAUNCH=1``: every launch of a cached key goes through ``JITFunction.run``
+  instead, and the compiled kernel Triton picks must be the one cached under the key (read at
+  import; tests/kernels/test_launch.py runs the RoPE kernels both ways on the GPU).
 """
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -31,27 +40,43 @@ import torch
 
 from .dispatch import triton_available
 
-__all__ = ["FastLauncher"]
+__all__ = ["FastLauncher", "keyed_compilation_knobs"]
 
-# Releases whose JITFunction.run launches as ``kernel.run(grid_0, grid_1, grid_2, stream,
-# kernel.function, kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``
-# with ``args`` every parameter's value in signature order (read in 3.6 and 3.9), and whose
-# specialization depends on nothing the key leaves out.
-_CHECKED_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
+# Per verified release, the ``knobs.compilation`` options that JITFunction.run adds to the launch
+# options its cache key is made of (runtime/jit.py of 3.6.0 and 3.9.0; both add
+# ``knobs.runtime.debug`` too). Both launch as ``kernel.run(grid_0, grid_1, grid_2, stream,
+# kernel.function, kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` with
+# ``args`` every parameter's value in signature order.
+_VERIFIED_RELEASES = {
+    (3, 6): ("instrumentation_mode",),
+    (3, 9): ("instrumentation_mode", "fpsan_homomorphic_casts"),
+}
 VERIFY = os.environ.get("SURGERY_VERIFY_LAUNCH", "0") not in ("", "0")
 """Launch every cached key through Triton's own path instead and check that Triton picks the
 cached kernel (read once, at import)."""
 MAX_ENTRIES = 4096
+_MISSING = object()
 
 
-def _release() -> tuple[int, int] | None:
-    import triton
-
+def keyed_compilation_knobs(version: str) -> tuple[str, ...] | None:
+    """The ``knobs.compilation`` options Triton ``version`` keys its kernel cache on, or None for a
+    release the direct launch was not verified against."""
     try:
-        major, minor = triton.__version__.split(".")[:2]
-        return int(major), int(minor)
+        major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
         return None
+    return _VERIFIED_RELEASES.get((major, minor))
+
+
+def _installed_release_knobs() -> tuple[str, ...] | None:
+    if not triton_available():
+        return None
+    import triton
+
+    return keyed_compilation_knobs(triton.__version__)
+
+
+_KEYED_COMPILATION_KNOBS = _installed_release_knobs()
 
 
 def _hook_active(hook) -> bool:
@@ -75,7 +100,8 @@ class FastLauncher:
         self._constexpr_names: list[str] = []
         self._direct = False
         params = getattr(fn, "params", None)  # None for the interpreter's InterpretedFunction
-        if params is None or not triton_available() or _release() not in _CHECKED_RELEASES:
+        enabled = os.environ.get("SURGERY_FAST_LAUNCH", "1") not in ("", "0")
+        if not enabled or params is None or _KEYED_COMPILATION_KNOBS is None:
             return
         n_runtime = sum(not p.is_constexpr for p in params)
         # The direct path needs every runtime parameter plain and before every constexpr one.
@@ -91,7 +117,8 @@ class FastLauncher:
         from triton.runtime import driver
 
         # Bound once: the launch path runs per layer and step.
-        self._runtime, self._driver = knobs.runtime, driver
+        self._runtime, self._compilation, self._driver = knobs.runtime, knobs.compilation, driver
+        self._compilation_options = operator.attrgetter(*_KEYED_COMPILATION_KNOBS)
 
     def _hooks_set(self) -> bool:
         runtime = self._runtime
@@ -101,6 +128,28 @@ class FastLauncher:
             or _hook_active(runtime.launch_exit_hook)
             or getattr(runtime, "add_stages_inspection_hook", None) is not None
         )
+
+    def _key(self, device, tensors, scalars, constexprs) -> tuple:
+        # Types too: 1, 1.0 and True are equal keys in Python, but an i32, an fp32 and an i1
+        # argument (or constexprs printed differently) to Triton.
+        return (
+            device,
+            self._runtime.debug,
+            self._compilation_options(self._compilation),
+            constexprs,
+            tuple(type(value) for _, value in constexprs),
+            scalars,
+            tuple(map(type, scalars)),
+            *[(t.dtype, t.data_ptr() & 127) for t in tensors],
+        )
+
+    def _globals_unchanged(self) -> bool:
+        """JITFunction.run's check, on every launch, that the globals the kernel reads still hold
+        the values it was compiled with."""
+        for (name, _), (value, scope) in self.fn.used_global_vals.items():
+            if scope.get(name, _MISSING) != value:  # compared as Triton compares
+                return False
+        return True
 
     def __call__(
         self,
@@ -115,31 +164,26 @@ class FastLauncher:
             return
         driver = self._driver
         device = driver.active.get_current_device()
-        key = (device, constexprs, scalars, *[(t.dtype, t.data_ptr() & 127) for t in tensors])
+        key = self._key(device, tensors, scalars, constexprs)
         entry = self._cache.get(key)
-        if entry is None:
+        if entry is None or VERIFY or not self._globals_unchanged():
+            # Triton's own path picks (and launches) the kernel for these arguments: compiled or
+            # found on a miss, and with VERIFY the very one cached under this key.
             options = dict(constexprs)
-            kernel = self.fn[grid](*tensors, *scalars, **options)  # compiles (or finds), launches
+            kernel = self.fn[grid](*tensors, *scalars, **options)
             if hasattr(kernel, "result"):  # asynchronous compilation
                 kernel = kernel.result()
-            if self._runtime.debug:  # TRITON_DEBUG: keep every launch on Triton's own path
-                return
-            if len(self._cache) >= MAX_ENTRIES:
-                self._cache.clear()
-            values = tuple(options[name] for name in self._constexpr_names)
-            self._cache[key] = (kernel, values)
-            return
-        kernel, values = entry
-        if VERIFY:
-            # Triton's own path picks (and launches) the kernel for these arguments: it must be
-            # the very one cached under this key.
-            chosen = self.fn[grid](*tensors, *scalars, **dict(constexprs))
-            if chosen is not kernel and getattr(chosen, "result", lambda: None)() is not kernel:
+            if entry is None and kernel is not None:  # None: a jit_cache_hook skipped compiling
+                if len(self._cache) >= MAX_ENTRIES:
+                    self._cache.clear()
+                self._cache[key] = (kernel, tuple(options[n] for n in self._constexpr_names))
+            elif entry is not None and VERIFY and kernel is not entry[0]:
                 raise RuntimeError(
                     f"FastLauncher({self.fn.__name__}): Triton picks another compiled kernel "
                     "for these arguments than the one cached under their key"
                 )
             return
+        kernel, values = entry
         kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device),
                    kernel.function, kernel.packed_metadata, None, None, None, *tensors, *scalars,
                    *values)  # fmt: skip

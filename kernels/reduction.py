@@ -51,10 +51,13 @@ def check_labels() -> None:
             )
 
 
-def _validate_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
-    """Mask of labels to train on; reports labels outside [0, V) that are not ignore_index."""
+def _trained_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """Mask of the labels that are targets: in [0, V) and not ``ignore_index`` (any int, inside
+    [0, V) too, as in ``F.cross_entropy``). Reports labels outside [0, V) that are not
+    ``ignore_index``."""
+    ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < vocab_size)
-    bad = (~in_range) & (labels != ignore_index)
+    bad = (~in_range) & (~ignored)
     if labels.device.type == "cpu" or os.environ.get("SURGERY_DEBUG", "0") not in ("", "0"):
         if torch.compiler.is_compiling():
             pass  # data-dependent raise cannot be traced; the kernels mask such labels anyway
@@ -67,7 +70,7 @@ def _validate_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: i
     else:
         flag = label_error_flag(labels.device)
         flag.bitwise_or_(bad.any().to(torch.int32))
-    return in_range
+    return in_range & ~ignored
 
 
 def sequence_starts(
@@ -155,8 +158,8 @@ def prepare_targets(
             flat = flat.masked_fill(next_starts, ignore_index)
     else:
         flat = labels.reshape(-1)
-    valid = _validate_label_range(flat, vocab_size, ignore_index)
-    # Out-of-range labels become ignore_index-free zeros: never read out of bounds, weight 0.
+    valid = _trained_labels(flat, vocab_size, ignore_index)
+    # Tokens without a target read column 0 (never out of bounds) and get weight 0.
     targets = torch.where(valid, flat, torch.zeros_like(flat))
     return targets, valid
 

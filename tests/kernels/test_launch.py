@@ -2,13 +2,18 @@
 ``JITFunction.run``'s per-call binding, and must never reuse a kernel compiled for another
 specialization. On the GPU each case is launched through Triton (filling the cache), directly, and
 with ``VERIFY`` (Triton's path, which must pick the cached kernel), each result against the
-reference.
+reference. On any machine: the key holds every option Triton keys on, only verified Triton
+releases launch directly, and the off switch works.
 """
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import surgery.kernels.launch as launch
 import surgery.kernels.rope as rope_mod
@@ -108,3 +113,162 @@ def test_hook_chains_count_only_when_they_hold_hooks():
 
     assert not _hook_active(None) and not _hook_active(Chain([]))
     assert _hook_active(Chain([print])) and _hook_active(print)
+
+
+# --------------------------------------------------------------------------------------------
+# The key and the switches, on any machine: a stand-in for a JITFunction whose launches are
+# recorded, and the key computed as a CUDA launch computes it.
+
+
+class FakeParam:
+    def __init__(self, name, is_constexpr):
+        self.name, self.is_constexpr = name, is_constexpr
+        self.do_not_specialize = self.do_not_specialize_on_alignment = False
+        self.annotation = ""
+
+
+class FakeJITFunction:
+    """What FastLauncher reads of a JITFunction: params, hooks, used globals, fn[grid](...)."""
+
+    __name__ = "fake_kernel"
+
+    def __init__(self):
+        self.params = [FakeParam("x_ptr", False), FakeParam("n", False), FakeParam("BLOCK", True)]
+        self.pre_run_hooks = []
+        self.used_global_vals = {}
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def _key(launcher, x, n=7, block=64):
+    return launcher._key(torch.device("cpu"), (x,), (n,), (("BLOCK", block), ("num_warps", 4)))
+
+
+@pytest.mark.parametrize(
+    "knob",
+    ["runtime.debug", "compilation.instrumentation_mode", "compilation.fpsan_homomorphic_casts"],
+)
+def test_key_changes_with_each_option_triton_keys_on(knob):
+    """JITFunction.run adds these knobs to the options its cache key is made of (3.6: debug and
+    instrumentation_mode; 3.9 also fpsan_homomorphic_casts): a kernel cached under one setting
+    must not be launched under another."""
+    from triton import knobs
+
+    group, name = knob.split(".")
+    if not hasattr(getattr(knobs, group), name):
+        pytest.skip(f"triton {triton.__version__} has no knobs.{knob}")
+    launcher = launch.FastLauncher(FakeJITFunction())
+    assert launcher._direct
+    x = torch.empty(16)
+    before = _key(launcher, x)
+    with getattr(knobs, group).scope():
+        value = getattr(getattr(knobs, group), name)
+        setattr(getattr(knobs, group), name, "nvidia" if isinstance(value, str) else not value)
+        assert _key(launcher, x) != before
+    assert _key(launcher, x) == before
+
+
+def test_key_tells_apart_equal_values_of_other_types():
+    """1, 1.0 and True are equal (and hash alike) in Python, not to Triton: an int, a float and a
+    bool argument are different kernels, and so are constexprs of another type."""
+    launcher = launch.FastLauncher(FakeJITFunction())
+    x = torch.empty(16)
+    assert len({_key(launcher, x, n=n) for n in (1, 1.0, True)}) == 3
+    assert len({_key(launcher, x, block=b) for b in (1, 1.0, True)}) == 3
+
+
+@pytest.mark.parametrize(
+    "version,direct",
+    [("3.6.0", True), ("3.9.0", True), ("3.9.1+git1234", True), ("3.7.0", False),
+     ("3.10.0", False), ("4.0.0", False), ("nightly", False)],
+)  # fmt: skip
+def test_only_verified_triton_releases_launch_directly(monkeypatch, version, direct):
+    """The direct launch was read against Triton 3.6 and 3.9: any other release (read once, at
+    import) launches through JITFunction.run."""
+    keyed = launch.keyed_compilation_knobs(version)
+    assert (keyed is not None) == direct
+    monkeypatch.setattr(launch, "_KEYED_COMPILATION_KNOBS", keyed)
+    fn = FakeJITFunction()
+    launcher = launch.FastLauncher(fn)
+    assert launcher._direct == direct
+    if not direct:
+        x = torch.empty(16)
+        launcher((2, 1, 1), (x,), (7,), (("BLOCK", 64),))
+        assert fn.calls == [((2, 1, 1), (x, 7), {"BLOCK": 64})]
+
+
+def test_off_switch(monkeypatch):
+    """SURGERY_FAST_LAUNCH=0 (read when a launcher is made, at import for the kernels' own):
+    every launch through JITFunction.run."""
+    monkeypatch.setenv("SURGERY_FAST_LAUNCH", "0")
+    assert not launch.FastLauncher(FakeJITFunction())._direct
+    monkeypatch.setenv("SURGERY_FAST_LAUNCH", "1")
+    assert launch.FastLauncher(FakeJITFunction())._direct
+
+
+def test_changed_global_takes_tritons_own_path():
+    """JITFunction.run raises when a global the kernel reads has changed since it compiled; a
+    direct launch must not skip that check, so it leaves the launch (and the error) to Triton."""
+    fn = FakeJITFunction()
+    scope = {"SCALE": 2}
+    fn.used_global_vals = {("SCALE", id(scope)): (2, scope)}
+    launcher = launch.FastLauncher(fn)
+    assert launcher._globals_unchanged()
+    scope["SCALE"] = 3
+    assert not launcher._globals_unchanged()
+    del scope["SCALE"]
+    assert not launcher._globals_unchanged()
+
+
+# A kernel that reads a global constexpr, as JITFunction.run checks on every launch.
+SCALE = tl.constexpr(2.0)
+
+
+@triton.jit
+def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * SCALE, mask=mask)
+
+
+def _launch_scale(launcher, x, y):
+    launcher((1, 1, 1), (x, y), (x.numel(),), (("BLOCK", 128),))
+
+
+@cuda
+@pytest.mark.gpu
+def test_changed_global_raises_as_triton_does(monkeypatch):
+    launcher = launch.FastLauncher(scale_kernel)
+    x = torch.randn(100, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    for _ in range(2):  # the second launch is direct
+        _launch_scale(launcher, x, y)
+    assert len(launcher._cache) == 1
+    torch.testing.assert_close(y, 2 * x)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", tl.constexpr(3.0))
+    with pytest.raises(RuntimeError, match="SCALE"):
+        _launch_scale(launcher, x, y)
+
+
+@cuda
+@pytest.mark.gpu
+def test_debug_knob_launches_tritons_debug_kernel():
+    """After a key was cached, TRITON_DEBUG's knob set at run time must reach Triton (which
+    compiles a debug build), not launch the cached kernel."""
+    from triton import knobs
+
+    launcher = launch.FastLauncher(scale_kernel)
+    x = torch.randn(100, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    for _ in range(2):
+        _launch_scale(launcher, x, y)
+    with knobs.runtime.scope():
+        knobs.runtime.debug = True
+        for _ in range(2):
+            _launch_scale(launcher, x, y)
+    assert len(launcher._cache) == 2
+    (plain, _), (debug, _) = launcher._cache.values()
+    assert plain is not debug
+    torch.testing.assert_close(y, 2 * x)

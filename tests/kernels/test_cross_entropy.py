@@ -1,0 +1,254 @@
+"""What the two loss entry points share: which tokens carry a target (``ignore_index``, any int,
+inside the vocabulary too) and the final-logit softcap's accuracy.
+
+Both entry points (``cross_entropy`` over logits, ``linear_cross_entropy``) run on both paths: the
+Triton kernels (through the interpreter on CPU) and the chunked PyTorch fallback (CPU tensors
+without ``TRITON_INTERPRET``). Every result is compared with a reference written here in fp64 from
+``F.cross_entropy``, independent of kernels/reduction.py and kernels/reference.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from surgery.kernels import check_labels, cross_entropy, linear_cross_entropy
+from surgery.kernels.cross_entropy import cross_entropy_fwd
+from tests.utils import DEVICE, assert_close_budget, rel_err, tolerance
+
+V = 37  # odd, and small enough that labels hit every class, ignore_index's included
+B, T = 3, 9  # (B, T) labels: each row is one sequence for reduction="sequence"
+REDUCTIONS = ["mean", "sum", "none", "sequence"]
+# The modules, not the functions of the same name that surgery.kernels exports.
+ce_mod = importlib.import_module("surgery.kernels.cross_entropy")
+lce_mod = importlib.import_module("surgery.kernels.linear_cross_entropy")
+
+IGNORE_INDICES = {
+    "ii0": 0,
+    "ii2": 2,
+    f"iiV-1={V - 1}": V - 1,
+    f"iiV={V}": V,
+    "ii-1": -1,
+    "ii-100": -100,
+    "ii-7": -7,
+}
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    """The device the inputs live on: the Triton kernels' (DEVICE), or CPU with the interpreter
+    off, where the PyTorch fallback runs; there the kernels are removed to prove it."""
+    if request.param == "triton":
+        return DEVICE
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(ce_mod, "cross_entropy_fwd_kernel", None)
+    monkeypatch.setattr(ce_mod, "cross_entropy_bwd_kernel", None)
+    monkeypatch.setattr(lce_mod, "scale_by_upstream_kernel", None)
+    return torch.device("cpu")
+
+
+def make_labels(ignore_index: int, device, seed: int = 0) -> torch.Tensor:
+    """(B, T) labels in [0, V) with every third token of a row and the whole last row (a
+    sequence without targets) set to ``ignore_index``."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[:, 1::3] = ignore_index
+    labels[-1] = ignore_index
+    return labels.to(device)
+
+
+def run_loss(fn: str, logits32: torch.Tensor, labels: torch.Tensor, **kw):
+    """``fn``'s loss of fp32 inputs whose logits are ``logits32`` (N, V), and the inputs that
+    require grad: the logits (``cross_entropy``), or hidden states equal to them and an identity
+    weight (``linear_cross_entropy``: products by 0 and 1 are exact), so that the gradient of the
+    first input is the logits' gradient on both."""
+    z = logits32.detach().clone().requires_grad_()
+    if fn == "logits":
+        return cross_entropy(z, labels, **kw), (z,)
+    w = torch.eye(logits32.shape[1], device=z.device, requires_grad=True)
+    return linear_cross_entropy(z, w, labels, **kw), (z, w)
+
+
+def input_grads(logits_grad: torch.Tensor, logits: torch.Tensor, fn: str) -> list[torch.Tensor]:
+    """Gradients of ``run_loss``'s inputs given the logits' gradient: for ``"linear"`` the weight's
+    is logits_grad.T @ hidden (the hidden states being the logits)."""
+    if fn == "logits":
+        return [logits_grad]
+    return [logits_grad, logits_grad.t() @ logits]
+
+
+def reference64(logits, labels, ignore_index, reduction, label_smoothing=0.0, z_loss_scale=0.0,
+                softcap=None, shift=False):  # fmt: skip
+    """Independent fp64 reference: ``F.cross_entropy(ignore_index=...)`` per token; "sequence" as
+    the mean, over the rows of (B, T) labels that have a target, of each row's token mean."""
+    x = logits.double()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    lab = labels.view(-1, labels.shape[-1]) if labels.dim() == 2 else labels.view(1, -1)
+    if shift:  # next-token targets within each row; the last token of a row has none
+        lab = torch.cat([lab[:, 1:], torch.full_like(lab[:, :1], ignore_index)], dim=1)
+    flat = lab.reshape(-1)
+    x = x.view(flat.numel(), -1)
+    per_token = F.cross_entropy(
+        x, flat, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
+    valid = flat != ignore_index
+    per_token = per_token + torch.where(valid, z_loss_scale * torch.logsumexp(x, -1) ** 2, 0.0)
+    if reduction == "none":
+        return per_token.view(labels.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    if reduction == "mean":
+        return per_token.sum() / valid.sum()
+    rows = [
+        per_token.view(lab.shape)[r].sum() / valid.view(lab.shape)[r].sum()
+        for r in range(lab.shape[0])
+        if valid.view(lab.shape)[r].any()
+    ]
+    return torch.stack(rows).mean()
+
+
+def upstream(ref: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ref.shape, generator=g, dtype=torch.float64)
+
+
+def check_loss_and_grad(fn, logits32, labels, ignore_index, reduction, **kw):
+    """Loss and input gradients against the fp64 reference, within fp32's budget (eager: the
+    same reference in fp32). Returns the loss and the logits' gradient."""
+    out, inputs = run_loss(
+        fn, logits32, labels, ignore_index=ignore_index, reduction=reduction, **kw
+    )
+    x64 = logits32.detach().double().requires_grad_()
+    ref = reference64(x64, labels, ignore_index, reduction, **kw)
+    x32 = logits32.detach().float().requires_grad_()
+    eager = reference64(x32, labels, ignore_index, reduction, **kw).float()
+    g = upstream(ref)
+    got = torch.autograd.grad((out.loss * g.to(out.loss.device, torch.float32)).sum(), inputs)
+    (gref,) = torch.autograd.grad((ref * g.to(ref.device)).sum(), x64)
+    (geager,) = torch.autograd.grad((eager * g.to(eager.device, torch.float32)).sum(), x32)
+    assert out.loss.shape == ref.shape
+    assert_close_budget(out.loss, ref, eager, torch.float32, "loss")
+    wants = zip(input_grads(gref, x64.detach(), fn), input_grads(geager, x32.detach(), fn))
+    for name, a, (r, e) in zip(("grad_logits", "grad_weight"), got, wants):
+        assert_close_budget(a, r, e, torch.float32, name)
+    return out, got[0]
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("ignore_index", list(IGNORE_INDICES.values()), ids=list(IGNORE_INDICES))
+@pytest.mark.parametrize("fn", ["logits", "linear"])
+def test_ignore_index_any_int(path, fn, ignore_index, reduction):
+    """Any int is an ignore_index, as in F.cross_entropy: inside [0, V) (tokens labelled with that
+    class are not trained), at its edges and negative."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(B * T, V, generator=g).to(path)
+    labels = make_labels(ignore_index, path)
+    out, grad = check_loss_and_grad(fn, logits, labels, ignore_index, reduction)
+    ignored = (labels == ignore_index).view(-1)
+    assert torch.all(grad[ignored] == 0)
+    if reduction == "none":
+        assert torch.all(out.loss.view(-1)[ignored] == 0)
+        assert torch.all(out.loss.view(-1)[~ignored] > 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none", "sequence"])
+@pytest.mark.parametrize("ignore_index", [0, 2, V - 1, -100], ids=["ii0", "ii2", "iiV-1", "ii-100"])
+@pytest.mark.parametrize("fn", ["logits", "linear"])
+def test_ignore_index_with_shift_smoothing_and_z_loss(path, fn, ignore_index, reduction):
+    """Next-token targets (the label of the next token, ignore_index included, and none for the
+    last token of a row), label smoothing and the z-loss all skip the ignored tokens."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(B * T, V, generator=g).to(path)
+    labels = make_labels(ignore_index, path, seed=4)
+    kw = dict(shift=True, label_smoothing=0.1, z_loss_scale=1e-2)
+    _, grad = check_loss_and_grad(fn, logits, labels, ignore_index, reduction, **kw)
+    next_ignored = torch.cat(
+        [labels[:, 1:] == ignore_index, torch.ones_like(labels[:, :1], dtype=torch.bool)], 1
+    )
+    assert torch.all(grad[next_ignored.view(-1)] == 0)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.uint8, torch.int8, torch.int16, torch.int32],
+    ids=["uint8", "int8", "int16", "int32"],
+)
+@pytest.mark.parametrize("fn", ["logits", "linear"])
+def test_narrow_label_dtypes(path, fn, dtype):
+    """Integer labels of any width train like int64 ones, next-token targets and an ignore_index
+    inside the vocabulary included (the row ends are filled with ignore_index)."""
+    logits = torch.randn(B * T, V, generator=torch.Generator().manual_seed(8)).to(path)
+    labels = make_labels(2, path, seed=9)
+    kw = dict(ignore_index=2, reduction="none", shift=True)
+    want, _ = run_loss(fn, logits, labels, **kw)
+    got, _ = run_loss(fn, logits, labels.to(dtype), **kw)
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "ignore_index,bad",
+    [(2, V), (2, -100), (-1, -100), (V, -1), (-100, V + 3)],
+    ids=["ii2-label=V", "ii2-label=-100", "ii-1-label=-100", "iiV-label=-1", "ii-100-label=V+3"],
+)
+@pytest.mark.parametrize("fn", ["logits", "linear"])
+def test_labels_outside_vocab_still_raise(path, fn, ignore_index, bad):
+    """A label outside [0, V) that is not ignore_index is an error, whatever ignore_index is."""
+    logits = torch.randn(B * T, V).to(path)
+    labels = make_labels(ignore_index, path)
+    labels[0, 1] = bad
+    with pytest.raises(ValueError, match="outside"):
+        run_loss(fn, logits, labels, ignore_index=ignore_index)
+        check_labels()  # on a GPU the report is lazy: no host sync in the hot path
+
+
+# --------------------------------------------------------------------------------------------
+# Final-logit softcap: cap * tanh(z / cap) as accurate as torch.tanh for every |z|.
+
+SOFTCAPS = {"cap30": 30.0, "cap5": 5.0}
+STRICT = tolerance(torch.float32)["strict_rtol"]
+
+
+def spread_logits(shape, cap: float, seed: int) -> torch.Tensor:
+    """fp32 logits with magnitudes log-uniform from 1e-3 to 20 * cap and random signs: capped,
+    they run from far below the cap (where tanh(u) ~ u) to saturation at +-cap."""
+    g = torch.Generator().manual_seed(seed)
+    log_mag = torch.empty(shape).uniform_(math.log(1e-3), math.log(20 * cap), generator=g)
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    return sign * log_mag.exp()
+
+
+@pytest.mark.parametrize("cap", list(SOFTCAPS.values()), ids=list(SOFTCAPS))
+def test_softcap_is_tanh_to_fp32_rounding(path, cap):
+    """The capped logits themselves, elementwise: the logsumexp of a one-column row is that
+    column's capped logit, so the row kernel returns cap * tanh(z / cap) as it computes it."""
+    z = torch.cat([spread_logits((509,), cap, seed=5), torch.tensor([0.0, 1e-30, -1e-30])])
+    targets = torch.zeros(z.numel(), dtype=torch.long, device=path)
+    lse, _, _ = cross_entropy_fwd(z[:, None].to(path), targets, softcap=cap)
+    want = cap * torch.tanh(z.double() / cap)
+    torch.testing.assert_close(lse.cpu().double(), want, rtol=STRICT, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("cap", list(SOFTCAPS.values()), ids=list(SOFTCAPS))
+@pytest.mark.parametrize("fn", ["logits", "linear"])
+def test_softcap_loss_and_grads_fp32(path, fn, cap, reduction):
+    """Loss (per token for "none") and gradients against fp64 to ``strict_rtol``, on logits that
+    span the whole range of the tanh; "mean" and "none" take the eager and recompute schedules of
+    linear_cross_entropy."""
+    n, v = 24, 257
+    logits = spread_logits((n, v), cap, seed=6).to(path)
+    labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(7)).to(path)
+    out, inputs = run_loss(fn, logits, labels, reduction=reduction, softcap=cap)
+    x64 = logits.double().requires_grad_()
+    ref = reference64(x64, labels, -100, reduction, softcap=cap)
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=STRICT, atol=0)
+    g = upstream(ref)
+    got = torch.autograd.grad((out.loss * g.to(out.loss.device, torch.float32)).sum(), inputs)
+    (gref,) = torch.autograd.grad((ref * g.to(ref.device)).sum(), x64)
+    for name, a, r in zip(("grad_logits", "grad_weight"), got, input_grads(gref, x64.detach(), fn)):
+        assert rel_err(a, r) <= STRICT, f"{name}: rel err {rel_err(a, r):.2e}"
