@@ -26,33 +26,38 @@ pytestmark = [
 TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 
 
-def split_map(arch: str) -> dict[str, int]:
+def split_map(arch: str) -> dict[str, str]:
     # A tied head (Gemma) must sit with the embedding it shares its weight with.
-    head = 0 if arch.startswith("gemma") else 1
+    head = "cuda:0" if arch.startswith("gemma") else "cuda:1"
     return {
-        "model.embed_tokens": 0,
-        "model.layers.0": 0,
-        "model.layers.1": 1,
-        "model.norm": 1,
-        "model.rotary_emb": 1,
+        "model.embed_tokens": "cuda:0",
+        "model.layers.0": "cuda:0",
+        "model.layers.1": "cuda:1",
+        "model.norm": "cuda:1",
+        "model.rotary_emb": "cuda:1",
         "lm_head": head,
     }
 
 
-@pytest.mark.parametrize("device_map", ["split", "auto"])
+@pytest.mark.parametrize("how", ["from_pretrained", "dispatch_model"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
-def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, device_map):
+def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how):
     tiny_model(arch).save_pretrained(tmp_path / "model")
+    device_map = split_map(arch)
 
     def load():
-        kwargs = {"device_map": split_map(arch)}
-        if device_map == "auto":  # small budgets so that "auto" really splits the tiny model
-            kwargs = {"device_map": "auto", "max_memory": {0: "40KiB", 1: "10GiB"}}
-        return AutoModelForCausalLM.from_pretrained(tmp_path / "model", **kwargs).train()
+        if how == "from_pretrained":
+            model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map)
+        else:  # what from_pretrained does after loading: accelerate's own dispatch
+            from accelerate import dispatch_model
+
+            model = dispatch_model(tiny_model(arch), device_map=device_map)
+        return model.train()
 
     model, reference = load(), load()
     devices = {p.device for p in model.parameters()}
-    assert devices == {torch.device("cuda", 0), torch.device("cuda", 1)}, devices
+    where = getattr(model, "hf_device_map", None)
+    assert devices == {torch.device("cuda", 0), torch.device("cuda", 1)}, (devices, where)
     surgery.patch(model)
     batch = padded_batch(sequences([37, 20, 9])).to("cuda:0")
 
