@@ -356,6 +356,10 @@ def attention_forward(
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         inv_freq, scaling = rope_frequencies(self, binding)
+        if inv_freq.device != query.device:
+            # A device map (accelerate's hooks) put the rotary module on another GPU than this
+            # layer; unpatched, its cos/sin would be moved here with the layer's inputs.
+            inv_freq = inv_freq.to(query.device)
         rotary_dim = 2 * inv_freq.shape[-1]
         query, key = apply_rope(
             query,
