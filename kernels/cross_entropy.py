@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import cdiv, next_power_of_2, triton_available, use_triton
+from .dispatch import cdiv, next_power_of_2, on_device, triton_available, use_triton
 from .reduction import REDUCTIONS, prepare_targets, sequence_starts, token_weights
 from .reference import LossOutput
 
@@ -270,27 +270,28 @@ def cross_entropy_fwd(
                    label_smoothing, z_loss_scale)  # fmt: skip
         return lse, ce, zl
     dummy = lse  # never read when WRITE_GRAD is off
-    cross_entropy_fwd_kernel[(rows,)](
-        logits,
-        logits.stride(0),
-        targets,
-        lse,
-        ce,
-        zl,
-        coef_ce if write_grad else dummy,
-        coef_z if write_grad else dummy,
-        grad_out if write_grad else logits,
-        grad_out.stride(0) if write_grad else 0,
-        V,
-        float(softcap) if softcap else 1.0,
-        float(label_smoothing),
-        float(z_loss_scale),
-        BLOCK_V=min(FWD_BLOCK_V, next_power_of_2(V)),
-        SOFTCAP=bool(softcap),
-        SMOOTHING=label_smoothing > 0.0,
-        WRITE_GRAD=write_grad,
-        num_warps=FWD_NUM_WARPS,
-    )
+    with on_device(logits):
+        cross_entropy_fwd_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            targets,
+            lse,
+            ce,
+            zl,
+            coef_ce if write_grad else dummy,
+            coef_z if write_grad else dummy,
+            grad_out if write_grad else logits,
+            grad_out.stride(0) if write_grad else 0,
+            V,
+            float(softcap) if softcap else 1.0,
+            float(label_smoothing),
+            float(z_loss_scale),
+            BLOCK_V=min(FWD_BLOCK_V, next_power_of_2(V)),
+            SOFTCAP=bool(softcap),
+            SMOOTHING=label_smoothing > 0.0,
+            WRITE_GRAD=write_grad,
+            num_warps=FWD_NUM_WARPS,
+        )
     return lse, ce, zl
 
 
@@ -319,25 +320,26 @@ def cross_entropy_bwd(
                    label_smoothing, z_loss_scale)  # fmt: skip
         return grad_out
     block = min(BWD_BLOCK_V, next_power_of_2(n_cols))
-    cross_entropy_bwd_kernel[(rows, cdiv(n_cols, block))](
-        logits,
-        logits.stride(0),
-        targets,
-        lse,
-        coef_ce,
-        coef_z,
-        grad_out,
-        grad_out.stride(0),
-        n_cols,
-        col_offset,
-        V,
-        float(softcap) if softcap else 1.0,
-        float(label_smoothing),
-        float(z_loss_scale),
-        BLOCK_V=block,
-        SOFTCAP=bool(softcap),
-        num_warps=BWD_NUM_WARPS,
-    )
+    with on_device(logits):
+        cross_entropy_bwd_kernel[(rows, cdiv(n_cols, block))](
+            logits,
+            logits.stride(0),
+            targets,
+            lse,
+            coef_ce,
+            coef_z,
+            grad_out,
+            grad_out.stride(0),
+            n_cols,
+            col_offset,
+            V,
+            float(softcap) if softcap else 1.0,
+            float(label_smoothing),
+            float(z_loss_scale),
+            BLOCK_V=block,
+            SOFTCAP=bool(softcap),
+            num_warps=BWD_NUM_WARPS,
+        )
     return grad_out
 
 

@@ -4,12 +4,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 
-__all__ = ["cdiv", "interpreter_enabled", "next_power_of_2", "triton_available", "use_triton"]
+__all__ = [
+    "cdiv",
+    "interpreter_enabled",
+    "next_power_of_2",
+    "on_device",
+    "triton_available",
+    "use_triton",
+]
 
 
 @functools.cache
@@ -33,6 +41,18 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return t.device.type == "cpu" and interpreter_enabled()
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s CUDA device the current one for a Triton launch (a no-op context when it is
+    already). Triton launches on the current device, and a tensor may live on another: a device
+    map puts layers on several GPUs, a model may sit on ``cuda:1`` while ``cuda:0`` is current."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _SAME_DEVICE
 
 
 # Launch arithmetic in plain Python: ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr

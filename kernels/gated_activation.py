@@ -27,7 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cdiv, interpreter_enabled, next_power_of_2, triton_available, use_triton
+from .dispatch import (
+    cdiv,
+    interpreter_enabled,
+    next_power_of_2,
+    on_device,
+    triton_available,
+    use_triton,
+)
 from .rounding import round_to
 
 if triton_available():
@@ -180,16 +187,17 @@ def gated_activation_fwd(
         return out
     launch = _launch(launch, gate)
     block = min(launch.block, next_power_of_2(numel))
-    gated_activation_fwd_kernel[(cdiv(numel, block),)](
-        gate,
-        up,
-        out,
-        numel,
-        BLOCK=block,
-        ACTIVATION=ACTIVATIONS[activation],
-        INTERPRETED=interpreter_enabled(),
-        num_warps=launch.num_warps,
-    )
+    with on_device(gate):
+        gated_activation_fwd_kernel[(cdiv(numel, block),)](
+            gate,
+            up,
+            out,
+            numel,
+            BLOCK=block,
+            ACTIVATION=ACTIVATIONS[activation],
+            INTERPRETED=interpreter_enabled(),
+            num_warps=launch.num_warps,
+        )
     return out
 
 
@@ -216,18 +224,19 @@ def gated_activation_bwd(
         return dg, du
     launch = _launch(launch, gate)
     block = min(launch.block, next_power_of_2(numel))
-    gated_activation_bwd_kernel[(cdiv(numel, block),)](
-        dout,
-        gate,
-        up,
-        dg,
-        du,
-        numel,
-        BLOCK=block,
-        ACTIVATION=ACTIVATIONS[activation],
-        INTERPRETED=interpreter_enabled(),
-        num_warps=launch.num_warps,
-    )
+    with on_device(gate):
+        gated_activation_bwd_kernel[(cdiv(numel, block),)](
+            dout,
+            gate,
+            up,
+            dg,
+            du,
+            numel,
+            BLOCK=block,
+            ACTIVATION=ACTIVATIONS[activation],
+            INTERPRETED=interpreter_enabled(),
+            num_warps=launch.num_warps,
+        )
     return dg, du
 
 

@@ -158,8 +158,13 @@ class FastLauncher:
         scalars: tuple,
         constexprs: tuple[tuple[str, Any], ...],
     ) -> None:
-        """Launch on the current CUDA device and stream, as ``fn[grid]`` does."""
-        if not self._direct or not tensors[0].is_cuda or self._hooks_set():
+        """Launch on the first tensor's CUDA device (made current for the launch if it is not)
+        and that device's current stream."""
+        first = tensors[0]
+        if first.is_cuda and first.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(first.device):
+                return self(grid, tensors, scalars, constexprs)
+        if not self._direct or not first.is_cuda or self._hooks_set():
             self.fn[grid](*tensors, *scalars, **dict(constexprs))
             return
         driver = self._driver

@@ -39,7 +39,7 @@ from .cross_entropy import (
     reduce_losses,
     upstream_coefficients,
 )
-from .dispatch import cdiv, triton_available, use_triton
+from .dispatch import cdiv, on_device, triton_available, use_triton
 from .reference import LossOutput
 
 if triton_available():
@@ -81,7 +81,8 @@ def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return t.mul_(g.to(t.dtype))
     g32 = g.detach().reshape(1).to(torch.float32)
     n = t.numel()
-    scale_by_upstream_kernel[(cdiv(n, SCALE_BLOCK),)](t, g32, n, BLOCK=SCALE_BLOCK)
+    with on_device(t):
+        scale_by_upstream_kernel[(cdiv(n, SCALE_BLOCK),)](t, g32, n, BLOCK=SCALE_BLOCK)
     return t
 
 

@@ -31,7 +31,14 @@ from typing import Literal
 
 import torch
 
-from .dispatch import cdiv, interpreter_enabled, next_power_of_2, triton_available, use_triton
+from .dispatch import (
+    cdiv,
+    interpreter_enabled,
+    next_power_of_2,
+    on_device,
+    triton_available,
+    use_triton,
+)
 from .rounding import round_to
 
 if triton_available():
@@ -250,23 +257,24 @@ def rms_norm_fwd(
         return y, rstd
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
-    rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
-        x2d,
-        weight,
-        y,
-        rstd,
-        n_rows,
-        N,
-        x2d.stride(0),
-        y.stride(0),
-        float(eps),
-        float(offset),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        LLAMA_CASTING=casting == "llama",
-        INTERPRETED=interpreter_enabled(),
-        num_warps=num_warps,
-    )
+    with on_device(x2d):
+        rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
+            x2d,
+            weight,
+            y,
+            rstd,
+            n_rows,
+            N,
+            x2d.stride(0),
+            y.stride(0),
+            float(eps),
+            float(offset),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            LLAMA_CASTING=casting == "llama",
+            INTERPRETED=interpreter_enabled(),
+            num_warps=num_warps,
+        )
     return y, rstd
 
 
@@ -300,26 +308,27 @@ def rms_norm_bwd(
         programs = launch.bwd_programs_per_sm * (_sm_count(dev.index or 0) if x2d.is_cuda else 1)
     programs = max(1, min(programs, n_tiles))
     dw_partial = torch.empty(programs if compute_dw else 1, N, dtype=torch.float32, device=dev)
-    rms_norm_bwd_kernel[(programs,)](
-        dy,
-        x2d,
-        weight,
-        rstd,
-        dx,
-        dw_partial,
-        n_rows,
-        N,
-        dy.stride(0),
-        x2d.stride(0),
-        dx.stride(0),
-        float(offset),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        LLAMA_CASTING=casting == "llama",
-        COMPUTE_DW=compute_dw,
-        INTERPRETED=interpreter_enabled(),
-        num_warps=num_warps,
-    )
+    with on_device(x2d):
+        rms_norm_bwd_kernel[(programs,)](
+            dy,
+            x2d,
+            weight,
+            rstd,
+            dx,
+            dw_partial,
+            n_rows,
+            N,
+            dy.stride(0),
+            x2d.stride(0),
+            dx.stride(0),
+            float(offset),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            LLAMA_CASTING=casting == "llama",
+            COMPUTE_DW=compute_dw,
+            INTERPRETED=interpreter_enabled(),
+            num_warps=num_warps,
+        )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
 

@@ -70,3 +70,41 @@ def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how):
     surgery.unpatch(model)
     unpatched_loss, _ = loss_and_grads(model, **batch.kwargs())
     torch.testing.assert_close(unpatched_loss, want_loss, rtol=0, atol=0)
+
+
+def test_kernels_launch_on_their_tensors_device():
+    """Every kernel on ``cuda:1`` tensors while ``cuda:0`` is the current device (a layer of a
+    device map, or a model moved to ``cuda:1``): the same results, bit for bit, as on ``cuda:0``.
+    Triton launches on the current device unless told otherwise."""
+    from surgery.kernels import apply_rope, gated_activation, linear_cross_entropy, rms_norm
+
+    def run(device):
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def rand(*shape, requires_grad=True):
+            t = torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+            return t.requires_grad_(requires_grad)
+
+        hidden, weight = rand(300, 64), rand(1000, 64)
+        labels = torch.randint(0, 1000, (300,), generator=g).to(device)
+        loss = linear_cross_entropy(hidden, weight, labels, softcap=30.0).loss
+        x, w = rand(300, 64), rand(64)
+        normed = rms_norm(x, w, 1e-6, 0.0, "llama")
+        gate, up = rand(300, 128), rand(300, 128)
+        product = gated_activation(gate, up, "silu")
+        q, k = rand(2, 4, 37, 16), rand(2, 2, 37, 16)
+        pos = torch.arange(37, device=device)[None].expand(2, -1)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, device=device).float() / 16))
+        rq, rk = apply_rope(q, k, pos, inv_freq)
+        total = loss + normed.float().sum() + product.float().sum() + rq.float().sum()
+        (total + rk.float().sum()).backward()
+        outs = [loss, normed, product, rq, rk]
+        grads = [t.grad for t in (hidden, weight, x, w, gate, up, q, k)]
+        return [t.detach().cpu() for t in outs + grads]
+
+    torch.cuda.set_device(0)
+    want = run("cuda:0")
+    got = run("cuda:1")
+    assert torch.cuda.current_device() == 0
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
