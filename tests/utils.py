@@ -65,3 +65,16 @@ def assert_close_budget(x, ref, eager, dtype, what=""):
     err, err_eager = rel_err(x, ref), rel_err(eager, ref)
     bound = tol["factor"] * err_eager + tol["floor"]
     assert err <= bound, f"{what}: rel err {err:.3e} > budget {bound:.3e} (eager {err_eager:.3e})"
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """A list of prepared rows as a dataset (what the Trainer tests feed their trainers)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]

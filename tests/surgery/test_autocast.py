@@ -33,7 +33,7 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
-from tests.utils import assert_close_budget
+from tests.utils import ListDataset, assert_close_budget
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LENGTHS = [7, 5, 3]
@@ -209,17 +209,6 @@ def test_recompute_replays_the_forward_autocast_state(backward):
     got = run(rebuilt=True)
     for g, wg in zip(got, want):
         assert torch.equal(g, wg)
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def trainer_step(model, tmp_path, name, bf16):

@@ -46,6 +46,7 @@ from surgery import recompute as surgery_recompute
 from surgery.kernels import linear_cross_entropy
 from surgery.kernels.dispatch import interpreter_enabled, use_triton
 from tests.models.tiny import VOCAB, attn_for, sequences, tiny_config, tiny_model
+from tests.utils import ListDataset
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -110,17 +111,6 @@ if interpreter_enabled():
 
 def _unpatched(runs: dict, name: str) -> dict:
     return runs[CASES[name].triton_of or name, False]
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def _dataset() -> ListDataset:

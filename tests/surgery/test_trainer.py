@@ -9,19 +9,9 @@ import torch
 import surgery
 from surgery import attention as surgery_attention
 from tests.models.tiny import VOCAB, sequences, tiny_model, twin
+from tests.utils import ListDataset
 
 STEPS = 2
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def rows():
