@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from .mini import MiniConfig
+
 __all__ = [
     "GATED_ACTIVATIONS",
     "GEMMA_RMS_NORM",
@@ -58,6 +60,9 @@ class ArchitectureSpec:
     """Class whose instances get the generic causal-LM forward."""
     attention: str
     """Class whose instances get the generic attention forward (RoPE through ``apply_rope``)."""
+    mini_config: MiniConfig
+    """How to build the architecture's mini models from transformers' own config class: the tests'
+    tiny models and the convergence suite's models are all made from it."""
     rotary_attr: str = "rotary_emb"
     """Attribute of the base model (``model.model``) holding the rotary module. Frequencies are
     read from it at call time: dynamic RoPE types rewrite them in its forward, which runs before
@@ -88,9 +93,15 @@ class ArchitectureSpec:
     """Config attribute naming the MLP's activation (an ACT2FN key)."""
 
     @property
+    def name(self) -> str:
+        """Short name: ``model_type`` without ``_text`` (``gemma3``); ``apply_<name>`` and the
+        convergence suite's ``--model`` use it."""
+        return self.model_type.removesuffix("_text")
+
+    @property
     def apply_name(self) -> str:
         """Name of the class-level entry point, e.g. ``apply_llama``."""
-        return "apply_" + self.model_type.removesuffix("_text")
+        return "apply_" + self.name
 
     def _resolve(self, name: str):
         return getattr(importlib.import_module(self.module), name)

@@ -5,21 +5,9 @@ fused ``linear_cross_entropy`` loss, position-aware ``apply_rope``, and fused ``
 ``gated_activation`` kernels; ``apply_<arch>()`` does the same for models built afterwards.
 """
 
-from .api import (
-    apply_gemma,
-    apply_gemma2,
-    apply_gemma3,
-    apply_llama,
-    apply_mistral,
-    apply_qwen2,
-    apply_qwen3,
-    is_patched,
-    patch,
-    patch_options,
-    patched,
-    revert,
-    unpatch,
-)
+from . import api
+from .api import *  # noqa: F403  (patch, ..., and apply_<name> for every supported architecture)
+from .foreign import ForeignForwardError
 from .forward import CausalLMOutputWithZLoss
 from .options import PatchOptions
 from .registry import UnsupportedModelError, supported
@@ -28,21 +16,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CausalLMOutputWithZLoss",
+    "ForeignForwardError",
     "PatchOptions",
     "UnsupportedModelError",
     "__version__",
-    "apply_gemma",
-    "apply_gemma2",
-    "apply_gemma3",
-    "apply_llama",
-    "apply_mistral",
-    "apply_qwen2",
-    "apply_qwen3",
-    "is_patched",
-    "patch",
-    "patch_options",
-    "patched",
-    "revert",
     "supported",
-    "unpatch",
 ]
+__all__ += api.__all__

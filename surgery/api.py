@@ -18,20 +18,11 @@ import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
-from surgery.models import (
-    GEMMA,
-    GEMMA2,
-    GEMMA3,
-    LLAMA,
-    MISTRAL,
-    QWEN2,
-    QWEN3,
-    ArchitectureSpec,
-)
+from surgery.models import SPECS, ArchitectureSpec
 
 from .attention import BINDING_ATTR, AttentionBinding, attention_forward
 from .foreign import ForeignForwardError, foreign_kernel_modules, library_of
@@ -54,14 +45,8 @@ from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
 from .swap import Swap, apply_swaps, plan_swap, restore_swap
 
+# and apply_<name> for every spec in surgery.models.SPECS (the end of this file)
 __all__ = [
-    "apply_gemma",
-    "apply_gemma2",
-    "apply_gemma3",
-    "apply_llama",
-    "apply_mistral",
-    "apply_qwen2",
-    "apply_qwen3",
     "is_patched",
     "patch",
     "patch_options",
@@ -348,50 +333,42 @@ def revert() -> None:
         _revert_class(cls)
 
 
-def _apply_doc(spec: ArchitectureSpec) -> str:
-    return (
+def _apply_function(spec: ArchitectureSpec) -> Callable[..., None]:
+    def apply(**options: Any) -> None:
+        _apply(spec, options)
+
+    apply.__name__ = apply.__qualname__ = spec.apply_name
+    apply.__doc__ = (
         f"Patch every ``{spec.causal_lm}`` built from now on (``from_pretrained``, "
         "``from_config``, the constructor) with ``patch(model, **options)``; ``surgery.revert()`` "
         "undoes it. Applying again replaces the options."
     )
+    return apply
 
 
-def apply_llama(**options: Any) -> None:
-    _apply(LLAMA, options)
+if TYPE_CHECKING:
+    # What IDEs and type checkers see, as they do not run the loop below: one function and one
+    # __all__ entry per spec of surgery.models.SPECS (tests/surgery/test_api.py names what a new
+    # spec needs here). Each is documented at run time (``help(surgery.apply_llama)``).
+    def apply_gemma(**options: Any) -> None: ...
+    def apply_gemma2(**options: Any) -> None: ...
+    def apply_gemma3(**options: Any) -> None: ...
+    def apply_llama(**options: Any) -> None: ...
+    def apply_mistral(**options: Any) -> None: ...
+    def apply_qwen2(**options: Any) -> None: ...
+    def apply_qwen3(**options: Any) -> None: ...
 
-
-def apply_mistral(**options: Any) -> None:
-    _apply(MISTRAL, options)
-
-
-def apply_qwen2(**options: Any) -> None:
-    _apply(QWEN2, options)
-
-
-def apply_qwen3(**options: Any) -> None:
-    _apply(QWEN3, options)
-
-
-def apply_gemma(**options: Any) -> None:
-    _apply(GEMMA, options)
-
-
-def apply_gemma2(**options: Any) -> None:
-    _apply(GEMMA2, options)
-
-
-def apply_gemma3(**options: Any) -> None:
-    _apply(GEMMA3, options)
-
-
-for _fn, _spec in (
-    (apply_llama, LLAMA),
-    (apply_mistral, MISTRAL),
-    (apply_qwen2, QWEN2),
-    (apply_qwen3, QWEN3),
-    (apply_gemma, GEMMA),
-    (apply_gemma2, GEMMA2),
-    (apply_gemma3, GEMMA3),
-):
-    assert _fn.__name__ == _spec.apply_name
-    _fn.__doc__ = _apply_doc(_spec)
+    __all__ += [
+        "apply_gemma",
+        "apply_gemma2",
+        "apply_gemma3",
+        "apply_llama",
+        "apply_mistral",
+        "apply_qwen2",
+        "apply_qwen3",
+    ]
+else:
+    for _spec in SPECS:
+        globals()[_spec.apply_name] = _apply_function(_spec)
+        __all__.append(_spec.apply_name)
+    del _spec

@@ -9,29 +9,21 @@ rare elements an ulp or two apart (the same cast points, another rsqrt and summa
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from surgery.kernels import rms_norm, rms_norm_reference
 from surgery.kernels.rms_norm import RmsNormLaunch, rms_norm_bwd, rms_norm_fwd
+from surgery.models import SPECS
 from tests.models.conftest import _one_cpu_thread  # noqa: F401  (autouse: tiny CPU ops, 1 thread)
 from tests.utils import DEVICE, TOLERANCES, assert_close_budget, poisoned_empty, rel_err
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# Every RMSNorm class surgery patches: (transformers module, class, offset, casting). Written out
-# here rather than read from the specs, so that the test derives the same facts independently.
-HF_NORMS = {
-    "llama": ("llama", "LlamaRMSNorm", 0.0, "llama"),
-    "mistral": ("mistral", "MistralRMSNorm", 0.0, "llama"),
-    "qwen2": ("qwen2", "Qwen2RMSNorm", 0.0, "llama"),
-    "qwen3": ("qwen3", "Qwen3RMSNorm", 0.0, "llama"),
-    "gemma": ("gemma", "GemmaRMSNorm", 1.0, "gemma"),
-    "gemma2": ("gemma2", "Gemma2RMSNorm", 1.0, "gemma"),
-    "gemma3": ("gemma3", "Gemma3RMSNorm", 1.0, "gemma"),
-}
+# Every RMSNorm class surgery patches, by architecture (the spec's short name): transformers' class
+# and the spec's style. The tests below hold the style to the class's own forward, so a spec that
+# misdescribes its norm fails here.
+HF_NORMS = {spec.name: spec for spec in SPECS if spec.rms_norm is not None}
 EPS = 1e-6
 
 
@@ -41,12 +33,11 @@ def shape_id(shape) -> str:
 
 def hf_norm(family: str, N: int, dtype: torch.dtype, device=DEVICE):
     """transformers' module with random weights around its own init (ones, or Gemma's zeros)."""
-    module_name, cls, offset, casting = HF_NORMS[family]
-    mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    norm = getattr(mod, cls)(N, eps=EPS).to(device=device, dtype=dtype)
+    spec = HF_NORMS[family]
+    norm = spec.rms_norm_class()(N, eps=EPS).to(device=device, dtype=dtype)
     with torch.no_grad():
         norm.weight.add_(0.2 * torch.randn(N, device=device).to(dtype))
-    return norm, offset, casting
+    return norm, spec.rms_norm_style.offset, spec.rms_norm_style.casting
 
 
 def make_x(shape, dtype, device=DEVICE):

@@ -22,6 +22,7 @@ from .tiny import (
     packed_batch,
     padded_batch,
     sequences,
+    tiny_config,
     tiny_model,
     twin,
 )
@@ -201,13 +202,11 @@ def test_z_loss_in_output(arch):
 def test_dynamic_rope_frequencies_read_at_call_time():
     """Dynamic NTK RoPE rewrites the rotary module's frequencies past max_position_embeddings; the
     patched attention must use the rewritten ones."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    from .tiny import _COMMON, HEAD_DIM
-
-    config = LlamaConfig(
-        **{**_COMMON, "max_position_embeddings": 8},
-        head_dim=HEAD_DIM,
+    config = tiny_config(
+        "llama",
+        max_position_embeddings=8,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
     )
     torch.manual_seed(0)

@@ -6,16 +6,10 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
-    GemmaConfig,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoModelForCausalLM
+
+import surgery
+from surgery.models import MiniSize
 
 VOCAB = 131  # odd on purpose
 HIDDEN = 32
@@ -23,88 +17,33 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 8
 
-_COMMON = dict(
+# Every architecture's tiny model has this shape; what makes it differ from Llama comes from its
+# spec (``ArchitectureSpec.mini_config``), so a new spec is tested here with no other edit.
+TINY = MiniSize(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
     intermediate_size=64,
     num_hidden_layers=2,
     num_attention_heads=HEADS,
     num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
     max_position_embeddings=256,
-    pad_token_id=0,
+    sliding_window=5,  # shorter than the longest test sequences (7)
 )
 
-
-def _llama():
-    return LlamaConfig(**_COMMON, head_dim=HEAD_DIM)
-
-
-def _mistral():
-    return MistralConfig(**_COMMON, head_dim=HEAD_DIM, sliding_window=5)
-
-
-def _qwen2():
-    return Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1)
-
-
-def _qwen3():
-    return Qwen3Config(
-        **_COMMON, head_dim=HEAD_DIM, use_sliding_window=True, sliding_window=5, max_window_layers=1
-    )
-
-
-def _gemma():
-    return GemmaConfig(**_COMMON, head_dim=HEAD_DIM)
-
-
-def _gemma2():
-    return Gemma2Config(
-        **_COMMON,
-        head_dim=HEAD_DIM,
-        sliding_window=5,
-        query_pre_attn_scalar=HEAD_DIM,
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0,
-    )
-
-
-def _gemma3():
-    return Gemma3TextConfig(
-        **_COMMON,
-        head_dim=HEAD_DIM,
-        sliding_window=5,
-        query_pre_attn_scalar=HEAD_DIM,
-        final_logit_softcapping=3.0,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0},
-        },
-    )
-
-
-CONFIGS = {
-    "llama": _llama,
-    "mistral": _mistral,
-    "qwen2": _qwen2,
-    "qwen3": _qwen3,
-    "gemma": _gemma,
-    "gemma2": _gemma2,
-    "gemma3_text": _gemma3,
-}
-ARCHS = list(CONFIGS)
-
-
-# Gemma2 has no sdpa path in transformers (its attention-logit softcap needs eager).
-NO_SDPA = {"gemma2"}
+# config.model_type -> spec, in the registry's order: the architectures the tests run.
+SPECS = surgery.supported()
+ARCHS = list(SPECS)
 
 
 def attn_for(arch: str, attn: str = "sdpa") -> str:
-    return "eager" if arch in NO_SDPA else attn
+    """``attn``, unless the architecture needs another (Gemma2: eager)."""
+    return SPECS[arch].mini_config.attention(attn)
 
 
-def tiny_config(arch: str):
-    return CONFIGS[arch]()
+def tiny_config(arch: str, **overrides):
+    """The tiny config of ``arch`` (a ``config.model_type``); ``overrides`` replace any argument."""
+    return SPECS[arch].mini_config.build(TINY, **{"pad_token_id": 0, **overrides})
 
 
 def tiny_model(arch: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0):

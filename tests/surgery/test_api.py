@@ -3,7 +3,9 @@ leaves alone (state_dict, saving and loading), options, gradient checkpointing, 
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 import surgery
+from surgery.models import SPECS
 from surgery.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     ARCHS,
@@ -39,12 +42,50 @@ def surgery_attrs(model: nn.Module) -> list[str]:
 
 def test_supported_lists_every_architecture():
     specs = surgery.supported()
-    assert set(specs) == {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
-    assert set(specs) == set(ARCHS)
+    assert list(specs.values()) == list(SPECS)  # one each: no two specs share a model_type
+    assert list(specs) == ARCHS
     for model_type, spec in specs.items():
         assert spec.model_type == model_type
-        assert hasattr(surgery, spec.apply_name)
         assert tiny_config(model_type).model_type == model_type
+        apply = getattr(surgery, spec.apply_name)
+        assert apply is getattr(surgery.api, spec.apply_name)
+        assert spec.apply_name in surgery.__all__ and spec.apply_name in surgery.api.__all__
+        assert apply.__name__ == spec.apply_name and apply.__module__ == "surgery.api"
+        assert f"``{spec.causal_lm}``" in apply.__doc__
+
+
+def _static_apply_names() -> tuple[list[str], list[str]]:
+    """The functions and ``__all__`` entries that the ``if TYPE_CHECKING:`` block of
+    surgery/api.py declares: what IDEs and type checkers see."""
+    tree = ast.parse(inspect.getsource(surgery.api))
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    functions = [n.name for n in block.body if isinstance(n, ast.FunctionDef)]
+    exported = [
+        element.value
+        for n in block.body
+        if isinstance(n, ast.AugAssign) and ast.unparse(n.target) == "__all__"
+        for element in n.value.elts
+    ]
+    return functions, exported
+
+
+def test_static_apply_list_matches_the_registry():
+    """surgery/api.py makes apply_<name> from the registry at run time; IDEs and type checkers
+    read its static list instead, which must name every spec (and nothing else)."""
+    functions, exported = _static_apply_names()
+    want = [spec.apply_name for spec in SPECS]
+    for name in want:
+        assert name in functions and name in exported, (
+            f"surgery/api.py: the `if TYPE_CHECKING:` block (what IDEs and type checkers see) "
+            f"lacks {name}: add `def {name}(**options: Any) -> None: ...` and '{name}' to the "
+            "`__all__ += [...]` list there"
+        )
+    extra = sorted(set(functions + exported) - set(want))
+    assert not extra, f"surgery/api.py's `if TYPE_CHECKING:` block names no spec's {extra}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -185,8 +226,8 @@ def test_mlp_activation_without_kernel_keeps_the_mlp_forward():
 
 
 def test_signature_mismatch_raises():
-    from surgery.swap import check_signature
     from surgery.attention import attention_forward
+    from surgery.swap import check_signature
 
     class Attention(nn.Module):
         def forward(self, hidden_states, attention_mask, position_embeddings, **kwargs):

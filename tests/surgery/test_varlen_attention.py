@@ -17,6 +17,7 @@ import surgery
 import surgery.attention as attention
 from surgery.attention import packed_sequences
 from tests.models.tiny import (
+    ARCHS,
     attn_for,
     loss_and_grads,
     packed_batch,
@@ -70,17 +71,16 @@ def expected_windows(arch):
     sees the keys less than ``sliding_window`` positions back, on its sliding layers."""
     config = tiny_config(arch)
     windows = []
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
     for i in range(config.num_hidden_layers):
-        if arch == "mistral":
-            sliding = config.sliding_window is not None
-        else:
-            types = getattr(config, "layer_types", None)
-            sliding = types is not None and types[i] == "sliding_attention"
-        windows.append((config.sliding_window - 1, 0) if sliding else (-1, 0))
+        # Without layer types (Mistral) a window, if any, applies to every layer.
+        sliding = window is not None and (types is None or types[i] == "sliding_attention")
+        windows.append((window - 1, 0) if sliding else (-1, 0))
     return windows
 
 
-SDPA_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"]
+SDPA_ARCHS = [arch for arch in ARCHS if attn_for(arch) == "sdpa"]
 
 
 @pytest.mark.parametrize("arch", SDPA_ARCHS)

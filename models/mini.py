@@ -1,0 +1,99 @@
+"""Mini models of an architecture, built from transformers' own config class.
+
+The tests' tiny models and the convergence suite's tiny and full ones all come from a spec's
+``MiniConfig``: the caller picks the shape (``MiniSize``), the spec says what makes the architecture
+differ from Llama (sliding windows, softcaps, layer types, RoPE parameters, ...) and which attention
+implementation it needs. So a new spec is tested and proven with no other edit.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["MiniConfig", "MiniSize", "alternating_layer_types", "from_size"]
+
+
+@dataclass(frozen=True)
+class MiniSize:
+    """The shape of a mini model, chosen by its user (tests/models/tiny.py, the convergence suite's
+    ``SIZES``); every field but ``sliding_window`` is passed to every config class."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    sliding_window: int
+    """The window of the architectures that have one (their arguments ask for it with
+    ``from_size("sliding_window")``); set it shorter than the sequences, so that it clips."""
+
+    def config_kwargs(self) -> dict[str, int]:
+        kwargs = dataclasses.asdict(self)
+        del kwargs["sliding_window"]
+        return kwargs
+
+
+@dataclass(frozen=True)
+class _FromSize:
+    name: str
+
+    def __call__(self, size: MiniSize) -> Any:
+        return getattr(size, self.name)
+
+
+def from_size(name: str) -> Callable[[MiniSize], Any]:
+    """A config argument whose value is the field ``name`` of the mini model's size."""
+    if name not in {f.name for f in dataclasses.fields(MiniSize)}:
+        raise ValueError(f"MiniSize has no field {name!r}")
+    return _FromSize(name)
+
+
+def alternating_layer_types(size: MiniSize) -> list[str]:
+    """Sliding and full attention layers in turn, sliding first: even two layers have both kinds."""
+    return [
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(size.num_hidden_layers)
+    ]
+
+
+@dataclass(frozen=True)
+class MiniConfig:
+    """How to build the config of an architecture's mini model (see the module docstring)."""
+
+    config_class: str
+    """transformers' config class, a name in the ``transformers`` namespace (resolved lazily)."""
+    arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Config arguments that make the architecture differ from Llama, each kept as strict as the
+    patch needs: a softcap small enough to bite, a window that clips, both layer types present. A
+    callable value is called with the ``MiniSize``: ``from_size`` or a module-level function such as
+    ``alternating_layer_types``, not a lambda: a patched model holds its spec, which must survive
+    deepcopy and pickle. Read only; ``build`` copies the values."""
+    attn_implementation: str | None = None
+    """The attention implementation the architecture needs (Gemma2: ``"eager"``; sdpa cannot apply
+    its attention-logit softcap), or None: the caller's choice."""
+
+    def attention(self, requested: str = "sdpa") -> str:
+        """The attention implementation to build with: the one the architecture needs, if any,
+        else ``requested``."""
+        return self.attn_implementation or requested
+
+    def build(self, size: MiniSize, **overrides: Any) -> PretrainedConfig:
+        """A new config: ``size``, then ``arguments``, then ``overrides`` (the caller's token ids,
+        ``use_cache``, ...). Values are copied, so that no two configs share a nested dict."""
+        import transformers
+
+        kwargs: dict[str, Any] = size.config_kwargs()
+        for name, value in self.arguments.items():
+            kwargs[name] = value(size) if callable(value) else copy.deepcopy(value)
+        kwargs.update(copy.deepcopy(overrides))
+        return getattr(transformers, self.config_class)(**kwargs)
