@@ -1,6 +1,7 @@
-"""Mistral: Llama plus a sliding window read from the config."""
+"""Mistral: Llama plus a sliding window read from the config. Ministral: Mistral with the window on
+the layers its config's ``layer_types`` makes sliding (read from each attention module)."""
 
-from .mini import MiniConfig, from_size
+from .mini import MiniConfig, alternating_layer_types, from_size
 from .spec import ArchitectureSpec
 
 MISTRAL = ArchitectureSpec(
@@ -12,4 +13,18 @@ MISTRAL = ArchitectureSpec(
     rms_norm="MistralRMSNorm",
     mlp="MistralMLP",
     attention_kwargs=(("sliding_window", "config.sliding_window"),),
+)
+
+MINISTRAL = ArchitectureSpec(
+    model_type="ministral",
+    module="transformers.models.ministral.modeling_ministral",
+    causal_lm="MinistralForCausalLM",
+    attention="MinistralAttention",
+    mini_config=MiniConfig(
+        "MinistralConfig",
+        {"sliding_window": from_size("sliding_window"), "layer_types": alternating_layer_types},
+    ),
+    rms_norm="MinistralRMSNorm",
+    mlp="MinistralMLP",
+    attention_kwargs=(("sliding_window", "sliding_window"),),
 )
