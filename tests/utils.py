@@ -78,3 +78,29 @@ class ListDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.rows[i]
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a test's process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker, world: int, out, cases: list) -> dict:
+    """Run ``worker(rank, port, out, cases)`` in ``world`` processes and return the results it
+    saved to ``out/results.pt``. Forked: the children share the parent's imports (a spawned child
+    re-imports transformers, ~10 s on a loaded 2-core machine) and nothing distributed exists in
+    the parent; a parent that has initialised CUDA (the suite on a GPU machine) spawns instead."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        worker,
+        args=(free_port(), str(out), list(cases)),
+        nprocs=world,
+        join=True,
+        start_method="spawn" if torch.cuda.is_initialized() else "fork",
+    )
+    return torch.load(os.path.join(str(out), "results.pt"), weights_only=False)

@@ -32,7 +32,6 @@ compiled.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from surgery import recompute as surgery_recompute
 from surgery.kernels import linear_cross_entropy
 from surgery.kernels.dispatch import interpreter_enabled, use_triton
 from tests.models.tiny import VOCAB, attn_for, sequences, tiny_config, tiny_model
-from tests.utils import ListDataset
+from tests.utils import ListDataset, run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -331,27 +330,9 @@ def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("zero3")
-    # fork: the children share the parent's imports; nothing distributed exists in the parent.
-    # A parent that has initialised CUDA (the suite on a GPU machine) spawns instead.
-    mp.start_processes(
-        _worker,
-        args=(_free_port(), str(out), list(CASES)),
-        nprocs=WORLD,
-        join=True,
-        start_method="spawn" if torch.cuda.is_initialized() else "fork",
-    )
-    return torch.load(out / "results.pt", weights_only=False)
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("zero3"), list(CASES))
 
 
 # ---------------------------------------------------------------------------------------------

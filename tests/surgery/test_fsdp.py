@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import surgery
 from surgery.kernels import linear_cross_entropy
 from surgery.kernels.dispatch import interpreter_enabled
 from tests.models.tiny import VOCAB, tiny_model
+from tests.utils import run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -220,28 +220,9 @@ def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("fsdp")
-    # fork: the children share the parent's imports (a spawned child re-imports transformers, ~10 s
-    # on a loaded 2-core machine); nothing distributed exists in the parent yet. A parent that has
-    # initialised CUDA (the suite on a GPU machine) spawns instead.
-    mp.start_processes(
-        _worker,
-        args=(_free_port(), str(out), list(CASES)),
-        nprocs=WORLD,
-        join=True,
-        start_method="spawn" if torch.cuda.is_initialized() else "fork",
-    )
-    return torch.load(out / "results.pt", weights_only=False)
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("fsdp"), list(CASES))
 
 
 # ---------------------------------------------------------------------------------------------
