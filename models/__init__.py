@@ -4,7 +4,7 @@ from .gemma import GEMMA, GEMMA2, GEMMA3
 from .llama import LLAMA
 from .mini import MiniConfig, MiniSize, alternating_layer_types, from_size
 from .mistral import MINISTRAL, MISTRAL
-from .qwen import QWEN2, QWEN3
+from .qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 from .spec import ArchitectureSpec, RMSNormStyle
 
 # The one list of supported architectures: surgery.supported(), the apply_<name> functions, the
@@ -15,6 +15,8 @@ SPECS: tuple[ArchitectureSpec, ...] = (
     MINISTRAL,
     QWEN2,
     QWEN3,
+    QWEN2_MOE,
+    QWEN3_MOE,
     GEMMA,
     GEMMA2,
     GEMMA3,
@@ -28,7 +30,9 @@ __all__ = [
     "MINISTRAL",
     "MISTRAL",
     "QWEN2",
+    "QWEN2_MOE",
     "QWEN3",
+    "QWEN3_MOE",
     "SPECS",
     "ArchitectureSpec",
     "MiniConfig",

@@ -78,6 +78,12 @@ class ArchitectureSpec:
     attribute path on the attention module it is read from (a missing attribute reads as None)."""
     logit_softcap: str | None = None
     """Config attribute of the final logit softcap (``cap * tanh(logits / cap)``), if any."""
+    router_aux_loss: bool = False
+    """A mixture-of-experts causal LM: its forward takes ``output_router_logits`` and, when they
+    are output, adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits,
+    num_experts, num_experts_per_tok, attention_mask)`` (transformers' own function of
+    ``module``, the causal LM's own attributes) to the loss, returning transformers'
+    ``MoeCausalLMOutputWithPast`` fields. The experts keep transformers' own implementation."""
     tied_lm_head: bool = False
     """The architecture's config ties ``lm_head.weight`` to ``embed_tokens.weight`` by default. The
     loss always reads the head's own ``weight`` through its module call, so a tied head trains the
@@ -148,6 +154,10 @@ class ArchitectureSpec:
     def rotary_pos_emb(self):
         """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` of this module."""
         return self._resolve("apply_rotary_pos_emb")
+
+    def load_balancing_loss(self):
+        """transformers' ``load_balancing_loss_func`` of this module (MoE architectures)."""
+        return self._resolve("load_balancing_loss_func")
 
     def eager_attention(self):
         """The module's own eager attention (Gemma2's applies the attention-logit softcap)."""

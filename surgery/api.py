@@ -33,6 +33,7 @@ from .forward import (
     causal_lm_forward,
     head_linears,
     lm_head_forward,
+    moe_causal_lm_forward,
 )
 from .layers import (
     MLP_ATTR,
@@ -158,7 +159,8 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
         for head in head_linears(lm):
             wanted.append((names[id(head)], head, lm_head_forward, {LM_HEAD_ATTR: True}))
     state = {STATE_ATTR: PatchState(spec=spec, options=options)}
-    wanted.append(("", lm, causal_lm_forward, state))
+    forward = moe_causal_lm_forward if spec.router_aux_loss else causal_lm_forward
+    wanted.append(("", lm, forward, state))
     swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
     return [swap for swap in swaps if swap is not None]
 
@@ -357,7 +359,9 @@ if TYPE_CHECKING:
     def apply_ministral(**options: Any) -> None: ...
     def apply_mistral(**options: Any) -> None: ...
     def apply_qwen2(**options: Any) -> None: ...
+    def apply_qwen2_moe(**options: Any) -> None: ...
     def apply_qwen3(**options: Any) -> None: ...
+    def apply_qwen3_moe(**options: Any) -> None: ...
 
     __all__ += [
         "apply_gemma",
@@ -367,7 +371,9 @@ if TYPE_CHECKING:
         "apply_ministral",
         "apply_mistral",
         "apply_qwen2",
+        "apply_qwen2_moe",
         "apply_qwen3",
+        "apply_qwen3_moe",
     ]
 else:
     for _spec in SPECS:

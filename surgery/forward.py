@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from surgery.kernels import cross_entropy, linear_cross_entropy
@@ -49,9 +49,11 @@ except ImportError:  # releases before the helper (5.17 among them)
 
 __all__ = [
     "CausalLMOutputWithZLoss",
+    "MoeCausalLMOutputWithZLoss",
     "PatchState",
     "causal_lm_forward",
     "lm_head_forward",
+    "moe_causal_lm_forward",
     "padding_only_behind",
 ]
 
@@ -63,6 +65,14 @@ LM_HEAD_ATTR = "_surgery_lm_head"
 class CausalLMOutputWithZLoss(CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus ``z_loss``: the z-loss term already inside ``loss`` (same
     reduction, detached, for logging); None unless ``z_loss_scale > 0`` and a loss was computed."""
+
+    z_loss: torch.Tensor | None = None
+
+
+@dataclass
+class MoeCausalLMOutputWithZLoss(MoeCausalLMOutputWithPast):
+    """transformers' ``MoeCausalLMOutputWithPast`` (``aux_loss``, ``router_logits``) plus
+    ``z_loss``, as in ``CausalLMOutputWithZLoss``."""
 
     z_loss: torch.Tensor | None = None
 
@@ -202,8 +212,56 @@ def causal_lm_forward(
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
 ) -> CausalLMOutputWithZLoss:
+    """The causal-LM forward of every dense architecture (see the module docstring)."""
+    return _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                    labels, use_cache, logits_to_keep, None, kwargs)  # fmt: skip
+
+
+@can_return_tuple
+def moe_causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    output_router_logits: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs,
+) -> MoeCausalLMOutputWithZLoss:
+    """The same for a mixture-of-experts architecture (``ArchitectureSpec.router_aux_loss``):
+    with ``output_router_logits`` (default: the config's), transformers' load-balancing loss of
+    the router logits, over the tokens of the attention mask the caller passed, is returned as
+    ``aux_loss`` and, times ``router_aux_loss_coef``, added to the loss."""
+    return _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                    labels, use_cache, logits_to_keep, output_router_logits, kwargs)  # fmt: skip
+
+
+def _forward(
+    self,
+    input_ids,
+    attention_mask,
+    position_ids,
+    past_key_values,
+    inputs_embeds,
+    labels,
+    use_cache,
+    logits_to_keep,
+    output_router_logits,
+    kwargs,
+):
     state: PatchState = self.__dict__[STATE_ATTR]
     options = state.options
+    moe = state.spec.router_aux_loss
+    if moe:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        kwargs["output_router_logits"] = output_router_logits
+    # The load-balancing loss counts the tokens of the caller's mask, also when the attention
+    # runs without it (causal_right_padding).
+    router_mask = attention_mask
     # transformers' loss kwargs: the base model has no use for them.
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -313,11 +371,29 @@ def causal_lm_forward(
         if options.z_loss_scale > 0:
             z_loss = out.z_loss.detach()
 
-    return CausalLMOutputWithZLoss(
+    if not moe:
+        return CausalLMOutputWithZLoss(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            z_loss=z_loss,
+        )
+    aux_loss = None
+    if output_router_logits:
+        aux_loss = state.spec.load_balancing_loss()(
+            outputs.router_logits, self.num_experts, self.num_experts_per_tok, router_mask
+        )
+        if loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithZLoss(
         loss=loss,
+        aux_loss=aux_loss,
         logits=logits,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
         z_loss=z_loss,
     )

@@ -98,8 +98,50 @@ def test_padded_batch_matches_unpatched(arch, attn, options, spies, interpreted)
     norms = sum(isinstance(m, spec.rms_norm_class()) for m in model.modules())
     assert norms >= 2 * layers + 1
     assert spies["rms_norm"] == (norms if patched.rms_norm else 0)
-    assert spies["gated_activation"] == (layers if patched.gated_mlp else 0)
+    mlps = sum(spec.is_instance(m, spec.mlp) for m in model.modules()) if spec.mlp else 0
+    assert spies["gated_activation"] == (mlps if patched.gated_mlp else 0)
     assert model(**batch.kwargs()).logits is None
+
+
+# A mixture of experts' load-balancing loss is one statistic of the whole batch (expert loads
+# over all its tokens), not a sum over sequences: packed or one by one, transformers' own differs.
+# Sequences are compared on their language-model loss; test_router_aux_loss_matches_unpatched
+# compares the aux loss itself on the same batch, packed and padded.
+LM_LOSS_ONLY = {
+    spec.model_type: {"output_router_logits": False}
+    for spec in surgery.supported().values()
+    if spec.router_aux_loss
+}
+MOE_ARCHS = list(LM_LOSS_ONLY)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_router_aux_loss_matches_unpatched(arch, layout):
+    """The router's load-balancing loss is in the trained loss and returned as ``aux_loss``, as
+    transformers computes it: over the caller's attention mask (also when the attention itself
+    runs without it, ``causal_right_padding``), router logits returned, gradients equal."""
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    reference.config.use_cache = False  # unpatched keeps packed sequences apart only without
+    surgery.patch(model)
+    seqs = sequences(LENGTHS)
+    batch = (packed_batch(seqs) if layout == "packed" else padded_batch(seqs)).kwargs()
+
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    got, want = model(**batch), reference(**batch)
+    assert got.aux_loss is not None and got.logits is None
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    assert len(got.router_logits) == len(want.router_logits)
+    # and off when asked: the language-model loss alone
+    plain = model(**batch, output_router_logits=False)
+    assert plain.aux_loss is None
+    torch.testing.assert_close(
+        plain.loss + model.router_aux_loss_coef * got.aux_loss, got.loss, **TOL
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -113,15 +155,16 @@ def test_packed_batch_matches_sequences_one_by_one(arch, interpreted):
     surgery.patch(model)
     seqs = sequences(LENGTHS)
     packed = packed_batch(seqs)
+    lm_only = LM_LOSS_ONLY.get(arch, {})
 
-    loss, grads = loss_and_grads(model, **packed.kwargs())
+    loss, grads = loss_and_grads(model, **packed.kwargs(), **lm_only)
 
     # The same token mean, from each sequence alone (sum of its token losses over all tokens).
     n_tokens = sum(len(s) - 1 for s in seqs)
     reference.zero_grad(set_to_none=True)
     total = 0.0
     for s in seqs:
-        out = reference(input_ids=s[None], labels=s[None])
+        out = reference(input_ids=s[None], labels=s[None], **lm_only)
         part = out.loss * (len(s) - 1) / n_tokens
         part.backward()
         total += part.detach()
@@ -147,8 +190,11 @@ def test_sequence_reduction_equals_unpacked_mean(arch):
     model = surgery.patch(tiny_model(arch).train(), loss_reduction="sequence")
     reference = twin(tiny_model(arch))  # same seed: same weights
     seqs = sequences(LENGTHS)
-    loss = model(**packed_batch(seqs).kwargs()).loss
-    want = torch.stack([reference(input_ids=s[None], labels=s[None]).loss for s in seqs]).mean()
+    lm_only = LM_LOSS_ONLY.get(arch, {})
+    loss = model(**packed_batch(seqs).kwargs(), **lm_only).loss
+    want = torch.stack(
+        [reference(input_ids=s[None], labels=s[None], **lm_only).loss for s in seqs]
+    ).mean()
     torch.testing.assert_close(loss, want, **TOL)
     assert model.accepts_loss_kwargs is False
 

@@ -41,8 +41,12 @@ def test_every_registered_model_is_tested(spec):
     if spec.rms_norm is not None:
         assert instances(spec.rms_norm)
     if spec.mlp is not None:
-        assert len(instances(spec.mlp)) == config.num_hidden_layers
+        # every layer's MLP; a mixture of experts holds its gated MLPs beside or instead of them
+        mlps = instances(spec.mlp)
+        assert len(mlps) == config.num_hidden_layers or (spec.router_aux_loss and mlps)
         assert spec.gated_activation(config) is not None, "the mini MLP has no fused activation"
+    if spec.router_aux_loss:
+        assert config.output_router_logits, "the mini config leaves the router's aux loss out"
     for name, path in spec.attention_kwargs:
         values = [_read_path(module, path) for module in attentions]
         assert any(v is not None for v in values), f"no layer of the mini model sets {name}"
