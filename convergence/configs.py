@@ -23,34 +23,12 @@ __all__ = ["ARCHITECTURES", "SIZES", "Size", "build_model", "make_config"]
 
 
 @dataclass(frozen=True)
-class Size:
-    """Shape of a mini model and of the batches it trains on."""
+class Size(MiniSize):
+    """Shape of a mini model (``MiniSize``) and of the batches it trains on."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    sliding_window: int
     docs_per_step: int
     min_doc_len: int
     max_doc_len: int
-
-    def model_size(self) -> MiniSize:
-        """The shape of the model, for ``MiniConfig.build``."""
-        return MiniSize(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            max_position_embeddings=2 * self.max_doc_len * self.docs_per_step,
-            sliding_window=self.sliding_window,
-        )
 
 
 SIZES: dict[str, Size] = {
@@ -64,6 +42,7 @@ SIZES: dict[str, Size] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
+        max_position_embeddings=64,  # 2 * max_doc_len * docs_per_step
         sliding_window=8,
         docs_per_step=2,
         min_doc_len=6,
@@ -79,6 +58,7 @@ SIZES: dict[str, Size] = {
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=128,
+        max_position_embeddings=8192,  # 2 * max_doc_len * docs_per_step
         sliding_window=256,
         docs_per_step=8,
         min_doc_len=32,
@@ -98,7 +78,7 @@ def make_config(name: str, size: str | Size = "tiny") -> transformers.Pretrained
     s = SIZES[size] if isinstance(size, str) else size
     mini = ARCHITECTURES[name].mini_config
     config = mini.build(
-        s.model_size(),
+        s,
         # Without a cache the HF mask builder honours restarting position_ids (packed rows); with
         # one it lets packed documents attend to each other.
         use_cache=False,

@@ -14,6 +14,7 @@ __all__ = [
     "cdiv",
     "interpreter_enabled",
     "next_power_of_2",
+    "off_current_device",
     "on_device",
     "triton_available",
     "use_triton",
@@ -46,13 +47,17 @@ def use_triton(t: torch.Tensor) -> bool:
 _SAME_DEVICE = contextlib.nullcontext()
 
 
+def off_current_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor on another device than the current one. Triton launches on
+    the current device, and a tensor may live on another: a device map puts layers on several
+    GPUs, a model may sit on ``cuda:1`` while ``cuda:0`` is current."""
+    return t.is_cuda and t.get_device() != torch.cuda.current_device()
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s CUDA device the current one for a Triton launch (a no-op context when it is
-    already). Triton launches on the current device, and a tensor may live on another: a device
-    map puts layers on several GPUs, a model may sit on ``cuda:1`` while ``cuda:0`` is current."""
-    if t.is_cuda and t.get_device() != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return _SAME_DEVICE
+    already, see ``off_current_device``)."""
+    return torch.cuda.device(t.device) if off_current_device(t) else _SAME_DEVICE
 
 
 # Launch arithmetic in plain Python: ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr

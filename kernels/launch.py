@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .dispatch import triton_available
+from .dispatch import off_current_device, triton_available
 
 __all__ = ["FastLauncher", "keyed_compilation_knobs"]
 
@@ -161,7 +161,7 @@ class FastLauncher:
         """Launch on the first tensor's CUDA device (made current for the launch if it is not)
         and that device's current stream."""
         first = tensors[0]
-        if first.is_cuda and first.get_device() != torch.cuda.current_device():
+        if off_current_device(first):
             with torch.cuda.device(first.device):
                 return self(grid, tensors, scalars, constexprs)
         if not self._direct or not first.is_cuda or self._hooks_set():

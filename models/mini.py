@@ -38,9 +38,13 @@ class MiniSize:
     ``from_size("sliding_window")``); set it shorter than the sequences, so that it clips."""
 
     def config_kwargs(self) -> dict[str, int]:
-        kwargs = dataclasses.asdict(self)
-        del kwargs["sliding_window"]
-        return kwargs
+        # MiniSize's own fields only: a user's subclass may add fields of its own (the
+        # convergence suite's batch shape).
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(MiniSize)
+            if f.name != "sliding_window"
+        }
 
 
 @dataclass(frozen=True)

@@ -66,10 +66,14 @@ class ForeignForwardError(RuntimeError):
     knows how to keep installed; ``surgery.patch`` changed nothing."""
 
 
-def _module_name(obj: Any) -> str:
+def _function_of(obj: Any) -> Any:
+    """The function behind a bound method or a ``functools.partial``."""
     obj = getattr(obj, "__func__", obj)
-    if isinstance(obj, functools.partial):
-        obj = obj.func
+    return obj.func if isinstance(obj, functools.partial) else obj
+
+
+def _module_name(obj: Any) -> str:
+    obj = _function_of(obj)
     name = getattr(obj, "__module__", None)
     return name if isinstance(name, str) else type(obj).__module__
 
@@ -81,9 +85,7 @@ def library_of(obj: Any) -> str:
 
 
 def _describe(obj: Any) -> str:
-    obj = getattr(obj, "__func__", obj)
-    if isinstance(obj, functools.partial):
-        obj = obj.func
+    obj = _function_of(obj)
     qualname = getattr(obj, "__qualname__", type(obj).__qualname__)
     return f"{_module_name(obj)}.{qualname} ({library_of(obj)})"
 
