@@ -13,6 +13,7 @@ longest documents so that they actually clip.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -71,23 +72,28 @@ SIZES: dict[str, Size] = {
 ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.name: spec for spec in SPECS}
 
 
-def make_config(name: str, size: str | Size = "tiny") -> transformers.PretrainedConfig:
-    """The config of ``name``'s mini model at ``size`` ("tiny" or "full")."""
+def make_config(
+    name: str, size: str | Size = "tiny", overrides: dict[str, Any] | None = None
+) -> transformers.PretrainedConfig:
+    """The config of ``name``'s mini model at ``size`` ("tiny" or "full"), with ``overrides``
+    (config attributes) set last."""
     if name not in ARCHITECTURES:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(ARCHITECTURES)}")
     s = SIZES[size] if isinstance(size, str) else size
     mini = ARCHITECTURES[name].mini_config
+    # use_cache keeps the config's default (on, as in real checkpoints): with a cache the HF mask
+    # builder lets packed documents attend to each other, so the patched forward's own guard
+    # against that is what the packed sides test.
     config = mini.build(
         s,
-        # Without a cache the HF mask builder honours restarting position_ids (packed rows); with
-        # one it lets packed documents attend to each other.
-        use_cache=False,
         attention_dropout=0.0,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
     config._attn_implementation = mini.attention("sdpa")
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     return config
 
 
@@ -98,9 +104,11 @@ def build_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    overrides: dict[str, Any] | None = None,
 ) -> transformers.PreTrainedModel:
-    """A freshly initialised mini model; the same ``seed`` gives the same weights on any device."""
-    config = make_config(name, size)
+    """A freshly initialised mini model; the same ``seed`` gives the same weights on any device.
+    ``overrides``: config attributes, as for ``make_config``."""
+    config = make_config(name, size, overrides)
     model_class = ARCHITECTURES[name].causal_lm_class()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -9,22 +9,32 @@ scalars is kept. The sides:
 - ``patched-padded`` / ``patched-packed``: ``surgery.patch``-ed copies on the same documents,
   padded or packed into one row. Both are compared with the padded reference: for the packed side
   that is the packing-equivalence check, and it does not depend on whether the installed
-  transformers keeps packed documents apart under SDPA/eager attention.
+  transformers keeps packed documents apart under SDPA/eager attention (with the configs' default
+  ``use_cache`` it does not: the patched forward's guard is tested). They get their labels as
+  real pipelines hand them over (``_Side.inputs``): ``shift_labels`` on padded rows, unmasked
+  document starts on packed ones.
 - ``fp64-reference`` (fp32 runs) / ``fp32-reference`` (bf16 runs): the reference one precision
   up, from the same (rounded) initial weights: the yardstick for how far rounding alone moves a
   correct run over many steps (the error budget in ``compare``).
+- ``probe-padded`` / ``probe-packed``: not trained. At every step the patched model in fp32 is
+  given the current weights of the unpatched fp32 run (the reference of an fp32 run, the
+  yardstick of a bf16 one) and the step's batch, and compared with it: same weights, so what
+  differs is the patch alone, at every step and not only at step 0, at fp32's resolution also in a
+  bf16 run.
 
 The patched model does not materialise logits in training, and its kernels may reuse gradient
 buffers, so training steps compare what carries the same information and is safe to read: the
 loss, the gradient with respect to the final norm's output (the hidden states the lm_head sees),
-the lm_head weight's gradient and every parameter's gradient. Logits and their gradients are
-compared on an eval batch, where both sides materialise them.
+the lm_head weight's gradient, its sum over the vocabulary (the z-loss's own gradient, see
+``_z_grad``) and every parameter's gradient. Logits and their gradients are compared on an eval
+batch, where both sides materialise them.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,9 +42,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .configs import ARCHITECTURES, SIZES, build_model
-from .data import Document, collate, make_batches
+from .data import IGNORE_INDEX, Document, collate, make_batches
 from .loss import causal_lm_loss
 
 __all__ = ["DTYPES", "LAYOUTS", "RunConfig", "Variant", "rel_err", "train_and_compare"]
@@ -43,6 +54,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The precision one step up from each dtype: the yardstick run.
 EXACT = {"fp32": ("fp64-reference", torch.float64), "bf16": ("fp32-reference", torch.float32)}
 LAYOUTS = ("padded", "packed")
+# What each step records for a pair of sides (see compare for the checks).
+METRICS = ("loss", "z_loss", "grad", "hidden_grad", "lm_head_grad", "z_grad")
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,9 @@ class RunConfig:
     lr: float = 2e-3
     weight_decay: float = 0.01
     seed: int = 0
+    # Config attributes to override in the mini model, as a JSON object (hashable; the negative
+    # controls use it to give a model a RoPE that is not shift-invariant).
+    config_overrides: str = ""
 
     @property
     def name(self) -> str:
@@ -116,10 +132,25 @@ def _rel_scalar(x: float, ref: float) -> float:
     return abs(x - ref) / abs(ref) if ref != 0 else abs(x - ref)
 
 
-class _Side:
-    """One model in the lockstep run, with its optimizer and a hook on the final norm."""
+def _z_grad(a: _Side, b: _Side) -> float | None:
+    """rel_err of the two lm_head gradients' sums over the vocabulary, or None where that does
+    not isolate the z-loss (a head tied to the input embedding also collects its gradient).
 
-    def __init__(self, name, model, layout, patched, variant, cfg, mask=True):
+    For each hidden unit, Σ_v ∂L/∂W[v] = Σ_t (Σ_v ∂L/∂logits[t, v]) h_t, and cross-entropy's
+    gradient sums to zero over the vocabulary at every token (softmax minus the one-hot or
+    smoothed target), so what remains is the z-loss's alone (2 s lse_t softmax_t sums to
+    2 s lse_t). Compared on its own, a 1% error in a z-loss of scale 1e-4 is a 1% difference
+    here, where in the whole gradient it is below 1e-6."""
+    if not (a.untied and b.untied) or a.lm_head.grad is None or b.lm_head.grad is None:
+        return None
+    return rel_err(a.lm_head.grad.sum(0), b.lm_head.grad.sum(0))
+
+
+class _Side:
+    """One model in the lockstep run, with its optimizer (none for a probe) and a hook on the
+    final norm."""
+
+    def __init__(self, name, model, layout, patched, variant, cfg, mask=True, probe=False):
         self.name = name
         self.mask = mask
         self.model = model
@@ -129,10 +160,15 @@ class _Side:
         self.params = dict(model.named_parameters())
         # bf16 runs train the bf16 weights themselves (as Liger's convergence tests do): the
         # kernels see bf16 inputs. fp32 master weights were tried: the runs drift no less.
-        self.optimizer = torch.optim.AdamW(
-            self.params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = None
+        if not probe:
+            self.optimizer = torch.optim.AdamW(
+                self.params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay
+            )
         self.lm_head = model.get_output_embeddings().weight
+        # The lm_head gradient's sum over the vocabulary is the z-loss's alone when the head is
+        # not also the input embedding (see _z_grad).
+        self.untied = self.lm_head is not model.get_input_embeddings().weight
         self.hidden: torch.Tensor | None = None
         model.get_decoder().norm.register_forward_hook(self._keep_hidden)
         self.losses: list[float] = []
@@ -142,7 +178,8 @@ class _Side:
         self.model.zero_grad(set_to_none=True)
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
@@ -152,17 +189,36 @@ class _Side:
             output.retain_grad()
         self.hidden = output
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(loss, z_loss, logits or None) of one batch, with the side's loss definition."""
+    def inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the side's model is called with. The unpatched sides get the batch's inputs (the
+        loss is computed here). The patched ones get the labels the way real pipelines hand them
+        over, so that the patched forward's own handling is what is tested: padded rows carry
+        the targets as ``shift_labels`` beside ``labels`` = the input ids (unmasked prompts and
+        pads: only ``shift_labels`` trains right); packed rows carry each document's first token
+        as a label, so that only boundaries read from ``position_ids`` keep a document's last
+        token from being trained on the next document's first."""
         if not self.mask:
             batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        if not self.patched:
+            return {k: v for k, v in batch.items() if k != "labels"}
+        batch = dict(batch)
+        if self.layout == "padded":
+            batch["shift_labels"] = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+            batch["labels"] = batch["input_ids"]
+        else:
+            starts = batch["position_ids"] == 0
+            batch["labels"] = torch.where(starts, batch["input_ids"], batch["labels"])
+        return batch
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(loss, z_loss, logits or None) of one batch, with the side's loss definition."""
+        inputs = self.inputs(batch)
         if self.patched:
-            out = self.model(**batch)
+            out = self.model(**inputs)
             z = getattr(out, "z_loss", None)
             if z is None:
                 z = torch.zeros((), device=out.loss.device)
             return out.loss, z, out.logits
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = self.model(**inputs).logits
         v = self.variant
         loss, z = causal_lm_loss(
@@ -171,7 +227,7 @@ class _Side:
             reduction=v.reduction,
             z_loss_scale=v.z_loss_scale,
             label_smoothing=v.label_smoothing,
-            position_ids=batch.get("position_ids"),
+            position_ids=inputs.get("position_ids"),
         )
         return loss, z, logits
 
@@ -189,10 +245,10 @@ def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor
 
 
 @functools.lru_cache(maxsize=1)
-def _initial_model(name: str, size: str, seed: int):
+def _initial_model(name: str, size: str, seed: int, overrides: str = ""):
     """The fp32 CPU model every run of ``name`` starts from; kept while runs of the same model
     follow one another (a full-size model takes seconds to initialise)."""
-    return build_model(name, size, seed=seed)
+    return build_model(name, size, seed=seed, overrides=json.loads(overrides or "{}"))
 
 
 def _default_patch() -> Callable[..., Any]:
@@ -259,11 +315,12 @@ def train_and_compare(
     dtype, device, v = DTYPES[cfg.dtype], torch.device(cfg.device), cfg.variant
     train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
 
-    base = copy.deepcopy(_initial_model(cfg.model, cfg.size, cfg.seed)).to(device, dtype)
+    initial = _initial_model(cfg.model, cfg.size, cfg.seed, cfg.config_overrides)
+    base = copy.deepcopy(initial).to(device, dtype)
     base.train()
     init = {k: p.detach().clone() for k, p in base.named_parameters()}
 
-    def side(name, layout, patched, model_dtype=dtype, mask=True):
+    def side(name, layout, patched, model_dtype=dtype, mask=True, probe=False):
         model = copy.deepcopy(base).to(model_dtype)
         if ARCHITECTURES[cfg.model].router_aux_loss:
             # The router's load-balancing loss is one statistic of the whole batch: packed and
@@ -285,7 +342,7 @@ def train_and_compare(
                 z_loss_scale=v.z_loss_scale,
                 label_smoothing=v.label_smoothing,
             )
-        return _Side(name, model, layout, patched, v, cfg, mask)
+        return _Side(name, model, layout, patched, v, cfg, mask, probe)
 
     exact_name, exact_dtype = EXACT[cfg.dtype]
     sides = [side("reference", "padded", False)]
@@ -298,17 +355,27 @@ def train_and_compare(
     ref = sides[0]
     if type(ref.model).forward is not ref.model.forward.__func__:
         raise RuntimeError("patching a copy changed the reference model's forward")
-    # Which pairs are compared: every patched side against the reference, and every side against
-    # the run one precision up (the error budget).
+    # The probes: at every step, the patched model in fp32 on the unpatched fp32 run's current
+    # weights and batch (the reference of an fp32 run, the yardstick of a bf16 one). Same
+    # weights, so any difference is the patch's alone, at any step: a bug that starts late, or
+    # one whose effect bf16's rounding hides (2^-9 per element, where a 1% error in a 1e-4
+    # z-loss is 1e-6 of the gradient), is held to fp32's same-weights limits in a bf16 run too.
+    partner = ref if cfg.dtype == "fp32" else sides[-1]
+    probes = [
+        side(f"probe-{layout}", layout, True, torch.float32, mask=partner.mask, probe=True)
+        for layout in cfg.layouts
+    ]
+    # Which pairs are compared: every patched side against the reference, every side against
+    # the run one precision up (the error budget), and every probe against its partner.
     pairs = [(s.name, ref.name) for s in sides if s.patched]
     pairs += [(s.name, exact_name) for s in sides if s.name != exact_name]
-    by_name = {s.name: s for s in sides}
+    probe_pairs = [(p.name, partner.name) for p in probes]
+    by_name = {s.name: s for s in sides + probes}
 
     eval_init = _eval_check(sides, pairs, eval_docs, device)
 
     step_metrics: dict[str, dict[str, list[float]]] = {
-        f"{a}~{b}": {k: [] for k in ("loss", "z_loss", "grad", "hidden_grad", "lm_head_grad")}
-        for a, b in pairs
+        f"{a}~{b}": {k: [] for k in METRICS} for a, b in pairs + probe_pairs
     }
     logits_materialised = []
     for step, docs in enumerate(train_docs):
@@ -323,7 +390,18 @@ def train_and_compare(
             s.losses.append(loss.item())
             s.z_losses.append(z.item())
             captured[s.name] = batch
-        for a, b in pairs:
+        for p in probes:
+            with torch.no_grad():
+                for mine, theirs in zip(p.params.values(), partner.params.values()):
+                    mine.copy_(theirs)
+            batch = _to_device(collate(docs, p.layout), device)
+            p.zero_grad()
+            loss, z, _ = p.forward(batch)
+            loss.backward()
+            p.losses.append(loss.item())
+            p.z_losses.append(z.item())
+            captured[p.name] = batch
+        for a, b in pairs + probe_pairs:
             m, sa, sb = step_metrics[f"{a}~{b}"], by_name[a], by_name[b]
             m["loss"].append(_rel_scalar(sa.losses[-1], sb.losses[-1]))
             m["z_loss"].append(
@@ -337,6 +415,9 @@ def train_and_compare(
             )
             m["lm_head_grad"].append(rel_err(sa.lm_head.grad, sb.lm_head.grad))
             m["grad"].append(_rel_err_many(sa.grads(), sb.grads()))
+            z_grad = _z_grad(sa, sb) if v.z_loss_scale else None
+            if z_grad is not None:
+                m["z_grad"].append(z_grad)
         del captured
         for s in sides:
             s.step()
@@ -376,6 +457,15 @@ def train_and_compare(
                 "z_loss": s.z_losses,
             }
             for s in sides
+        },
+        "probes": {
+            p.name: {
+                "layout": p.layout,
+                "partner": partner.name,
+                "loss": p.losses,
+                "z_loss": p.z_losses,
+            }
+            for p in probes
         },
         "steps": step_metrics,
         "final": final,

@@ -59,3 +59,27 @@ def test_all_ignored_gives_zero_and_unknown_reduction_raises():
         assert torch.isfinite(logits.grad).all() and not logits.grad.any()
     with pytest.raises(ValueError, match="unknown reduction"):
         causal_lm_loss(logits, labels, reduction="sum")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sequence"])
+def test_packed_boundaries_are_never_targets_and_shift_labels_take_precedence(reduction):
+    """A packed row whose documents' first labels are real tokens (not -100) trains exactly the
+    padded documents: the last token of a document has no target. ``shift_labels`` replace the
+    shift of ``labels`` (here: labels are the raw input ids, the masking lives in shift_labels)."""
+    train, _ = make_batches("tiny", 1, seed=7)
+    padded, packed, grid, flat = _logits_pair(train[0])
+    unmasked = packed["labels"].clone()
+    starts = packed["position_ids"] == 0
+    unmasked[starts] = packed["input_ids"][starts]
+    assert (unmasked != packed["labels"]).sum() == len(train[0])
+    want = causal_lm_loss(grid, padded["labels"], reduction=reduction, z_loss_scale=1e-2)
+    got = causal_lm_loss(flat, unmasked, position_ids=packed["position_ids"],
+                         reduction=reduction, z_loss_scale=1e-2)  # fmt: skip
+    leaked = causal_lm_loss(flat, unmasked, reduction="mean")
+    shifted = torch.nn.functional.pad(padded["labels"][:, 1:], (0, 1), value=-100)
+    via_shift = causal_lm_loss(grid, padded["input_ids"], shift_labels=shifted,
+                               reduction=reduction, z_loss_scale=1e-2)  # fmt: skip
+    for mine in (got, via_shift):
+        torch.testing.assert_close(mine[0], want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine[1], want[1], rtol=1e-6, atol=1e-6)
+    assert abs(float(leaked[0]) - float(causal_lm_loss(flat, packed["labels"])[0])) > 1e-3

@@ -342,14 +342,24 @@ def test_hf_loss_kwargs_keep_their_meaning():
     want = reference(**kwargs, num_items_in_batch=40).loss
     torch.testing.assert_close(got, want, **TOL)
 
-    shifted = torch.nn.functional.pad(BATCH.labels, (0, 1), value=-100)[:, 1:]
+    # shift_labels are the targets: labels (here the raw input ids, pads and the first half of
+    # each row unmasked) only say that a loss is wanted. A forward that shifts labels instead
+    # trains other targets.
+    targets = BATCH.labels.clone()
+    targets[:, : targets.shape[1] // 2] = -100
+    shifted = torch.nn.functional.pad(targets, (0, 1), value=-100)[:, 1:]
     got = model(
         input_ids=BATCH.input_ids,
         attention_mask=BATCH.attention_mask,
-        labels=BATCH.labels,
+        labels=BATCH.input_ids,
         shift_labels=shifted,
     ).loss
-    torch.testing.assert_close(got, reference(**kwargs).loss, **TOL)
+    want = reference(input_ids=BATCH.input_ids, attention_mask=BATCH.attention_mask,
+                     labels=targets).loss  # fmt: skip
+    torch.testing.assert_close(got, want, **TOL)
+    wrong = reference(input_ids=BATCH.input_ids, attention_mask=BATCH.attention_mask,
+                      labels=BATCH.input_ids).loss  # fmt: skip
+    assert (want - wrong).abs() > 1e-3
 
     model.eval(), reference.eval()
     with torch.no_grad():
@@ -358,6 +368,31 @@ def test_hf_loss_kwargs_keep_their_meaning():
         )
         full = reference(input_ids=BATCH.input_ids, attention_mask=BATCH.attention_mask)
     torch.testing.assert_close(last.logits, full.logits[:, -1:], **TOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_label_smoothing_and_z_loss_are_trained_through_the_patched_model(arch):
+    """The patched training forward's loss and every gradient against the unpatched model's
+    logits put through ``F.cross_entropy(label_smoothing=...)`` plus the z-loss by hand: a
+    forward that drops (or adds) either option fails."""
+    eps, z_scale = 0.1, 1e-3
+    reference = tiny_model(arch).train()
+    model = surgery.patch(twin(reference), label_smoothing=eps, z_loss_scale=z_scale)
+    out = model(**BATCH.kwargs())
+    out.loss.backward()
+    logits = reference(input_ids=BATCH.input_ids, attention_mask=BATCH.attention_mask).logits
+    x = logits[:, :-1].float().flatten(0, 1)
+    targets = BATCH.labels[:, 1:].flatten()
+    valid = targets != -100
+    ce = torch.nn.functional.cross_entropy(x, targets, label_smoothing=eps)
+    z = z_scale * torch.logsumexp(x[valid], dim=-1).square().mean()
+    (ce + z).backward()
+    torch.testing.assert_close(out.loss, (ce + z).detach(), **TOL)
+    torch.testing.assert_close(out.z_loss, z.detach(), **TOL)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_close(grads, {n: p.grad for n, p in reference.named_parameters()}, **TOL)
+    without = torch.nn.functional.cross_entropy(x, targets) + z
+    assert (without - out.loss).abs() > 1e-3
 
 
 def test_sequence_reduction_ignores_num_items_in_batch():

@@ -1,0 +1,242 @@
+"""Negative controls: a pure-PyTorch imitation of ``surgery.patch`` with switchable planted bugs,
+to show that the convergence checks catch what they claim to catch.
+
+``fake_patch()`` trains exactly like the real patch (transformers' modules, the loss of
+``surgery.convergence.loss``, the packed-batch guard, boundaries from ``position_ids``,
+``shift_labels``); ``fake_patch(bug, onset=k)`` plants one bug of ``BUGS``, active from training
+step ``k`` on (0: from the start; a late onset shows that the checks do not stop at step 0). It
+is never the patched side of a real run: ``python -m surgery.convergence --controls`` runs the
+whole table of bugs against it, and the test suite requires every bug to fail in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .loss import causal_lm_loss
+
+__all__ = ["BUGS", "Bug", "fake_patch"]
+
+
+@dataclass(frozen=True)
+class Bug:
+    """A planted bug and the run that exposes it: the loss options and layouts it needs (a bug
+    in packing needs packed rows, a z-loss bug a z-loss)."""
+
+    description: str
+    reduction: str = "mean"
+    z_loss: bool = False
+    label_smoothing: float = 0.0
+    layouts: tuple[str, ...] = ("padded", "packed")
+    model: str = "llama"
+    late: bool = True  # whether a late onset makes sense
+    # Dynamic NTK RoPE, the documents' longest length as the trained context: standard RoPE is
+    # shift-invariant, so positions that run on across documents change nothing while attention
+    # keeps them apart; dynamic RoPE rescales its frequencies once a position passes the trained
+    # context, which running positions do and restarting ones do not.
+    dynamic_rope: bool = False
+
+
+BUGS: dict[str, Bug] = {
+    "z_grad": Bug("z-loss gradient 1% too large", z_loss=True),
+    "z_scale_partial": Bug("trained loss carries 0.9 of the z-loss (returned whole)", z_loss=True),
+    "z_loss_not_trained": Bug("z-loss returned but its gradient dropped", z_loss=True),
+    "ls_dropped": Bug("label smoothing 0.1 asked, none applied", label_smoothing=0.1),
+    "ls_unasked": Bug("label smoothing 0.05 applied when none asked"),
+    "shift_extra": Bug("labels shifted one position too many"),
+    "shift_missing": Bug("labels not shifted"),
+    "shift_labels_ignored": Bug(
+        "shift_labels ignored (labels shifted instead)", layouts=("padded",)
+    ),
+    "attention_leak": Bug(
+        "packed documents attend to the previous ones (no cache guard)", layouts=("packed",)
+    ),
+    "boundary_leak": Bug(
+        "a document's last token trained to predict the next document's first",
+        layouts=("packed",),
+    ),
+    "rope_no_restart": Bug(
+        "RoPE positions run on across packed documents", layouts=("packed",), dynamic_rope=True
+    ),
+    "rope_off_by_one": Bug("keys rotated one position ahead of queries"),
+    "softcap_missing": Bug("final-logit softcap not applied", model="gemma2"),
+    "lm_head_grad": Bug("lm_head weight gradient 1% too large"),
+    "grad_scale": Bug("every gradient 1% too large (loss right)"),
+    "token_mean": Bug("per-sequence mean replaced by the token mean", reduction="sequence"),
+    "logits": Bug("the training forward returns logits", late=False),
+}
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _rotate_keys_one_position(model, active: Callable[[], bool]) -> None:
+    """Forward hooks on every k_proj that, while ``active()``, rotate each key head by position
+    1's angles: with the model's own rotation after it, keys sit one position ahead of queries."""
+    rotary = model.model.rotary_emb
+    for layer in model.model.layers:
+        attn = layer.self_attn
+
+        def hook(module, args, out, head_dim=attn.head_dim):
+            if not active():
+                return out
+            angles = torch.cat([rotary.inv_freq, rotary.inv_freq]).to(out.device)
+            cos, sin = angles.cos().to(out.dtype), angles.sin().to(out.dtype)
+            k = out.unflatten(-1, (-1, head_dim))
+            half = torch.cat([-k[..., head_dim // 2 :], k[..., : head_dim // 2]], dim=-1)
+            return (k * cos + half * sin).flatten(-2)
+
+        attn.k_proj.register_forward_hook(hook)
+
+
+def fake_patch(bug: str | None = None, onset: int = 0):
+    """A ``patch`` callable: correct with ``bug=None``, else with ``BUGS[bug]`` planted from
+    training step ``onset`` on (training steps are counted by training-mode forwards with
+    labels)."""
+    if bug is not None and bug not in BUGS:
+        raise ValueError(f"unknown bug {bug!r}; expected one of {sorted(BUGS)}")
+
+    def patch(model, loss_reduction="mean", z_loss_scale=0.0, label_smoothing=0.0, **_):
+        steps = [0]
+
+        def on(name: str) -> bool:
+            return bug == name and steps[0] >= onset
+
+        if bug == "rope_off_by_one":
+            _rotate_keys_one_position(model, lambda: on("rope_off_by_one"))
+        if bug == "rope_no_restart":
+            rotary = model.model.rotary_emb
+            own = rotary.forward
+
+            def rotary_forward(x, position_ids):
+                if on("rope_no_restart"):
+                    position_ids = torch.arange(position_ids.shape[-1], device=x.device)[None]
+                return own(x, position_ids)
+
+            rotary.forward = rotary_forward
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
+                    shift_labels=None, **kwargs):  # fmt: skip
+            counted = self.training and labels is not None
+            # The packed-batch guard: with a KV cache transformers lets packed rows attend across
+            # documents (see surgery.forward).
+            use_cache = None if on("attention_leak") else False
+            hidden = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=use_cache,
+            ).last_hidden_state  # fmt: skip
+            weight = self.lm_head.weight
+            if on("lm_head_grad"):
+                weight = _ScaleGrad.apply(weight, 1.01)
+            logits = F.linear(hidden, weight)
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap is not None and not on("softcap_missing"):
+                logits = cap * torch.tanh(logits / cap)
+            if labels is None:
+                return CausalLMOutputWithPast(logits=logits)
+            if shift_labels is None or on("shift_labels_ignored"):
+                shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if on("shift_extra"):
+                shift_labels = F.pad(shift_labels[:, 1:], (0, 1), value=-100)
+            if on("shift_missing"):
+                shift_labels = labels
+            # Without position ids the loss sees one sequence per row: a document's last token
+            # is trained on the next one's first label (packed labels do not mask it).
+            pos = None if on("boundary_leak") else position_ids
+            ls = label_smoothing
+            if on("ls_dropped"):
+                ls = 0.0
+            if on("ls_unasked"):
+                ls = 0.05
+            loss, z = causal_lm_loss(
+                logits, labels, shift_labels=shift_labels,
+                reduction="mean" if on("token_mean") else loss_reduction,
+                z_loss_scale=z_loss_scale, label_smoothing=ls, position_ids=pos,
+            )  # fmt: skip
+            if on("z_grad"):
+                loss = loss + 0.01 * (z - z.detach())
+            if on("z_scale_partial"):
+                loss = loss - 0.1 * z
+            if on("z_loss_not_trained"):
+                loss = loss - z + z.detach()
+            if on("grad_scale"):
+                loss = loss + 0.01 * (loss - loss.detach())
+            if counted:
+                steps[0] += 1
+            out = CausalLMOutputWithPast(
+                loss=loss, logits=logits if (on("logits") or not self.training) else None
+            )
+            out["z_loss"] = z.detach()
+            return out
+
+        model.forward = types.MethodType(forward, model)
+        return model
+
+    return patch
+
+
+LATE_ONSET = 5  # a late bug starts at this training step
+Z_SCALES = (1e-2, 1e-4)  # the suite's default z-loss scale, and the common one
+
+
+@dataclass(frozen=True)
+class Control:
+    """One negative-control run: ``bug`` planted from step ``onset`` in a ``dtype`` run with
+    z-loss scale ``z``."""
+
+    bug: str
+    dtype: str
+    z: float
+    onset: int = 0
+
+    @property
+    def name(self) -> str:
+        late = f"@{self.onset}" if self.onset else ""
+        return f"{self.bug}{late}/{self.dtype}/z{self.z:g}"
+
+
+def controls(dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list[Control]:
+    """Every bug of ``BUGS``, in each dtype, at each z-loss scale, from the start and (where it
+    makes sense) from step ``LATE_ONSET``."""
+    out = []
+    for bug, spec in BUGS.items():
+        for dtype in dtypes:
+            for z in Z_SCALES:
+                out.append(Control(bug, dtype, z))
+                if spec.late:
+                    out.append(Control(bug, dtype, z, LATE_ONSET))
+    return out
+
+
+def run_config(control: Control, *, size: str = "tiny", device: str = "cpu", **kw):
+    """The ``RunConfig`` that exposes ``control``'s bug (its loss options, layouts and model);
+    the correct fake patch must pass the same config. ``kw``: further RunConfig fields."""
+    from .configs import SIZES, make_config
+    from .train import RunConfig, Variant
+
+    spec = BUGS[control.bug]
+    variant = Variant(spec.reduction, control.z, spec.label_smoothing)
+    overrides = {}
+    if spec.dynamic_rope:
+        rope = {**make_config(spec.model, size).rope_parameters, "rope_type": "dynamic",
+                "factor": 4.0}  # fmt: skip
+        overrides = {"rope_parameters": rope, "max_position_embeddings": SIZES[size].max_doc_len}
+    steps = kw.pop("steps", LATE_ONSET + 3)
+    return RunConfig(model=spec.model, size=size, dtype=control.dtype, device=device,
+                     steps=steps, variant=variant, layouts=spec.layouts,
+                     config_overrides=json.dumps(overrides) if overrides else "", **kw)  # fmt: skip
