@@ -7,6 +7,8 @@ fused ``linear_cross_entropy`` loss, position-aware ``apply_rope``, and fused ``
 
 from . import api
 from .api import *  # noqa: F403  (patch, ..., and apply_<name> for every supported architecture)
+from .describe import PatchReport, describe
+from .fallback import FallbackRefusedError
 from .foreign import ForeignForwardError
 from .forward import CausalLMOutputWithZLoss
 from .options import PatchOptions
@@ -16,10 +18,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CausalLMOutputWithZLoss",
+    "FallbackRefusedError",
     "ForeignForwardError",
     "PatchOptions",
+    "PatchReport",
     "UnsupportedModelError",
     "__version__",
+    "describe",
     "supported",
 ]
 __all__ += api.__all__

@@ -8,7 +8,8 @@ buffers or submodules: what a patched forward needs lives in plain attributes of
 ``patch`` is all or nothing: every swap is planned and checked first (signatures, forwards other
 code installed: see ``surgery.foreign``), then installed; a failure while installing undoes the
 swaps already made. accelerate's hooks and mixed-precision wrapper are kept around the patched
-forward; other libraries' forwards are refused.
+forward; other libraries' forwards are refused. A causal LM outside the registry is patched only
+when asked (``fallback="loss"``): the fused loss alone, proven at patch time (``surgery.fallback``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from torch import nn
 from surgery.models import SPECS, ArchitectureSpec
 
 from .attention import BINDING_ATTR, AttentionBinding, attention_forward
+from .fallback import (
+    FALLBACK_ATTR,
+    FALLBACKS,
+    fallback_patched_lm,
+    find_fallback_lm,
+    loss_only_options,
+    plan_loss_fallback,
+    prove_loss_fallback,
+)
 from .foreign import ForeignForwardError, foreign_kernel_modules, library_of
 from .forward import (
     LM_HEAD_ATTR,
@@ -165,8 +175,9 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
     return [swap for swap in swaps if swap is not None]
 
 
-def _patch_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> None:
-    apply_swaps(_plan_lm(lm, spec, options))
+def _install(lm: nn.Module, swaps: list[Swap], options: PatchOptions) -> None:
+    """Install the planned ``swaps`` on ``lm`` (registry or fallback), all or nothing."""
+    apply_swaps(swaps)
     if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
         # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
         # use it. With accepts_loss_kwargs False the HF Trainer passes none and divides each
@@ -208,6 +219,7 @@ def patch(
     causal_right_padding: bool = True,
     eager_attention_recompute: bool = True,
     varlen_attention: bool = True,
+    fallback: str | None = None,
     strict: bool = True,
 ) -> M:
     """Patch ``model`` in place and return it (the same object).
@@ -217,7 +229,16 @@ def patch(
     also patches an lm_head copy that PEFT added since); with other options the model is unpatched
     and patched anew. An unsupported model raises ``UnsupportedModelError`` naming the supported
     architectures, or with ``strict=False`` warns and returns the model untouched.
+
+    ``fallback="loss"``: a causal LM outside the registry gets the fused loss alone (its lm_head
+    and causal-LM forwards; attention, norms and MLPs keep their own, and the options acting on
+    them are off: ``surgery.fallback.loss_only_options``), once a probe has shown that the fused
+    loss computes exactly what its forward computes (``surgery.fallback``). A model that fails the
+    probe raises ``FallbackRefusedError`` (an ``UnsupportedModelError``) saying what differed, or
+    with ``strict=False`` warns and is left untouched. A supported model ignores ``fallback``.
     """
+    if fallback is not None and fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be None or one of {FALLBACKS}, got {fallback!r}")
     options = PatchOptions(
         rope=rope,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
@@ -238,51 +259,76 @@ def patch(
     )
     try:
         lm, spec = find_causal_lm(model)
+        plan = functools.partial(_plan_lm, lm, spec)
     except UnsupportedModelError as err:
-        if strict:
-            raise
-        warnings.warn(f"{err}; the model is left unpatched", stacklevel=2)
-        return model
+        try:
+            if fallback is None:
+                raise UnsupportedModelError(
+                    f"{err}; surgery.patch(model, fallback='loss') patches the fused loss alone on "
+                    "a standard causal LM"
+                ) from None
+            lm, plan, options = _loss_fallback(model, options)
+        except UnsupportedModelError as refused:
+            if strict:
+                raise
+            warnings.warn(f"{refused}; the model is left unpatched", stacklevel=2)
+            return model
     state = lm.__dict__.get(STATE_ATTR)
     if state is not None and state.options != options:
         _unpatch_lm(lm)
         try:
-            _patch_lm(lm, spec, options)
+            _install(lm, plan(options), options)
         except BaseException:
-            _patch_lm(lm, spec, state.options)  # as it was: all or nothing
+            _install(lm, plan(state.options), state.options)  # as it was: all or nothing
             raise
     else:
-        _patch_lm(lm, spec, options)
+        _install(lm, plan(options), options)
     return model
+
+
+def _loss_fallback(
+    model: nn.Module, options: PatchOptions
+) -> tuple[nn.Module, Callable[[PatchOptions], list[Swap]], PatchOptions]:
+    """The causal LM in ``model`` that ``fallback="loss"`` patches, its planner and its options.
+    The probe runs on the unpatched model, once: a model the fallback already patched keeps what
+    its probe found."""
+    lm = fallback_patched_lm(model)
+    if lm is None:
+        lm = find_fallback_lm(model)
+    proof = lm.__dict__.get(FALLBACK_ATTR)
+    if proof is None:
+        proof = prove_loss_fallback(lm)
+    return lm, functools.partial(plan_loss_fallback, lm, proof), loss_only_options(options)
+
+
+def _find_lm(model: nn.Module) -> nn.Module | None:
+    """The supported causal LM in ``model``, else the one the fallback patched, else None."""
+    try:
+        return find_causal_lm(model)[0]
+    except UnsupportedModelError:
+        return fallback_patched_lm(model)
 
 
 def unpatch(model: M) -> M:
     """Restore every forward that ``patch`` replaced (the original objects) and return ``model``.
     A model that is not patched is returned as it is."""
-    try:
-        lm, _ = find_causal_lm(model)
-    except UnsupportedModelError:
-        return model
-    _unpatch_lm(lm)
+    lm = _find_lm(model)
+    if lm is not None:
+        _unpatch_lm(lm)
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` (or the causal LM inside it) is patched."""
-    try:
-        lm, _ = find_causal_lm(model)
-    except UnsupportedModelError:
-        return False
-    return STATE_ATTR in lm.__dict__
+    lm = _find_lm(model)
+    return lm is not None and STATE_ATTR in lm.__dict__
 
 
 def patch_options(model: nn.Module) -> PatchOptions | None:
-    """The options ``model`` is patched with, or None."""
-    try:
-        lm, _ = find_causal_lm(model)
-    except UnsupportedModelError:
-        return None
-    state = lm.__dict__.get(STATE_ATTR)
+    """The options ``model`` is patched with (after ``fallback="loss"``: those in force, see
+    ``loss_only_options``), or None."""
+    lm = _find_lm(model)
+    state = None if lm is None else lm.__dict__.get(STATE_ATTR)
     return None if state is None else state.options
 
 
@@ -291,13 +337,15 @@ def patched(model: M, **options: Any) -> Iterator[M]:
     """``with surgery.patched(model, **options):`` patches for the block, then puts back what was
     there before (unpatched, or patched with its previous options)."""
     previous = patch_options(model)
+    was_fallback = fallback_patched_lm(model) is not None
     patch(model, **options)
     try:
         yield model
     finally:
         unpatch(model)
         if previous is not None:
-            patch(model, **dataclasses.asdict(previous))
+            again = {"fallback": "loss"} if was_fallback else {}
+            patch(model, **dataclasses.asdict(previous), **again)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +356,7 @@ _APPLIED: dict[type, Callable] = {}
 
 def _apply(spec: ArchitectureSpec, options: dict[str, Any]) -> None:
     options.pop("strict", None)
+    options.pop("fallback", None)  # the class is supported
     PatchOptions(**options)  # fail now on a bad option, not in a later from_pretrained
     cls = spec.causal_lm_class()
     _revert_class(cls)

@@ -1,0 +1,212 @@
+"""``surgery.describe(model)``: what ``patch`` swapped on a model, what it left alone and why, and
+the options in force.
+
+It reads what the patch installed (each swapped module's attributes, ``surgery.swap``), not what
+the options would imply, so it shows the model as it is: patched through the registry, by the
+loss-only fallback, or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+
+from surgery.models import ArchitectureSpec
+
+from .attention import BINDING_ATTR
+from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
+from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, head_takes_loss
+from .layers import MLP_ATTR, NORM_ATTR
+from .options import PatchOptions
+from .recompute import RECOMPUTE_ATTR
+from .registry import UnsupportedModelError, find_causal_lm
+from .swap import is_swapped
+
+__all__ = ["ModuleGroup", "PatchReport", "describe"]
+
+
+@dataclass(frozen=True)
+class ModuleGroup:
+    """``count`` modules of class ``cls``: the kernel their forward now reaches (``patched``), or
+    why it was left alone (``left_alone``)."""
+
+    cls: str
+    count: int
+    what: str
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What ``describe`` found; ``str(report)`` is a readable table."""
+
+    model: str
+    """Class of the causal LM (or of the model passed, when it holds none)."""
+    model_type: str | None
+    how: str
+    """``"registry"`` (patched through its architecture's spec), ``"fallback"`` (the loss-only
+    fallback) or ``"unpatched"``."""
+    options: PatchOptions | None
+    """The options in force (None: unpatched)."""
+    patched: tuple[ModuleGroup, ...]
+    left_alone: tuple[ModuleGroup, ...]
+    notes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        kind = f" (model_type {self.model_type})" if self.model_type else ""
+        heading = {
+            "registry": "patched through the registry",
+            "fallback": "patched by the loss-only fallback",
+            "unpatched": "not patched",
+        }[self.how]
+        lines = [f"surgery.describe: {self.model}{kind}: {heading}"]
+        width = max((len(g.cls) for g in self.patched + self.left_alone), default=0)
+        for title, groups in (("patched", self.patched), ("left alone", self.left_alone)):
+            if groups:
+                lines.append(f"{title}:")
+                lines += [f"  {g.cls:<{width}}  x{g.count:<3} {g.what}" for g in groups]
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  - {note}" for note in self.notes]
+        if self.options is not None:
+            lines.append("options in force:")
+            fields = [f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items()]
+            lines += ["  " + ", ".join(fields[i : i + 4]) for i in range(0, len(fields), 4)]
+        return "\n".join(lines)
+
+
+def _installed(module: nn.Module, state: PatchState) -> str:
+    """The kernel a swapped module's forward reaches, from the attributes the swap added."""
+    attrs = module.__dict__
+    plan = attrs.get(RECOMPUTE_ATTR)
+    if STATE_ATTR in attrs:
+        what = "causal-LM forward: fused loss in training with labels, else logits"
+        if state.spec.logit_softcap:
+            what += f"; softcap config.{state.spec.logit_softcap} in the kernel"
+        if state.spec.router_aux_loss:
+            what += "; router aux loss kept"
+        return what
+    if LM_HEAD_ATTR in attrs:
+        return "lm_head: linear_cross_entropy (no logits materialised)"
+    if BINDING_ATTR in attrs:
+        return "attention forward: RoPE through apply_rope" + (
+            " (norm output recomputed for q/k/v)" if plan is not None and plan.norm_output else ""
+        )
+    if NORM_ATTR in attrs:
+        style = attrs[NORM_ATTR]
+        scale = "weight" if style.offset == 0 else f"({style.offset:g} + weight)"
+        return f"rms_norm ({style.casting} cast points, scale {scale})" + (
+            ", output recomputed in the backward" if plan is not None and plan.norm_output else ""
+        )
+    if MLP_ATTR in attrs:
+        return f"gated_activation ({attrs[MLP_ATTR]})" + (
+            ", product recomputed in the backward" if plan is not None and plan.mlp_product else ""
+        )
+    return "a surgery forward"
+
+
+def _left_alone_because(
+    module: nn.Module, lm: nn.Module, under_head: set[int], state: PatchState, fallback: bool
+) -> str:
+    if id(module) in under_head:
+        if head_takes_loss(lm.lm_head):
+            return "inside lm_head: dispatches to the patched head"
+        return (
+            "inside lm_head, with parameters of its own (an adapter, a quantised layer): the loss "
+            "is computed from lm_head's logits, not fused"
+        )
+    if fallback:
+        return "loss-only fallback: transformers' own forward"
+    spec: ArchitectureSpec = state.spec
+    options = state.options
+    if spec.is_instance(module, spec.attention):
+        return "rope=False"
+    if spec.rms_norm is not None and spec.is_instance(module, spec.rms_norm):
+        return "rms_norm=False"
+    if spec.mlp is not None and spec.is_instance(module, spec.mlp):
+        if not options.gated_mlp:
+            return "gated_mlp=False"
+        activation = getattr(lm.config, spec.mlp_activation_attr, None)
+        return f"no gated_activation kernel for {activation!r}"
+    return "no surgery kernel: transformers' own forward"
+
+
+def _grouped(rows: list[tuple[str, str]]) -> tuple[ModuleGroup, ...]:
+    counts = Counter(rows)
+    return tuple(ModuleGroup(cls, n, what) for (cls, what), n in counts.items())
+
+
+def describe(model: nn.Module) -> PatchReport:
+    """What ``surgery.patch`` did to ``model`` (or to the causal LM inside it): the module classes
+    whose forward it swapped and the kernel each now reaches, every other module class and why it
+    was left alone, the options in force, and for the loss-only fallback what its probe checked.
+    ``print(surgery.describe(model))`` shows it as a table; an unpatched model is reported as
+    such, with how it could be patched."""
+    try:
+        lm, spec = find_causal_lm(model)
+    except UnsupportedModelError:
+        lm, spec = fallback_patched_lm(model), None
+    state: PatchState | None = None if lm is None else lm.__dict__.get(STATE_ATTR)
+    if state is None:
+        return _unpatched(model, lm, spec)
+    proof: LossFallback | None = lm.__dict__.get(FALLBACK_ATTR)
+    fallback = proof is not None
+
+    under_head = {id(m) for m in lm.lm_head.modules()}
+    patched, left = [], []
+    for module in lm.modules():
+        if is_swapped(module):
+            patched.append((type(module).__name__, _installed(module, state)))
+        elif type(module).forward is not nn.Module.forward:  # containers have no forward
+            why = _left_alone_because(module, lm, under_head, state, fallback)
+            left.append((type(module).__name__, why))
+
+    notes = []
+    if fallback:
+        notes.append(
+            "outside the registry: the loss-only fallback, proven on a probe at patch time"
+        )
+        notes += [f"probe: {check}" for check in proof.checks]
+        notes.append(
+            "off, as they act on modules the fallback leaves alone: rope, rms_norm, gated_mlp, "
+            "their recomputation, the attention options and causal_right_padding"
+        )
+    else:
+        notes.append(f"architecture {spec.model_type} ({spec.causal_lm}) from the registry")
+    if state.options.loss_reduction == "sequence":
+        notes.append("accepts_loss_kwargs is False: the Trainer passes no num_items_in_batch")
+    return PatchReport(
+        model=type(lm).__name__,
+        model_type=getattr(lm.config, "model_type", None),
+        how="fallback" if fallback else "registry",
+        options=state.options,
+        patched=_grouped(patched),
+        left_alone=_grouped(left),
+        notes=tuple(notes),
+    )
+
+
+def _unpatched(model: nn.Module, lm: nn.Module | None, spec: ArchitectureSpec | None):
+    if spec is not None:
+        how_to = f"supported ({spec.causal_lm}): surgery.patch(model) patches it"
+    else:
+        try:
+            lm = find_fallback_lm(model)
+            how_to = (
+                "outside the registry: surgery.patch(model, fallback='loss') patches the fused "
+                "loss alone if its probe passes"
+            )
+        except UnsupportedModelError:
+            how_to = "no transformers model inside: nothing to patch"
+    target = lm if lm is not None else model
+    return PatchReport(
+        model=type(target).__name__,
+        model_type=getattr(getattr(target, "config", None), "model_type", None),
+        how="unpatched",
+        options=None,
+        patched=(),
+        left_alone=(),
+        notes=("nothing is patched", how_to),
+    )
