@@ -1,4 +1,5 @@
-"""Mini-model configs: one per supported architecture (``surgery.models.SPECS``), in two sizes.
+"""Mini-model configs: one per supported architecture (``surgery.models.SPECS``) and per model the
+suite proves the loss-only fallback on (``FALLBACK_SPECS``), in two sizes.
 
 ``tiny`` is small enough to train for 32 steps on two CPU cores with the Triton kernels running
 through the interpreter. ``full`` matches Liger-Kernel's mini models (4 layers, hidden 1024,
@@ -18,9 +19,9 @@ from typing import Any
 import torch
 import transformers
 
-from surgery.models import SPECS, ArchitectureSpec, MiniSize
+from surgery.models import SPECS, ArchitectureSpec, MiniConfig, MiniSize, from_size
 
-__all__ = ["ARCHITECTURES", "SIZES", "Size", "build_model", "make_config"]
+__all__ = ["ARCHITECTURES", "FALLBACK", "SIZES", "Size", "build_model", "make_config"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,25 @@ SIZES: dict[str, Size] = {
 }
 
 
-# Every supported architecture, by its short name (``--model``): gemma3 for gemma3_text.
-ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.name: spec for spec in SPECS}
+# Causal LMs outside the registry that the suite proves through ``patch(fallback="loss")`` (the
+# fused loss alone; their attention, norms and MLPs stay transformers'). The spec only names the
+# class and the mini config: nothing else of it is used.
+FALLBACK_SPECS: tuple[ArchitectureSpec, ...] = (
+    ArchitectureSpec(
+        model_type="phi3",
+        module="transformers.models.phi3.modeling_phi3",
+        causal_lm="Phi3ForCausalLM",
+        attention="",
+        mini_config=MiniConfig(
+            "Phi3Config",
+            {"original_max_position_embeddings": from_size("max_position_embeddings")},
+        ),
+    ),
+)
+
+# Every architecture the suite trains, by its short name (``--model``): gemma3 for gemma3_text.
+ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.name: spec for spec in SPECS + FALLBACK_SPECS}
+FALLBACK = frozenset(spec.name for spec in FALLBACK_SPECS)
 
 
 def make_config(

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .configs import ARCHITECTURES, SIZES, build_model
+from .configs import ARCHITECTURES, FALLBACK, SIZES, build_model
 from .data import IGNORE_INDEX, Document, collate, make_batches
 from .loss import causal_lm_loss
 
@@ -334,8 +334,11 @@ def train_and_compare(
                 # its reference loop computes the same experts.
                 model.set_experts_implementation("eager")
         if patched:
+            # A model outside the registry gets the fused loss through the fallback.
+            fallback = {"fallback": "loss"} if cfg.model in FALLBACK else {}
             model = patch(
                 model,
+                **fallback,
                 rope=True,
                 fused_linear_cross_entropy=True,
                 loss_reduction=v.reduction,

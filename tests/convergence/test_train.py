@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from surgery.convergence.compare import TOLERANCES, evaluate
-from surgery.convergence.configs import ARCHITECTURES, SIZES, build_model, make_config
+from surgery.convergence.configs import ARCHITECTURES, FALLBACK, SIZES, build_model, make_config
 from surgery.convergence.controls import fake_patch
 from surgery.convergence.train import RunConfig, Variant, train_and_compare
 
@@ -81,6 +81,20 @@ def test_same_seed_same_weights_and_configs_keep_their_features():
         full = make_config(name, "full")
         assert full.hidden_size >= 1024 and full.num_hidden_layers >= 4
         assert full.vocab_size >= 32000
+
+
+def test_a_model_outside_the_registry_is_proven_through_the_fallback():
+    """The suite trains at least one causal LM that only ``fallback="loss"`` patches (it runs in
+    test_patched_trains_like_original with the others), and the patch it gets is the fallback's."""
+    import surgery
+
+    assert FALLBACK and FALLBACK.issubset(ARCHITECTURES)
+    for name in FALLBACK:
+        model = build_model(name)
+        with pytest.raises(surgery.UnsupportedModelError):
+            surgery.patch(model)
+        report = surgery.describe(surgery.patch(model, fallback="loss"))
+        assert report.how == "fallback"
 
 
 def test_tolerance_table_is_tighter_than_liger():
