@@ -4,7 +4,10 @@ whether they train alike.
 With no arguments: llama, fp32, tiny on CPU (the Triton kernels through the interpreter) or full
 size on CUDA; padded and packed batches; HF's token-mean loss, and the per-sequence mean with
 z-loss. The full GPU suite is ``--model all --dtype fp32`` and ``--model all --dtype bf16``.
-Exits 1 when any check fails.
+
+``--pretrained PATH_OR_HUB_ID [--data FILE]``: the same check on the user's own checkpoint (and
+tokenizer) and data, bf16 by default, the sides one after another (``pretrained``); it prints
+where its rules differ from the mini configs'. Exits 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ def _parser() -> argparse.ArgumentParser:
         "same data, same AdamW steps; compare every step's loss, the gradients and the final "
         "weights. Exits 1 when a check fails.",
     )
-    p.add_argument("--model", default="llama", help="architecture name, or 'all' (default llama)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "all"])
+    p.add_argument("--model", help="architecture name, or 'all' (default llama)")
+    p.add_argument(
+        "--pretrained",
+        metavar="PATH_OR_HUB_ID",
+        help="check this checkpoint (from_pretrained, with its tokenizer) instead of a mini model",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "all"],
+        help="default fp32; bf16 with --pretrained (the model is loaded in it)",
+    )
     p.add_argument("--steps", type=int, default=32, help="AdamW steps (default 32)")
     layout = p.add_mutually_exclusive_group()
     layout.add_argument("--packed", action="store_true", help="only packed batches")
@@ -47,8 +59,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--label-smoothing", type=float, metavar="EPS")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--size", choices=["tiny", "full"], help="default: tiny on cpu, full on cuda")
-    p.add_argument("--data", default="mixed", choices=["mixed", "lm", "sft"])
-    p.add_argument("--lr", type=float, help="AdamW learning rate (default: per size)")
+    p.add_argument(
+        "--data",
+        default="mixed",
+        metavar="KIND|FILE",
+        help="synthetic data: mixed (default), lm or sft; with --pretrained also a .jsonl of "
+        '{"text": ...} or {"messages": [...]} rows, or a .txt (paragraphs)',
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=4,
+        help="--pretrained: documents a step (default 4)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=512,
+        help="--pretrained: tokens a document is cut to (default 512)",
+    )
+    p.add_argument(
+        "--yardstick",
+        choices=["auto", "full", "init"],
+        default="auto",
+        help="--pretrained: train the run one precision up (full), measure it at the initial "
+        "weights only and take the drift budget from a same-dtype twin (init), or full when it "
+        "fits (auto, default)",
+    )
+    p.add_argument(
+        "--lr", type=float, help="AdamW learning rate (default: per size; 1e-5 with --pretrained)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="convergence_out", type=Path, help="where json and png go")
     p.add_argument("--no-plot", action="store_true")
@@ -76,6 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    from .data import DATA_KINDS
+
+    if args.pretrained:
+        if args.model or args.size:
+            parser.error("--pretrained checks one checkpoint: drop --model and --size")
+        if args.batch_size < 1 or args.max_length < 2:
+            parser.error("--batch-size must be at least 1 and --max-length at least 2")
+        if args.data not in DATA_KINDS and not Path(args.data).is_file():
+            print(f"--data {args.data}: no such file", file=sys.stderr)
+            return 2
+    elif args.data not in DATA_KINDS:
+        parser.error(
+            f"--data: a file needs --pretrained (its tokenizer); without it, one of {DATA_KINDS}"
+        )
 
     import torch
 
@@ -87,17 +141,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from surgery.kernels.dispatch import interpreter_enabled, triton_available
 
-    from .compare import evaluate, format_table, plot, write_json
+    from .compare import evaluate
     from .configs import ARCHITECTURES
     from .train import RunConfig, Variant, train_and_compare
 
     size = args.size or ("full" if device == "cuda" else "tiny")
-    models = list(ARCHITECTURES) if args.model == "all" else [args.model]
-    for m in models:
+    models = list(ARCHITECTURES) if args.model == "all" else [args.model or "llama"]
+    for m in models if not args.pretrained else []:
         if m not in ARCHITECTURES:
             print(f"unknown model {m!r}; expected one of {sorted(ARCHITECTURES)} or all")
             return 2
-    dtypes = ["fp32", "bf16"] if args.dtype == "all" else [args.dtype]
+    dtype_arg = args.dtype or ("bf16" if args.pretrained else "fp32")
+    dtypes = ["fp32", "bf16"] if dtype_arg == "all" else [dtype_arg]
     layouts = ("packed",) if args.packed else ("padded",) if args.padded else ("padded", "packed")
     if args.reduction is None and args.z_loss is None and args.label_smoothing is None:
         variants = [Variant("mean"), Variant("sequence", DEFAULT_Z_LOSS)]
@@ -105,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         reductions = ["mean", "sequence"] if args.reduction in (None, "all") else [args.reduction]
         variants = [Variant(r, args.z_loss or 0.0, args.label_smoothing or 0.0) for r in reductions]
     # Full size at 1e-3 spiked (Gemma2 bf16 packed: loss 1.8 apart at step 13 between two
-    # correct runs, H200): a gentler rate keeps the run a comparison, not a coin toss.
-    lr = args.lr or {"tiny": 2e-3, "full": 3e-4}[size]
+    # correct runs, H200): a gentler rate keeps the run a comparison, not a coin toss. A
+    # pretrained model is fine-tuned: at the rates above its loss jumps rather than falls.
+    lr = args.lr or (1e-5 if args.pretrained else {"tiny": 2e-3, "full": 3e-4}[size])
 
-    if device == "cpu":
+    if device == "cpu" and not args.pretrained:
         # Tiny models: a second intra-op thread only spins against the interpreter (and anything
         # else on the machine); one is faster.
         torch.set_num_threads(1)
@@ -124,18 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         where = "CPU: PyTorch fallback path (TRITON_INTERPRET is off), not the Triton kernels"
     print(f"surgery.convergence on {where}")
-    print(
-        f"models {', '.join(models)} | size {size} | dtype {', '.join(dtypes)} | "
-        f"{args.steps} AdamW steps, lr {lr:g} | layouts {'+'.join(layouts)} | "
-        f"losses {', '.join(v.name for v in variants)} | data {args.data}",
-        flush=True,
-    )
-
     t0 = time.perf_counter()
     say = (
         (lambda msg: None)
         if args.quiet
         else (lambda msg: print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", flush=True))
+    )
+    if args.pretrained:
+        outcome = _run_pretrained(args, device, dtypes, variants, layouts, lr, say)
+        if isinstance(outcome, int):
+            return outcome
+        records, checks, stem = outcome
+        return _report(args, records, checks, stem, t0)
+
+    print(
+        f"models {', '.join(models)} | size {size} | dtype {', '.join(dtypes)} | "
+        f"{args.steps} AdamW steps, lr {lr:g} | layouts {'+'.join(layouts)} | "
+        f"losses {', '.join(v.name for v in variants)} | data {args.data}",
+        flush=True,
     )
     records, checks = [], []
     for dtype in dtypes:
@@ -164,10 +226,98 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
+    return _report(args, records, checks, f"{args.model or 'llama'}-{dtype_arg}-{size}", t0)
+
+
+def _run_pretrained(args, device, dtypes, variants, layouts, lr, say):
+    """The runs of ``--pretrained``: ``(records, checks, file stem)``, or an exit status."""
+    from transformers import AutoConfig
+
+    import surgery
+
+    from .compare import evaluate
+    from .pretrained import PretrainedRun, describe_rules, load_batches
+    from .pretrained import train_and_compare_pretrained as train_and_compare
+
+    model_type = AutoConfig.from_pretrained(args.pretrained).model_type
+    if model_type not in surgery.supported():
+        print(
+            f"{args.pretrained}: surgery does not support model_type {model_type!r}; supported: "
+            f"{', '.join(sorted(surgery.supported()))}",
+            file=sys.stderr,
+        )
+        return 2
+
+    def run_of(dtype, variant):
+        return PretrainedRun(
+            checkpoint=args.pretrained,
+            data=args.data,
+            dtype=dtype,
+            device=device,
+            steps=args.steps,
+            variant=variant,
+            layouts=layouts,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            lr=lr,
+            seed=args.seed,
+            yardstick=args.yardstick,
+        )
+
+    first = run_of(dtypes[0], variants[0])
+    try:
+        train_docs, eval_docs, data = load_batches(first)
+    except (OSError, ValueError) as err:
+        print(f"--data {args.data}: {err}", file=sys.stderr)
+        return 2
+    tokens = sum(len(d) for docs in train_docs for d in docs) / len(train_docs)
+    print(
+        f"checkpoint {args.pretrained} ({model_type}) | dtype {', '.join(dtypes)} | "
+        f"{args.steps} AdamW steps, lr {lr:g} | layouts {'+'.join(layouts)} | "
+        f"losses {', '.join(v.name for v in variants)} | yardstick {args.yardstick}"
+    )
+    print(
+        f"data {data['source']}"
+        + (f": {data['documents']} documents" if "documents" in data else "")
+        + f" | {args.batch_size} documents of at most {args.max_length} tokens a step, "
+        f"{tokens:.0f} tokens a step on average" + (f" ({data['note']})" if "note" in data else ""),
+        flush=True,
+    )
+    records, checks, rules_shown = [], [], None
+    for dtype in dtypes:
+        for variant in variants:
+            run = run_of(dtype, variant)
+            record = train_and_compare(run, progress=say, batches=(train_docs, eval_docs))
+            record["pretrained"]["data"] = data
+            run_checks = evaluate(record)
+            records.append(record)
+            checks += run_checks
+            failed = [f"{c.side}:{c.name}" for c in run_checks if not c.passed]
+            peaks = record["pretrained"]["peak_training_memory_gib"]
+            print(
+                f"{run.name}: {'PASS' if not failed else 'FAIL ' + ', '.join(failed)} "
+                f"({record['seconds']:.1f}s)"
+                + (
+                    "; peak GiB in training: " + ", ".join(f"{k} {v:.2f}" for k, v in peaks.items())
+                    if peaks
+                    else ""
+                ),
+                flush=True,
+            )
+            rules = describe_rules(record)
+            if rules != rules_shown:
+                print("\n".join(rules), flush=True)
+                rules_shown = rules
+    return records, checks, f"{first.label}-{args.dtype or 'bf16'}"
+
+
+def _report(args, records, checks, stem, t0) -> int:
+    """The table, the json and png, and the verdict; the exit status."""
+    from .compare import format_table, plot, write_json
+
     print()
     print(format_table(records, checks))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.model}-{args.dtype}-{size}"
     json_path = write_json(records, checks, args.out / f"{stem}.json")
     png_path = None if args.no_plot else plot(records, args.out / f"{stem}.png")
     print()

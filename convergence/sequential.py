@@ -1,0 +1,373 @@
+"""Training sides one after another and comparing them as if they had trained side by side:
+the runner behind ``pretrained`` (a real model and its AdamW state may fit only once).
+
+A side (``SideSpec``) is loaded from the checkpoint, trained on the batches and dropped before the
+next one starts; nothing of model size outlives it. What the lockstep run (``train``) compares in
+full, this one compares through a fixed random linear map of each tensor (``sketch.CountSketch``,
+2^14 fp64 numbers, the same map for every side): every step's gradients of all parameters, of the
+final norm's output and of the lm_head, the eval batch's logits and their gradients, and the
+weight deltas from the initial weights (a sketch of the weights at the start and at the end: the
+map is linear). A relative error read off two sketches is the tensors' own to within about 1%.
+Losses are scalars and exact. A side compared with later ones (``keep``: the reference and the
+yardstick) keeps 0.4 MB a step; the others are compared as their steps happen and keep nothing.
+The result is ``train``'s record entries, pair by pair: ``steps``, ``eval_init``, ``eval_final``,
+``final`` and ``probes``.
+
+The fp32 probes of ``train`` (the patched model on the unpatched fp32 run's weights at every
+step) run inside their partner's run, as patched copies of its modules that share its parameters
+and gradients: no weights of their own. At each step they run just before the partner's own
+forward and backward, on the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .data import Document, collate
+from .sketch import SKETCH_WIDTH, CountSketch
+from .train import DTYPES, METRICS, _rel_scalar, _Side, _to_device, rel_err
+
+__all__ = ["SequentialRunner", "SideSpec", "SideTrace", "prepare_model"]
+
+# Per-tensor weight deltas are only kept for the json (compare judges the global one): a small map.
+_PER_TENSOR_WIDTH = 1 << 10
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """One side: its name (a key of the record), layout, whether it is patched, its dtype, and
+    how it runs."""
+
+    name: str
+    layout: str
+    patched: bool
+    dtype: torch.dtype
+    mask: bool = True
+    grad_noise: float = 0.0  # the twin: each gradient element g -> g + δg, |δ| ≤ grad_noise
+    train: bool = True  # False: step 0's forward and backward only, no optimizer (init yardstick)
+    keep: bool = False  # keep every step's sketches: later sides are compared with this one
+    probes: tuple[str, ...] = ()  # the fp32 partner: a patched probe per layout on its weights
+
+
+@dataclass
+class SideTrace:
+    """What is left of a side once its model is gone."""
+
+    spec: SideSpec
+    losses: list[float] = field(default_factory=list)
+    z_losses: list[float] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # only when spec.keep
+    eval_init: dict[str, Any] | None = None
+    eval_final: dict[str, Any] | None = None
+    init: torch.Tensor | None = None  # sketch of the initial weights (all tensors)
+    delta: torch.Tensor | None = None  # sketch of final − initial weights
+    delta_per_tensor: dict[str, torch.Tensor] = field(default_factory=dict)
+    logits_materialised: bool = False
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> layout, losses
+    peak_bytes: int | None = None  # CUDA: in the training steps (eval batches make logits)
+    peak_bytes_all: int | None = None  # CUDA: including the eval batches
+
+
+def _round_once_more(side: _Side, noise: float, step: int, seed: int) -> None:
+    """The twin's extra rounding: every gradient element ``g`` becomes ``g + δ g`` rounded to
+    the gradient's dtype, δ uniform in ``[-noise, noise]``, seeded by the step and the parameter's
+    name (``g · (1 + δ)`` would round ``1 + δ`` first: in fp32, to 1)."""
+    with torch.no_grad():
+        for name, p in side.params.items():
+            if p.grad is None:
+                continue
+            gen = torch.Generator(device=p.grad.device)
+            gen.manual_seed((seed << 32) ^ (step << 20) ^ zlib.crc32(name.encode()))
+            delta = torch.rand(p.grad.shape, generator=gen, device=p.grad.device) * 2 - 1
+            g = p.grad.float()
+            p.grad.copy_(torch.addcmul(g, g, delta, value=noise))
+
+
+def _step_metrics(a: dict[str, Any], b: dict[str, Any], z_on: bool) -> dict[str, float]:
+    out = {
+        "loss": _rel_scalar(a["loss"], b["loss"]),
+        "z_loss": _rel_scalar(a["z_loss"], b["z_loss"]) if z_on else 0.0,
+        "grad": rel_err(a["grad"], b["grad"]),
+        "hidden_grad": rel_err(a["hidden_grad"], b["hidden_grad"]),
+        "lm_head_grad": rel_err(a["lm_head_grad"], b["lm_head_grad"]),
+    }
+    # As train's z_grad: the lm_head gradient's sum over the vocabulary is the z-loss's alone
+    # when the head is not also the input embedding.
+    if z_on and a.get("z_grad") is not None and b.get("z_grad") is not None:
+        out["z_grad"] = rel_err(a["z_grad"], b["z_grad"])
+    return out
+
+
+def _eval_metrics(a: dict[str, Any], b: dict[str, Any], z_on: bool) -> dict[str, float]:
+    return {
+        "loss": _rel_scalar(a["loss"], b["loss"]),
+        "z_loss": _rel_scalar(a["z_loss"], b["z_loss"]) if z_on else 0.0,
+        **{k: rel_err(a[k], b[k]) for k in ("logits", "logits_grad", "hidden_grad", "grad")},
+    }
+
+
+def _final_metrics(a: SideTrace, b: SideTrace) -> dict[str, Any]:
+    per_tensor = {k: rel_err(a.delta_per_tensor[k], d) for k, d in b.delta_per_tensor.items()}
+    worst = max(per_tensor, key=per_tensor.get)
+    return {
+        "param_delta": per_tensor[worst],
+        "param_delta_worst": worst,
+        "param_delta_per_tensor": per_tensor,
+        "param_delta_global": rel_err(a.delta, b.delta),
+    }
+
+
+def prepare_model(model, dtype: torch.dtype) -> None:
+    """Dropout off everywhere (two correct runs with dropout differ by design), and a
+    mixture-of-experts model without the router's auxiliary loss (as in ``train``: it is a
+    statistic of the whole batch, which packing changes). ``use_cache`` stays as the checkpoint
+    has it, as in the mini configs: with a cache transformers lets packed documents attend to each
+    other, so the packed side tests the patched forward's own guard against that."""
+    config = model.config
+    if getattr(config, "output_router_logits", None) is not None:
+        config.output_router_logits = False
+        if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
+            # transformers' default experts implementation (grouped_mm) has no fp64 kernel.
+            model.set_experts_implementation("eager")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if hasattr(config, "attention_dropout"):
+        config.attention_dropout = 0.0
+
+
+class SequentialRunner:
+    """Runs sides one at a time with ``run_side``; ``traces`` and the pair entries (``steps``,
+    ``eval_init``, ``eval_final``, ``final``) fill in as they finish. ``run`` gives the
+    checkpoint, its dtype, the device, the loss variant, the learning rate, the seed and the
+    name shown in progress lines (a ``pretrained.PretrainedRun``)."""
+
+    def __init__(self, run, patch, progress, train_docs, eval_docs):
+        self.run = run
+        self.patch = patch
+        self.progress = progress
+        self.train_docs = train_docs
+        self.eval_docs = eval_docs
+        self.device = torch.device(run.device)
+        self.z_on = run.variant.z_loss_scale > 0
+        self.sketch = CountSketch(SKETCH_WIDTH, seed=run.seed)
+        self.small_sketch = CountSketch(_PER_TENSOR_WIDTH, seed=run.seed)
+        self.traces: dict[str, SideTrace] = {}
+        self.steps: dict[str, dict[str, list[float]]] = {}
+        self.eval_init: dict[str, dict[str, float]] = {}
+        self.eval_final: dict[str, dict[str, float]] = {}
+        self.final: dict[str, dict[str, Any]] = {}
+        self.n_params = 0
+
+    def _load(self, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        run = self.run
+        # A weight the checkpoint lacks is initialised at random: the same way for every side.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(run.seed)
+            model = AutoModelForCausalLM.from_pretrained(run.checkpoint, dtype=DTYPES[run.dtype])
+        # Loaded in the run's dtype first, so the yardstick starts from the same rounded weights.
+        model = model.to(device=self.device, dtype=dtype)
+        prepare_model(model, dtype)
+        model.train()
+        return model
+
+    def _collate(self, docs: Sequence[Document], spec: SideSpec) -> dict[str, torch.Tensor]:
+        return _to_device(collate(docs, spec.layout), self.device)
+
+    def _capture_step(self, side: _Side, batch, loss, z) -> dict[str, Any]:
+        sk = self.sketch
+        head_grad = side.lm_head.grad
+        return {
+            "loss": loss.item(),
+            "z_loss": z.item(),
+            "grad": sk((k, p.grad) for k, p in side.params.items()),
+            "hidden_grad": sk.one("hidden", side.real_tokens(side.hidden.grad, batch)),
+            "lm_head_grad": sk.one("lm_head", head_grad),
+            "z_grad": head_grad.sum(0).to("cpu", torch.float64)
+            if self.z_on and side.untied and head_grad is not None
+            else None,
+        }
+
+    def _probe(self, model, layout: str, partner: SideSpec) -> _Side:
+        """As train's probes: the patched model in fp32 on the fp32 partner's weights at every
+        step, to be held to fp32's same-weights limits. Here it is a patched copy of the
+        partner's modules that shares its parameters (and their gradients), so it costs no
+        weights of its own; it runs before the partner at each step."""
+        shared = {id(p): p for p in model.parameters()}
+        probe = self._patched(copy.deepcopy(model, shared))
+        v = self.run.variant
+        return _Side(f"probe-{layout}", probe, layout, True, v, self.run, partner.mask, probe=True)
+
+    def _patched(self, model):
+        """``model`` patched as ``train``'s sides are."""
+        v = self.run.variant
+        return self.patch(
+            model,
+            rope=True,
+            fused_linear_cross_entropy=True,
+            loss_reduction=v.reduction,
+            z_loss_scale=v.z_loss_scale,
+            label_smoothing=v.label_smoothing,
+        )
+
+    def _capture_eval(self, side: _Side, spec: SideSpec) -> dict[str, Any]:
+        batch = self._collate(self.eval_docs, spec)
+        side.model.eval()
+        side.zero_grad()
+        loss, z, logits = side.forward(batch)
+        if logits is None:
+            raise RuntimeError(f"{spec.name}: the eval forward returned no logits")
+        logits.retain_grad()
+        loss.backward()
+        sk = self.sketch
+        out = {
+            "loss": loss.item(),
+            "z_loss": z.item(),
+            "logits": sk.one("logits", side.real_tokens(logits.detach(), batch)),
+            "logits_grad": sk.one("logits_grad", side.real_tokens(logits.grad, batch)),
+            "hidden_grad": sk.one("hidden", side.real_tokens(side.hidden.grad, batch)),
+            "grad": sk((k, p.grad) for k, p in side.params.items()),
+        }
+        side.zero_grad()
+        side.model.train()
+        return out
+
+    def _weights(self, side: _Side) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            whole = self.sketch(side.params.items())
+            per_tensor = {k: self.small_sketch.one(k, p) for k, p in side.params.items()}
+        return whole, per_tensor
+
+    def run_side(self, spec: SideSpec, pairs: list[tuple[str, str]]) -> SideTrace:
+        """Train ``spec``'s side and compare it, step by step, with the sides already run, in the
+        ``pairs`` that name it; what it leaves is stored only when the side has finished, so a
+        side that runs out of memory leaves nothing behind."""
+        run, v = self.run, self.run.variant
+        mine = [(a, b) for a, b in pairs if spec.name in (a, b)]
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        model = self._load(spec.dtype)
+        if spec.patched:
+            model = self._patched(model)
+        elif type(model).forward is not model.forward.__func__:
+            raise RuntimeError(f"{spec.name}: the unpatched model's forward was replaced")
+        probes = [self._probe(model, layout, spec) for layout in spec.probes]
+        side = _Side(spec.name, model, spec.layout, spec.patched, v, run, spec.mask)
+        trace = SideTrace(spec)
+        self.n_params = sum(p.numel() for p in side.params.values())
+        init, init_per_tensor = self._weights(side)
+        ref = self.traces.get("reference")
+        if ref is not None and rel_err(init, ref.init) > 1e-12:
+            raise RuntimeError(
+                f"{spec.name} did not start from the reference's weights: loading "
+                f"{run.checkpoint} twice gave different weights"
+            )
+        trace.init = init
+        trace.eval_init = self._capture_eval(side, spec)
+        peaks = [self._peak(reset=True)]
+
+        mine += [(probe.name, spec.name) for probe in probes]
+        steps = {f"{a}~{b}": {k: [] for k in METRICS} for a, b in mine}
+        batches = self.train_docs if spec.train else self.train_docs[:1]
+        for t, docs in enumerate(batches):
+            # The probes first, on the weights this side has now (they share its parameters).
+            probed = {}
+            for probe in probes:
+                probe_batch = _to_device(collate(docs, probe.layout), self.device)
+                probe.zero_grad()
+                loss, z, _ = probe.forward(probe_batch)
+                loss.backward()
+                probed[probe.name] = self._capture_step(probe, probe_batch, loss, z)
+                probe.losses.append(probed[probe.name]["loss"])
+                probe.z_losses.append(probed[probe.name]["z_loss"])
+                del probe_batch, loss, z
+            batch = self._collate(docs, spec)
+            side.zero_grad()
+            loss, z, logits = side.forward(batch)
+            loss.backward()
+            if spec.grad_noise:
+                _round_once_more(side, spec.grad_noise, t, run.seed)
+            trace.logits_materialised |= spec.patched and logits is not None
+            here = self._capture_step(side, batch, loss, z)
+            trace.losses.append(here["loss"])
+            trace.z_losses.append(here["z_loss"])
+            if spec.keep:
+                trace.steps.append(here)
+            for a, b in mine:
+                if a in probed:
+                    xa, xb = probed[a], here
+                else:
+                    other = self.traces[b if a == spec.name else a]
+                    if t >= len(other.steps):
+                        continue
+                    xa, xb = (here, other.steps[t]) if a == spec.name else (other.steps[t], here)
+                for k, value in _step_metrics(xa, xb, self.z_on).items():
+                    steps[f"{a}~{b}"][k].append(value)
+            del here, batch, loss, z, logits, probed
+            if spec.train:
+                side.step()
+            if self.progress is not None and ((t + 1) % 8 == 0 or t + 1 == len(batches)):
+                self.progress(
+                    f"{run.name} {spec.name}: step {t + 1}/{len(batches)}  "
+                    f"loss {trace.losses[-1]:.4f}"
+                )
+        peaks.append(self._peak(reset=True))
+        trace.peak_bytes = peaks[-1]
+        if spec.train:
+            trace.eval_final = self._capture_eval(side, spec)
+            final, final_per_tensor = self._weights(side)
+            trace.delta = final - init
+            trace.delta_per_tensor = {
+                k: final_per_tensor[k] - start for k, start in init_per_tensor.items()
+            }
+        peaks.append(self._peak())
+        trace.peak_bytes_all = None if None in peaks else max(peaks)
+        trace.probes = {
+            probe.name: {
+                "layout": probe.layout,
+                "partner": spec.name,
+                "loss": probe.losses,
+                "z_loss": probe.z_losses,
+            }
+            for probe in probes
+        }
+        del side, model, probes
+        self._free()
+
+        # Finished: store the side and its pairs with the sides run before it.
+        self.traces[spec.name] = trace
+        for a, b in mine:
+            self.steps[f"{a}~{b}"] = steps[f"{a}~{b}"]
+            if a in trace.probes:
+                continue
+            ta, tb = self.traces[a], self.traces[b]
+            self.eval_init[f"{a}~{b}"] = _eval_metrics(ta.eval_init, tb.eval_init, self.z_on)
+            if ta.eval_final is not None and tb.eval_final is not None:
+                self.eval_final[f"{a}~{b}"] = _eval_metrics(ta.eval_final, tb.eval_final, self.z_on)
+                self.final[f"{a}~{b}"] = _final_metrics(ta, tb)
+        return trace
+
+    def _peak(self, reset: bool = False) -> int | None:
+        """CUDA: the most memory allocated since the last reset (None elsewhere)."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def _free(self) -> None:
+        gc.collect()  # the side's norm hook holds a cycle through the model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
