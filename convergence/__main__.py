@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr", type=float, help="AdamW learning rate (default: per size; 1e-5 with --pretrained)"
     )
+    p.add_argument(
+        "--controls",
+        action="store_true",
+        help="run the negative controls instead: every planted bug of surgery.convergence."
+        "controls must fail the checks, the bug-free imitation must pass (--dtype, --size, "
+        "--device apply)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="convergence_out", type=Path, help="where json and png go")
     p.add_argument("--no-plot", action="store_true")
@@ -118,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 1")
     from .data import DATA_KINDS
 
+    if args.controls and args.pretrained:
+        parser.error("--controls runs on the mini models: drop --pretrained")
     if args.pretrained:
         if args.model or args.size:
             parser.error("--pretrained checks one checkpoint: drop --model and --size")
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quiet
         else (lambda msg: print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", flush=True))
     )
+    if args.controls:
+        return _run_controls(args, size, device, dtypes, t0)
     if args.pretrained:
         outcome = _run_pretrained(args, device, dtypes, variants, layouts, lr, say)
         if isinstance(outcome, int):
@@ -309,6 +320,34 @@ def _run_pretrained(args, device, dtypes, variants, layouts, lr, say):
                 print("\n".join(rules), flush=True)
                 rules_shown = rules
     return records, checks, f"{first.label}-{args.dtype or 'bf16'}"
+
+
+def _run_controls(args, size, device, dtypes, t0) -> int:
+    """``--controls``: the table of planted bugs and what caught them, a json; the exit status."""
+    import json
+
+    from .compare import environment
+    from .controls import run_controls
+
+    print(f"negative controls | size {size} | dtype {', '.join(dtypes)}", flush=True)
+    summary = run_controls(size=size, device=device, dtypes=tuple(dtypes),
+                           say=lambda line: print(line, flush=True))  # fmt: skip
+    summary["environment"] = environment()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"controls-{args.dtype or 'fp32'}-{size}.json"
+    path.write_text(json.dumps(summary, indent=1, default=float))
+    rows = summary["controls"]
+    missed = [r["control"] for r in rows if not r["caught"]]
+    broken = sorted({r["control"] for r in rows if r["correct_fake_failed"]})
+    elapsed = time.perf_counter() - t0
+    print(f"wrote {path}")
+    if missed or broken:
+        print(f"FAIL: {len(missed)} of {len(rows)} planted bugs passed every check: {missed}; "
+              f"the bug-free imitation failed {broken} ({elapsed:.0f}s)")  # fmt: skip
+        return 1
+    print(f"PASS: all {len(rows)} planted bugs caught, the bug-free imitation passed "
+          f"({elapsed:.0f}s)")  # fmt: skip
+    return 0
 
 
 def _report(args, records, checks, stem, t0) -> int:

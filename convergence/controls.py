@@ -11,6 +11,7 @@ whole table of bugs against it, and the test suite requires every bug to fail in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from collections.abc import Callable
@@ -240,3 +241,47 @@ def run_config(control: Control, *, size: str = "tiny", device: str = "cpu", **k
     return RunConfig(model=spec.model, size=size, dtype=control.dtype, device=device,
                      steps=steps, variant=variant, layouts=spec.layouts,
                      config_overrides=json.dumps(overrides) if overrides else "", **kw)  # fmt: skip
+
+
+def run_controls(
+    *,
+    size: str = "tiny",
+    device: str = "cpu",
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    say: Callable[[str], None] = print,
+) -> dict:
+    """Every control of ``controls(dtypes)`` at ``size`` on ``device``: the bug-free fake patch
+    must pass each run's config and the planted bug must fail it. Returns a json-able summary
+    (``"passed"``: every bug caught, every correct run passed) with the checks that caught each
+    bug."""
+    import time
+
+    from .compare import evaluate
+    from .train import train_and_compare
+
+    correct: dict = {}
+    rows = []
+    for control in controls(dtypes):
+        cfg = run_config(control, size=size, device=device)
+        t0 = time.perf_counter()
+        if cfg not in correct:
+            failed = [c for c in evaluate(train_and_compare(cfg, patch=fake_patch()))
+                      if not c.passed]  # fmt: skip
+            correct[cfg] = [f"{c.side}:{c.name} {c.value:.2e} > {c.limit:.2e}" for c in failed]
+        record = train_and_compare(cfg, patch=fake_patch(control.bug, control.onset))
+        caught = [dataclasses.asdict(c) for c in evaluate(record) if not c.passed]
+        rows.append({
+            "control": control.name, "bug": control.bug, "dtype": control.dtype, "z": control.z,
+            "onset": control.onset, "description": BUGS[control.bug].description,
+            "caught": bool(caught), "caught_by": caught, "correct_fake_failed": correct[cfg],
+            "seconds": time.perf_counter() - t0,
+        })  # fmt: skip
+        names = sorted({c["name"] for c in caught})
+        say(
+            f"{control.name:36} "
+            + ("caught by " + ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+               if caught else "MISSED")
+            + ("" if not correct[cfg] else f"  (correct fake FAILED: {correct[cfg][:2]})")
+        )  # fmt: skip
+    passed = all(r["caught"] and not r["correct_fake_failed"] for r in rows)
+    return {"passed": passed, "size": size, "device": device, "controls": rows}

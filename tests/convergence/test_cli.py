@@ -57,3 +57,22 @@ def test_readme_main_command_installs_what_the_plot_needs():
     ]
     needs = [dep for extra in extras[0].split(",") for dep in optional[extra]]
     assert any(dep.startswith("matplotlib") for dep in needs), needs
+
+
+def test_cli_controls_table_and_json(tmp_path, capsys, monkeypatch):
+    """``--controls``: a line per planted bug saying what caught it, a json, exit 0; exit 1 when
+    a planted bug passes every check (here: a "bug" that changes nothing)."""
+    from surgery.convergence import controls
+
+    monkeypatch.setattr(controls, "BUGS", {"lm_head_grad": controls.BUGS["lm_head_grad"]})
+    code = cli.main(["--controls", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "lm_head_grad/fp32/z0.0001" in out and "caught by" in out
+    payload = json.loads((tmp_path / "controls-fp32-tiny.json").read_text())
+    assert payload["passed"] and len(payload["controls"]) == 4
+    caught_by = {c["name"] for row in payload["controls"] for c in row["caught_by"]}
+    assert "probe_lm_head_grad" in caught_by
+    monkeypatch.setattr(controls, "BUGS", {"harmless": controls.Bug("changes nothing")})
+    assert cli.main(["--controls", "--out", str(tmp_path)]) == 1
+    assert "MISSED" in capsys.readouterr().out
