@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import surgery
 from surgery.attention import _read_path
-from surgery.convergence.configs import ARCHITECTURES, SIZES, make_config
+from surgery.convergence.configs import ARCHITECTURES, FALLBACK_SPECS, SIZES, make_config
 from surgery.models import SPECS
 
 from .tiny import ARCHS, attn_for, tiny_config
@@ -87,7 +87,9 @@ def test_spec_survives_copy_and_pickle(spec):
 def test_everything_that_lists_architectures_lists_the_registry():
     assert list(surgery.supported().values()) == list(SPECS)  # no two specs share a model_type
     assert [spec.model_type for spec in SPECS] == ARCHS
-    assert list(ARCHITECTURES.values()) == list(SPECS)  # the convergence suite's --model all
+    # the convergence suite's --model all: the registry, then the fallback's models
+    assert list(ARCHITECTURES.values()) == list(SPECS + FALLBACK_SPECS)
+    assert not {spec.model_type for spec in FALLBACK_SPECS} & set(surgery.supported())
     for spec in SPECS:
         assert callable(getattr(surgery, spec.apply_name)), spec.apply_name
         assert callable(getattr(surgery.api, spec.apply_name)), spec.apply_name
