@@ -6,6 +6,9 @@ models built from configs with random weights (no downloads), bf16, AdamW.
     python benchmarks/train_step.py --models gemma2,qwen2 --out DIR
     python benchmarks/train_step.py --models llama --profile-only --out DIR  # profiler tables
     python benchmarks/train_step.py --smoke                                  # CPU, tiny, plumbing
+    python benchmarks/train_step.py --models llama --compile both --out DIR  # eager and compiled
+    python benchmarks/train_step.py --models llama --contenders surgery_compiled \
+        --profile-only --profile-scenario packed --out DIR                   # profile, compiled
 
 Each (model, contender) runs in a fresh subprocess (``--worker``), with the same seed and so the
 same initial weights and batches, so that memory starts clean and process-wide patches (Liger
@@ -13,6 +16,14 @@ rebinds names inside transformers modules) cannot leak into the next contender.
 
 One step is: forward with labels, ``loss.backward()``, ``optimizer.step()``,
 ``optimizer.zero_grad(set_to_none=True)``; AdamW (fused on CUDA), lr 1e-5.
+
+Compiled contenders (``<contender>_compiled``, or ``--compile on|both``) are the same contender
+followed by ``model.compile()`` (inductor, default options, as a user compiles the model); the
+optimizer step stays eager. Compilation happens in the warm-up
+steps (a new input structure or shape compiles again: the first step of each scenario is a
+warm-up step); each scenario records the graphs compiled during its warm-up and during its timed
+steps (which should be none), and the graph breaks seen. Compiled rows compare with
+``unpatched_compiled`` (``x base``) and with the same contender uncompiled (``x eager``).
 
 Scenarios, in this order (the ones most likely to run out of memory last):
 - padded 2x4096: right padding (rows hold 100%, 87.5%, 75%, 62.5%, ... of the row), attention
@@ -126,6 +137,39 @@ CONTENDERS = ["unpatched", "surgery", "liger"]
 # liger_rope_flce: Liger with only RoPE and the fused loss, the same kernels surgery swaps.
 # surgery_masked: surgery with causal_right_padding=False (padded batches keep their mask).
 EXTRA_CONTENDERS = ["liger_rope_flce", "surgery_masked"]
+# Any contender followed by model.compile().
+COMPILED = "_compiled"
+
+
+def split_contender(name: str) -> tuple[str, bool]:
+    """(the contender's patch, whether the model is compiled after it)."""
+    if name.endswith(COMPILED):
+        return name[: -len(COMPILED)], True
+    return name, False
+
+
+def known_contender(name: str) -> bool:
+    return split_contender(name)[0] in CONTENDERS + EXTRA_CONTENDERS
+
+
+def with_compile(contenders: list[str], mode: str) -> list[str]:
+    """``--compile``: off keeps the list, on compiles every contender, both runs each contender
+    eager and then compiled."""
+    if mode == "off":
+        return contenders
+    out = []
+    for c in contenders:
+        base, compiled = split_contender(c)
+        if mode == "both" and not compiled:
+            out.append(base)
+        out.append(base + COMPILED)
+    return list(dict.fromkeys(out))
+
+
+def baseline_of(contender: str) -> str:
+    """The unpatched contender of the same mode (eager or compiled)."""
+    return "unpatched" + (COMPILED if split_contender(contender)[1] else "")
+
 
 SEQ = 4096
 SCENARIOS = [("padded", 2), ("packed", 2), ("padded", 4), ("padded", 8)]
@@ -261,13 +305,23 @@ def worker(job: dict[str, Any]) -> None:
         if cuda:
             torch.cuda.empty_cache()
 
+    def compile_stats() -> tuple[int, int]:
+        """(graphs compiled, graph breaks) so far in this process (0, 0 when nothing compiles)."""
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
     try:
         torch.manual_seed(job["seed"])
         t0 = time.perf_counter()
         model = build_model(job["model"], smoke, device)
         result["params"] = sum(p.numel() for p in model.parameters())
         result["build_s"] = round(time.perf_counter() - t0, 1)
-        result["kernels_on"] = apply_contender(model, job["contender"])
+        base, compiled = split_contender(job["contender"])
+        result["kernels_on"] = apply_contender(model, base)
+        if compiled:
+            model.compile(backend=job.get("compile_backend", "inductor"))
+            result["compiled"] = {"backend": job.get("compile_backend", "inductor")}
     except Unavailable as e:
         _emit("RESULT", {**result, "status": "unavailable", "error": str(e)})
         return
@@ -305,9 +359,14 @@ def worker(job: dict[str, Any]) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             losses = []
+            graphs0, breaks0 = compile_stats()
+            t_warm = time.perf_counter()
             for _ in range(warmup + (1 if first else 0)):
                 losses.append(step(data))
+            sync()
+            warm_s = time.perf_counter() - t_warm
             first = False
+            graphs1, breaks1 = compile_stats()
             times = []
             for _ in range(timed):
                 sync()
@@ -316,6 +375,16 @@ def worker(job: dict[str, Any]) -> None:
                 sync()
                 times.append(time.perf_counter() - t)
             med = sorted(times)[len(times) // 2]
+            graphs2, breaks2 = compile_stats()
+            if graphs2:  # something compiles in this process
+                rec["compile"] = {
+                    "warmup_s": round(warm_s, 1),
+                    "graphs_in_warmup": graphs1 - graphs0,
+                    "graphs_in_timed_steps": graphs2 - graphs1,
+                    "graph_breaks_in_warmup": breaks1 - breaks0,
+                    "graphs_so_far": graphs2,
+                    "graph_breaks_so_far": breaks2,
+                }
             rec.update(
                 status="ok",
                 step_ms=med * 1e3,
@@ -340,7 +409,7 @@ def worker(job: dict[str, Any]) -> None:
     result["scenarios"] = scenarios
 
     fits, first_oom = [], None
-    for L in SMOKE_MAX_SEQS if smoke else MAX_SEQS:
+    for L in [] if job.get("skip_max_seq") else SMOKE_MAX_SEQS if smoke else MAX_SEQS:
         rec = {"seq": L}
         try:
             data, _ = make_batch("single", 1, L, vocab, device, job["seed"] + L)
@@ -372,16 +441,24 @@ def worker(job: dict[str, Any]) -> None:
         "stopped_at": first_oom,
         "longest": fits[-1]["seq"] if fits else None,
     }
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        result["compiled"]["graph_break_reasons"] = {
+            reason.splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()
+        }
     result["status"] = "ok"
     _emit("RESULT", result)
 
 
 def profile_step(model, step, device, vocab, seq, job) -> None:
-    """torch.profiler tables of one training step (padded 2 x seq) after warm-up."""
+    """torch.profiler tables of one training step (2 x seq, ``profile_scenario``: padded or
+    packed) after warm-up (which compiles a compiled contender)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    data, _ = make_batch("padded", 2, seq, vocab, device, job["seed"] + 2)
+    kind = job.get("profile_scenario", "padded")
+    data, _ = make_batch(kind, 2, seq, vocab, device, job["seed"] + 2)
     for _ in range(max(2, job["warmup"])):
         step(data)
     activities = [ProfilerActivity.CPU]
@@ -406,10 +483,10 @@ def profile_step(model, step, device, vocab, seq, job) -> None:
                 break
             except (AttributeError, KeyError, ValueError, RuntimeError):
                 continue
-    out = Path(job["out"]) / f"profile_{job['model']}_{job['contender']}.txt"
+    out = Path(job["out"]) / f"profile_{job['model']}_{job['contender']}_{kind}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     header = (
-        f"one training step, {job['model']} ({job['contender']}), padded 2x{seq}, bf16, AdamW;"
+        f"one training step, {job['model']} ({job['contender']}), {kind} 2x{seq}, bf16, AdamW;"
         f" after {max(2, job['warmup'])} warm-up steps\n\n"
     )
     out.write_text(header + "\n\n".join(sections) + "\n")
@@ -498,32 +575,51 @@ def maxseq_line(rec: dict[str, Any]) -> str:
     return f"fits, peak {fmt(rec.get('peak_gib'), '.1f')} GiB, step {rec['step_s']:.2f} s"
 
 
+def _ratio(x, y) -> str:
+    return fmt(x / y if x and y else None, ".2f")
+
+
 def render_tables(results: list[dict[str, Any]]) -> str:
-    base: dict[tuple[str, str], dict[str, Any]] = {}
+    """Per scenario: tokens/s and peak memory, as ratios to the unpatched contender of the same
+    mode (``x base``: eager rows to ``unpatched``, compiled rows to ``unpatched_compiled``) and,
+    for compiled rows, to the same contender uncompiled (``x eager``); compiled rows also show the
+    graphs compiled during the timed steps (should be 0) and the graph breaks."""
+    by: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in results:
-        if r["contender"] == "unpatched":
-            for s in r.get("scenarios", []):
-                base[(r["model"], s["scenario"])] = s
+        for s in r.get("scenarios", []) or []:
+            if s.get("status") == "ok":
+                by[(r["model"], r["contender"], s["scenario"])] = s
     rows = []
     for r in results:
         if r.get("status") not in ("ok", None) and not r.get("scenarios"):
-            rows.append([r["model"], "-", r["contender"], "-", "-", "-", "-", "-", r.get("error")])
+            rows.append([r["model"], "-", r["contender"]] + ["-"] * 8 + [r.get("error")])
             continue
+        base_name, compiled = split_contender(r["contender"])
         for s in r.get("scenarios", []):
-            b = base.get((r["model"], s["scenario"]), {})
+            key = (r["model"], s["scenario"])
+            b = by.get((*key[:1], baseline_of(r["contender"]), key[1]), {})
+            e = by.get((key[0], base_name, key[1]), {}) if compiled else {}
             ok = s.get("status") == "ok"
             tps = s.get("tokens_per_s") if ok else None
             peak = s.get("peak_gib") if ok else None
+            c = s.get("compile") or {}
             rows.append(
                 [
                     r["model"],
                     s["scenario"],
                     r["contender"],
                     fmt(tps / 1e3 if tps else None, ".1f"),
-                    fmt(tps / b["tokens_per_s"] if tps and b.get("tokens_per_s") else None, ".2f"),
+                    _ratio(tps, b.get("tokens_per_s")),
+                    _ratio(tps, e.get("tokens_per_s")) if compiled else "-",
                     fmt(peak, ".1f"),
-                    fmt(peak / b["peak_gib"] if peak and b.get("peak_gib") else None, ".2f"),
+                    _ratio(peak, b.get("peak_gib")),
+                    _ratio(peak, e.get("peak_gib")) if compiled else "-",
                     fmt(s.get("loss_first"), ".4f"),
+                    (
+                        f"{c.get('graphs_in_timed_steps')} / {c.get('graph_breaks_so_far')}"
+                        if compiled and c
+                        else "-"
+                    ),
                     "ok" if ok else f"{s.get('status')}",
                 ]
             )
@@ -533,10 +629,13 @@ def render_tables(results: list[dict[str, Any]]) -> str:
             "scenario",
             "contender",
             "k tok/s",
-            "x unpatched",
+            "x base",
+            "x eager",
             "peak GiB",
-            "x unpatched",
+            "x base",
+            "x eager",
             "loss step 1",
+            "recompiles / breaks",
             "status",
         ],
         rows,
@@ -654,6 +753,11 @@ def merge(paths: list[Path], out_dir: Path) -> int:
     return 0
 
 
+def worker_timeout(args, contender: str) -> float:
+    compiled = split_contender(contender)[1]
+    return args.compiled_worker_timeout_s if compiled else args.worker_timeout_s
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help=f"result folder (default {RESULTS_DIR})")
@@ -661,15 +765,40 @@ def parse_args(argv=None):
     p.add_argument(
         "--contenders",
         default=",".join(CONTENDERS),
-        help=f"comma list from {CONTENDERS + EXTRA_CONTENDERS}",
+        help=f"comma list from {CONTENDERS + EXTRA_CONTENDERS}, each optionally with the suffix"
+        f" {COMPILED} (the contender, then model.compile())",
     )
     p.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps, skip batch 4")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per scenario (+1 first)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per scenario")
+    p.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default="off",
+        help="compile the contenders with model.compile(): on (compiled only) or both (each eager,"
+        " then compiled); or name <contender>_compiled in --contenders",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument(
+        "--skip-max-seq",
+        action="store_true",
+        help="skip the longest-sequence search (each new length compiles again when compiled)",
+    )
     p.add_argument("--profile", action="store_true", help="also write profiler tables")
     p.add_argument("--profile-only", action="store_true", help="only the profiler tables")
-    p.add_argument("--profile-contender", default="surgery", help="contender to profile")
+    p.add_argument(
+        "--profile-contender",
+        default="surgery",
+        help="comma list of contenders to profile (e.g. surgery,surgery_compiled)",
+    )
+    p.add_argument("--profile-scenario", choices=["padded", "packed"], default="padded")
     p.add_argument("--worker-timeout-s", type=float, default=240.0)
+    p.add_argument(
+        "--compiled-worker-timeout-s",
+        type=float,
+        default=540.0,
+        help="timeout of a compiled contender's worker (compilation included)",
+    )
     p.add_argument(
         "--time-budget-s",
         type=float,
@@ -709,8 +838,10 @@ def main(argv=None) -> int:
         return 2
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    contenders = with_compile(contenders, args.compile)
+    profiled = [c.strip() for c in args.profile_contender.split(",") if c.strip()]
     bad = [m for m in models if m not in MODELS] + [
-        c for c in contenders if c not in CONTENDERS + EXTRA_CONTENDERS
+        c for c in contenders + profiled if not known_contender(c)
     ]
     if bad:
         print(f"unknown model(s)/contender(s): {bad}", file=sys.stderr)
@@ -725,6 +856,8 @@ def main(argv=None) -> int:
         "steps": steps,
         "seed": args.seed,
         "out": str(out_dir),
+        "compile_backend": args.compile_backend,
+        "skip_max_seq": args.skip_max_seq,
     }
     print(
         f"train_step: models {models}, contenders {contenders}, {warmup}+1 warm-up and {steps}"
@@ -764,7 +897,7 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     print(f"[{label}] starting", flush=True)
                     res = run_worker(
-                        {**base_job, "model": m, "contender": c}, args.worker_timeout_s, label
+                        {**base_job, "model": m, "contender": c}, worker_timeout(args, c), label
                     )
                     res["wall_s"] = round(time.perf_counter() - t0, 1)
                     longest = (res.get("max_seq") or {}).get("longest")
@@ -779,15 +912,15 @@ def main(argv=None) -> int:
                 write_json(json_path, doc)
     if args.profile or args.profile_only:
         m = models[0]
-        label = f"{m}/{args.profile_contender} profile"
-        print(f"[{label}] starting", flush=True)
-        res = run_worker(
-            {**base_job, "model": m, "contender": args.profile_contender, "profile": True},
-            args.worker_timeout_s,
-            label,
-        )
-        doc["profile"] = {k: v for k, v in res.items() if k != "scenarios"}
-        write_json(json_path, doc)
+        doc["profile"] = []
+        for c in profiled:
+            label = f"{m}/{c} profile ({args.profile_scenario})"
+            print(f"[{label}] starting", flush=True)
+            job = {**base_job, "model": m, "contender": c, "profile": True,
+                   "profile_scenario": args.profile_scenario}  # fmt: skip
+            res = run_worker(job, worker_timeout(args, c), label)
+            doc["profile"].append({k: v for k, v in res.items() if k != "scenarios"})
+            write_json(json_path, doc)
     if doc["results"]:
         note = plot(doc["results"], out_dir / f"{stem}.png")
         if note:

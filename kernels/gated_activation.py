@@ -150,18 +150,23 @@ def _fwd_torch(gate, up, out, activation):
         o[sl] = (_act_torch(g[sl].float(), activation) * u[sl].float()).to(o.dtype)
 
 
+def _act_backward_torch(grad: torch.Tensor, g: torch.Tensor, activation: str) -> torch.Tensor:
+    # The ops autograd runs for F.silu / F.gelu, called directly: inside a torch.library op (what
+    # torch.compile runs) the autograd keys are excluded, so torch.autograd.grad would find no
+    # graph to differentiate.
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, g)
+    return torch.ops.aten.gelu_backward(grad, g, approximate="tanh")
+
+
 def _bwd_torch(dout, gate, up, dg, du, activation):
     d, g, u = dout.reshape(-1), gate.view(-1), up.view(-1)
     dg, du = dg.view(-1), du.view(-1)
     for i in range(0, g.numel(), FALLBACK_ELEMS):
         sl = slice(i, i + FALLBACK_ELEMS)
-        gf = g[sl].float().requires_grad_()
-        with torch.enable_grad():
-            a = _act_torch(gf, activation)
-        df = d[sl].float()
-        (da,) = torch.autograd.grad(a, gf, df * u[sl].float())
-        dg[sl] = da.to(dg.dtype)
-        du[sl] = (df * a.detach()).to(du.dtype)
+        gf, df = g[sl].float(), d[sl].float()
+        dg[sl] = _act_backward_torch(df * u[sl].float(), gf, activation).to(dg.dtype)
+        du[sl] = (df * _act_torch(gf, activation)).to(du.dtype)
 
 
 def _launch(launch, t):

@@ -55,13 +55,13 @@ def _trained_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) ->
     """Mask of the labels that are targets: in [0, V) and not ``ignore_index`` (any int, inside
     [0, V) too, as in ``F.cross_entropy``). Reports labels outside [0, V) that are not
     ``ignore_index``."""
+    if torch.compiler.is_compiling():
+        return _trained_labels_op(labels, vocab_size, ignore_index)
     ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < vocab_size)
     bad = (~in_range) & (~ignored)
     if labels.device.type == "cpu" or os.environ.get("SURGERY_DEBUG", "0") not in ("", "0"):
-        if torch.compiler.is_compiling():
-            pass  # data-dependent raise cannot be traced; the kernels mask such labels anyway
-        elif bool(bad.any()):
+        if bool(bad.any()):
             first = labels[bad][0].item()
             raise ValueError(
                 f"label {first} is outside [0, {vocab_size}) and is not ignore_index "
@@ -71,6 +71,19 @@ def _trained_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) ->
         flag = label_error_flag(labels.device)
         flag.bitwise_or_(bad.any().to(torch.int32))
     return in_range & ~ignored
+
+
+# Under torch.compile the check runs inside an op, at run time: tracing cannot hold the
+# data-dependent raise, nor create the per-device flag (a flag created while tracing changes what
+# the graph's guards saw, and the next call would compile again).
+@torch.library.custom_op("surgery::trained_labels", mutates_args=())
+def _trained_labels_op(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    return _trained_labels(labels, vocab_size, ignore_index)
+
+
+@_trained_labels_op.register_fake
+def _(labels, vocab_size, ignore_index):
+    return torch.empty_like(labels, dtype=torch.bool)
 
 
 def sequence_starts(

@@ -41,7 +41,8 @@ attends causally to itself only, exactly what transformers' block-diagonal mask 
 kernel skips every block outside the documents and needs no mask and no key/value repeat for GQA
 (sdpa with a mask takes a masked kernel that computes the whole (seq x seq) square). A layer that
 varlen cannot serve (fp32, attention dropout in training, an attention-logit softcap, head_dim
-over 256) takes the mask transformers built as usual.
+over 256) takes the mask transformers built as usual. Under ``torch.compile`` too: the boundaries
+then come from an op at run time (``packed_sequences``), so the graph holds no host read.
 """
 
 from __future__ import annotations
@@ -128,24 +129,58 @@ def packed_sequences(
     kernel = varlen_kernel(device)
     if kernel is None:
         return None
-    starts = sequence_starts(shape, torch.device("cpu"), position_ids=position_ids.cpu())
-    first = torch.nonzero(starts).flatten()
-    if first.numel() == shape[0]:
+    if torch.compiler.is_compiling():
+        # A traced graph holds no host read: the boundaries come from an op at run time (their
+        # count is data-dependent, an unbacked size to the compiler), every row is taken as
+        # packed (varlen over rows of one document each is exact too), and the row length
+        # stands for the longest document: flash attention only sizes its grid from it (an upper
+        # bound is exact; blocks past a document's end return at once).
+        cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
+        return PackedSequences(cu_seqlens, shape[1], kernel)
+    cu_seqlens = _cu_seqlens(position_ids, shape)
+    if cu_seqlens.numel() == shape[0] + 1:
         return None
-    cu_seqlens = torch.cat([first, first.new_tensor([starts.numel()])])
     max_length = int(cu_seqlens.diff().max())
     return PackedSequences(cu_seqlens.to(device=device, dtype=torch.int32), max_length, kernel)
 
 
+def _cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    # On the host: one device-to-host copy of the position ids.
+    starts = sequence_starts(shape, torch.device("cpu"), position_ids=position_ids.cpu())
+    first = torch.nonzero(starts).flatten()
+    return torch.cat([first, first.new_tensor([starts.numel()])])
+
+
+@torch.library.custom_op("surgery::packed_cu_seqlens", mutates_args=())
+def _packed_cu_seqlens_op(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """``PackedSequences.cu_seqlens`` of a (batch, seq) batch, on the position ids' device."""
+    cu_seqlens = _cu_seqlens(position_ids, (batch, seq))
+    return cu_seqlens.to(device=position_ids.device, dtype=torch.int32)
+
+
+@_packed_cu_seqlens_op.register_fake
+def _(position_ids, batch, seq):
+    # documents + 1 entries, at least one document per row (the bound must be a plain int: with
+    # dynamic shapes the batch may not be).
+    least = batch + 1 if isinstance(batch, int) else 2
+    size = torch.library.get_ctx().new_dynamic_size(min=least)
+    return position_ids.new_empty(size, dtype=torch.int32)
+
+
 def varlen_kernel(device: torch.device) -> Callable | None:
     """torch's ``varlen_attn`` when it can run on ``device`` (CUDA, flash attention: sm80+,
-    torch 2.10+), else None."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+    torch 2.10+), else None. torch.compile traces it: the kernel is resolved at import, and the
+    device check runs as a constant of the device (whose tensors' guards hold it)."""
+    if _VARLEN_ATTN is None or device.type != "cuda" or not _flash_capable(device):
         return None
-    return _varlen_attn()
+    return _VARLEN_ATTN
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
+def _flash_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def _varlen_attn() -> Callable | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -158,6 +193,9 @@ def _varlen_attn() -> Callable | None:
     # them to flash attention (which groups the heads itself) without the flag.
     gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
     return functools.partial(varlen_attn, **gqa)
+
+
+_VARLEN_ATTN = _varlen_attn()
 
 
 def varlen_attention(
@@ -294,13 +332,12 @@ def lean_eager_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``eager_attention_forward`` (GQA repeat, scaling, optional softcap, additive
     mask, fp32 softmax), keeping less for the backward (see the module docstring). Without
-    gradients, with attention dropout in training, or under ``torch.compile``, the model's own eager
-    function runs instead."""
-    if (
-        not torch.is_grad_enabled()
-        or (dropout and module.training)
-        or torch.compiler.is_compiling()
-    ):
+    gradients or with attention dropout in training, the model's own eager function runs instead.
+    Under ``torch.compile`` the probabilities are an activation-checkpoint region of their own
+    (``surgery.recompute.compiled_recompute``; the autograd.Function's backward cannot be
+    traced): the compiled graph keeps the tanh output (or the scores) alone, and rebuilds both
+    probability tensors in the backward with one softmax, as the eager backward does."""
+    if not torch.is_grad_enabled() or (dropout and module.training):
         eager = module.__dict__[BINDING_ATTR].eager_attention
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      softcap=softcap, **kwargs)  # fmt: skip
@@ -311,7 +348,11 @@ def lean_eager_attention(
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    probs = _LeanProbabilities.apply(scores, attention_mask, softcap)
+    if recompute.compiling_with_grad():
+        kept = torch.tanh(scores / softcap) if softcap is not None else scores
+        probs = recompute.compiled_recompute(_probabilities, kept, attention_mask, softcap)
+    else:
+        probs = _LeanProbabilities.apply(scores, attention_mask, softcap)
     output = torch.matmul(probs, value).transpose(1, 2).contiguous()
     return output, probs
 

@@ -17,6 +17,7 @@ boolean mask), so the kept positions are the ones the unpatched model keeps.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -199,6 +200,14 @@ def padding_only_behind(
     return bool(right & (real | (targets == ignore_index)).all())
 
 
+def _load_balancing_loss(spec: ArchitectureSpec):
+    # The model's module is imported (its classes built the model): read the function from
+    # sys.modules, which torch.compile traces, rather than through importlib.import_module
+    # (``spec.load_balancing_loss()``), a graph break.
+    module = sys.modules.get(spec.module)
+    return spec.load_balancing_loss() if module is None else module.load_balancing_loss_func
+
+
 @can_return_tuple
 def causal_lm_forward(
     self,
@@ -287,7 +296,6 @@ def _forward(
         and options.rope
         and self.config._attn_implementation == "sdpa"
         and not output_attentions
-        and not torch.compiler.is_compiling()
     ):
         tokens = input_ids if input_ids is not None else inputs_embeds
         packed = packed_sequences(position_ids, tuple(tokens.shape[:2]), tokens.device)
@@ -310,6 +318,9 @@ def _forward(
         and self.config._attn_implementation == "sdpa"
         and not kwargs.get("output_hidden_states", self.config.output_hidden_states)
         and not output_attentions
+        # Not under torch.compile: the verdict is a host read, which a traced graph cannot hold
+        # (torch.cond could choose the kernel at run time, but torch 2.13's tracing then loses
+        # attribute writes made around it: transformers' output collector and KV cache).
         and not torch.compiler.is_compiling()
         and padding_only_behind(
             attention_mask, labels if shift_labels is None else shift_labels, ignore_index
@@ -382,7 +393,7 @@ def _forward(
         )
     aux_loss = None
     if output_router_logits:
-        aux_loss = state.spec.load_balancing_loss()(
+        aux_loss = _load_balancing_loss(state.spec)(
             outputs.router_logits, self.num_experts, self.num_experts_per_tok, router_mask
         )
         if loss is not None:

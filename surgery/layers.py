@@ -47,8 +47,12 @@ def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     style: RMSNormStyle = module.__dict__[NORM_ATTR]
     eps = getattr(module, style.eps_attr)
     weight = module.weight
-    y = rms_norm(x, weight, eps, style.offset, style.casting)  # type: ignore[arg-type]
     plan: RecomputePlan | None = module.__dict__.get(RECOMPUTE_ATTR)
+    if plan is not None and plan.norm_output and recompute.compiling_with_grad():
+        return recompute.compiled_recompute(
+            rms_norm, x, weight, float(eps), float(style.offset), style.casting
+        )
+    y = rms_norm(x, weight, eps, style.offset, style.casting)  # type: ignore[arg-type]
     if (
         plan is not None
         and plan.norm_output
@@ -89,6 +93,15 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     plan: RecomputePlan | None = self.__dict__.get(RECOMPUTE_ATTR)
     if plan is None:
         return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), activation))
+    if recompute.compiling_with_grad():
+        # The compiler's partitioner decides what is kept; the norm that produced x marked its
+        # output for rebuilding itself (see surgery.recompute).
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if plan.mlp_product:
+            product = recompute.compiled_recompute(gated_activation, gate, up, activation)
+        else:
+            product = gated_activation(gate, up, activation)
+        return self.down_proj(product)
     # Saved by the projections: the input (a norm's output, rebuilt if registered) and, for
     # down_proj, the product (rebuilt from gate and up, which gated_activation keeps).
     with recompute.saved_tensor_scope(plan.norm_output):

@@ -35,8 +35,9 @@ class PatchOptions:
       projections after it (q/k/v, gate/up; needs ``rope`` and ``gated_mlp`` respectively, whose
       forwards run those projections); the backward rebuilds it from the norm's input and weight
       (kept anyway) with the forward's kernel: two (tokens x hidden) tensors less per layer.
-      Both are skipped (activations kept as usual) under ``torch.compile``, activation
-      checkpointing and other saved-tensor hooks; see ``surgery.recompute``.
+      Under ``torch.compile`` both rebuild through one-op activation-checkpoint regions (the
+      compiled graph keeps what eager keeps); both are skipped (activations kept as usual) under
+      activation checkpointing and other saved-tensor hooks; see ``surgery.recompute``.
     - ``loss_low_memory``: the fused loss keeps no logits chunk and no gradient from the forward to
       the backward; the backward recomputes the logits in vocabulary slices (a fourth matrix
       product: about 1.4x the loss's time) — ``linear_cross_entropy(low_memory=True)``.
@@ -56,12 +57,14 @@ class PatchOptions:
       token: causal attention never lets a token see positions after it, which is where right
       padding lives, and padding positions carry no loss. Checked on every such forward (one
       device-to-host read of a flag); anything else (left padding, labels on padding, logits or
-      hidden states requested, a KV cache, position ids passed) keeps the mask.
+      hidden states requested, a KV cache, position ids passed) keeps the mask, as does every
+      batch under ``torch.compile`` (the check is a host read a traced graph cannot hold).
     - ``eager_attention_recompute``: with ``rope`` and ``attn_implementation="eager"`` (Gemma 2's
       default), the fp32 attention probabilities are not kept for the backward, which recomputes
       them from the kept half-precision tanh output (or scores) with transformers' own ops:
       gradients bit for bit transformers', 4 bytes per attention score and layer less (2 without
-      a softcap) for one softmax pass more in the backward; see ``surgery.attention``.
+      a softcap) for one softmax pass more in the backward; see ``surgery.attention``. Under
+      ``torch.compile`` too (an activation-checkpoint region).
     - ``varlen_attention``: with ``rope`` and ``attn_implementation="sdpa"`` on a CUDA GPU with
       flash attention (sm80+, torch 2.11+), a packed batch in a training or loss call (position
       ids restarting inside a row, no attention mask, no KV cache) runs its attention through
@@ -69,8 +72,9 @@ class PatchOptions:
       transformers' (batch, 1, seq, seq) block-diagonal mask: the same attention (each document
       sees only itself, causally, within any sliding window), but only the blocks inside documents
       are computed. Document boundaries come from the position ids, as transformers' mask and the
-      loss take them (one device-to-host copy of the position ids per forward). fp32 layers,
-      attention dropout and attention-logit softcaps keep the mask.
+      loss take them (one device-to-host copy of the position ids per forward; under
+      ``torch.compile`` an op computes them at run time, so one graph serves any document count).
+      fp32 layers, attention dropout and attention-logit softcaps keep the mask.
     """
 
     rope: bool = True

@@ -16,12 +16,20 @@ inputs, under the autocast state the output was registered in (the backward may 
 another: autocast is thread-local): the same bits. A rebuilt tensor is shared by every consumer of
 one output (q, k and v unpack one rebuild) and freed with the last of them.
 
-Anything unexpected saves normally: the scope is not opened under ``torch.compile`` (the compiled
-graph decides itself what to keep), when other saved-tensor hooks are active (activation
-checkpointing and CPU offload install theirs: the outer hooks own every saved tensor), or with
-grad mode off; a tensor is only recognised while its producer's output is alive and unmodified
-(same storage, dtype, device and version counter), and only when the producer's inputs are kept by
-autograd anyway (the output requires grad), so a reference never costs more than the tensor.
+Under ``torch.compile`` saved-tensor hooks cannot be traced, and the compiler's partitioner decides
+what the backward keeps: it never recomputes an op it cannot see into (our kernels are
+``torch.library`` ops), so it would keep every norm output and MLP product. There the producer runs
+its kernel inside a one-op activation-checkpoint region instead (``compiled_recompute``), which
+the partitioner honours: the region's output is rebuilt in the backward from its inputs, which
+the kernel's own backward keeps anyway (the norm's input and weight; gate and up). The compiled
+graph then keeps what the eager scope keeps.
+
+Anything unexpected saves normally: the scope is not opened when other saved-tensor hooks are
+active (activation checkpointing and CPU offload install theirs: the outer hooks own every saved
+tensor), or with grad mode off; a tensor is only recognised while its producer's output is alive
+and unmodified (same storage, dtype, device and version counter), and only when the producer's
+inputs are kept by autograd anyway (the output requires grad), so a reference never costs more
+than the tensor.
 Autograd skips its in-place check for hooked saves; the hooks do it themselves.
 """
 
@@ -37,6 +45,8 @@ import torch
 __all__ = [
     "RECOMPUTE_ATTR",
     "RecomputePlan",
+    "compiled_recompute",
+    "compiling_with_grad",
     "recording",
     "register",
     "saved_tensor_scope",
@@ -249,3 +259,26 @@ def register(output: torch.Tensor, fn: Callable, *inputs: torch.Tensor) -> None:
     # entry exists.
     source.output_ref = weakref.ref(output, _forget(key, weakref.ref(source)))
     _SOURCES[key] = source
+
+
+# ---------------------------------------------------------------------------------------------
+# under torch.compile
+
+
+def compiling_with_grad() -> bool:
+    """Whether torch.compile is tracing a forward whose backward it will build (grad mode on)."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
+
+
+def compiled_recompute(fn: Callable, *args):
+    """``fn(*args)`` traced as an activation-checkpoint region of its own, so that the compiler's
+    partitioner rebuilds its output in the backward (from ``args``) instead of keeping it. Call it
+    only where ``compiling_with_grad()``, with ``fn`` deterministic and its tensor arguments kept
+    anyway (by its own backward, or shared, as an attention mask), so that the rebuild keeps
+    nothing more. A DeepSpeed ZeRO-3 parameter among them (released after its module's call)
+    makes it a plain call."""
+    if any(hasattr(t, "ds_id") for t in args):
+        return fn(*args)
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=False
+    )

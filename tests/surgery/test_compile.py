@@ -1,0 +1,409 @@
+"""``torch.compile`` of patched models: every architecture compiles with ``fullgraph=True``
+(``model.compile()`` and ``torch.compile(model)``), trains like the uncompiled patched model,
+compiles once for steps of one shape (whatever the padding or the documents of the batch), and
+rebuilds the activations the uncompiled model rebuilds instead of keeping them.
+
+On CPU the graphs run through AOT autograd with the min-cut partitioner (what inductor partitions
+with) without code generation, and once through inductor itself; the kernels take their PyTorch
+path (tests/models/conftest.py), which is what a CPU user compiles. Every kernel is a
+``torch.library`` op, opaque to the compiler, so the graphs are those the GPU runs with the
+Triton kernels (``gpu``-marked tests at the end).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from transformers import AutoModelForCausalLM
+
+import surgery
+import surgery.attention as attention
+from surgery.kernels import gated_activation, linear_cross_entropy
+from tests.models.tiny import (
+    ARCHS,
+    SPECS,
+    left_padded_batch,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_config,
+    tiny_model,
+    twin,
+)
+from tests.utils import TOLERANCES, assert_close_budget, rel_err
+
+LENGTHS = [9, 6, 3]  # longer than the tiny configs' sliding window (5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class GraphRecorder:
+    """A torch.compile backend: AOT autograd with the min-cut partitioner (inductor's), the
+    graphs run as traced. Counts the frames it compiles and keeps every forward and backward
+    graph."""
+
+    def __init__(self):
+        self.frames = 0
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+
+        def keep(graphs):
+            def compiler(gm, example_inputs):
+                graphs.append(gm)
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        self._aot = aot_autograd(
+            fw_compiler=keep(self.forward),
+            bw_compiler=keep(self.backward),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+    def __call__(self, gm, example_inputs):
+        self.frames += 1
+        return self._aot(gm, example_inputs)
+
+    def ops(self, graphs) -> list[str]:
+        return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+    def saved_bytes(self) -> int:
+        """Bytes the last backward graph receives from its forward (activations and parameters
+        it reads; the upstream gradients excluded)."""
+        total = 0
+        for node in self.backward[-1].graph.nodes:
+            val = node.meta.get("val")
+            is_tensor = node.op == "placeholder" and isinstance(val, torch.Tensor)
+            if is_tensor and not node.name.startswith("tangents"):
+                total += val.numel() * val.element_size()
+        return total
+
+
+def unwrap(grads: dict) -> dict:
+    """Parameter names of a ``torch.compile(model)`` wrapper without its ``_orig_mod.`` prefix."""
+    return {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+
+
+def assert_same_step(got, want, dtype=torch.float32):
+    (loss, grads), (want_loss, want_grads) = got, want
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(loss, want_loss, rtol=tol["rtol"], atol=tol["atol"])
+    grads = unwrap(grads)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(
+            grads[name], g, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def transformers_hooks_installed(model, batch: dict) -> None:
+    """transformers installs its output-capturing hooks (MoE router logits) on the first call,
+    under a lock torch.compile cannot trace: fullgraph fails there patched or not, so MoE models
+    make that call eagerly first."""
+    if SPECS[model.config.model_type].router_aux_loss:
+        with torch.no_grad():
+            model(**batch)
+
+
+def dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+    """``varlen_attn``'s signature in fp32 from dense masks, traceable (no host reads), for CPU:
+    each document attends causally (within the window) to itself; ``max_q`` may be any upper
+    bound."""
+    left, right = window_size
+    idx = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype)
+    doc = torch.searchsorted(cu_q[1:].contiguous(), idx, right=True)
+    allowed = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None] + right)
+    if left >= 0:
+        allowed &= idx[None, :] >= idx[:, None] - left
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+    kf, vf = kf.repeat_interleave(groups, 0), vf.repeat_interleave(groups, 0)
+    probs = ((qf @ kf.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (probs @ vf).transpose(0, 1).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# every architecture
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_steps_match_and_compile_once(arch):
+    """``model.compile(fullgraph=True)``: three steps on batches of one shape (right padding,
+    left padding, right padding with every padding position trained), each within fp32's budget
+    of the uncompiled patched model, one frame compiled; the backward rebuilds norm outputs and
+    MLP products (their kernels run again there) instead of keeping them."""
+    model = surgery.patch(tiny_model(arch).train())
+    eager = twin(model)
+    seqs = sequences(LENGTHS)
+    right, left = padded_batch(seqs), left_padded_batch(seqs)
+    trained_pads = padded_batch(seqs)
+    trained_pads.labels = trained_pads.input_ids.clone()
+    transformers_hooks_installed(model, right.kwargs())
+    recorder = GraphRecorder()
+    model.compile(backend=recorder, fullgraph=True)
+    for batch in (right, left, trained_pads):
+        got = loss_and_grads(model, **batch.kwargs())
+        assert_same_step(got, loss_and_grads(eager, **batch.kwargs()))
+    assert recorder.frames == 1
+    backward = recorder.ops(recorder.backward)
+    assert backward.count("surgery.rms_norm_fwd.default") >= 2  # the layers' input norms
+    assert "surgery.gated_activation_fwd.default" in backward
+
+
+# ---------------------------------------------------------------------------------------------
+# packed batches, causal right padding, what is kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_packed_fp32_compiled_matches(arch):
+    """``torch.compile(model, fullgraph=True)`` on packed rows in fp32 (masked sdpa: varlen
+    serves half precision): documents of other lengths in the same shape compile nothing new."""
+    model = surgery.patch(tiny_model(arch).train())
+    eager = twin(model)
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=recorder, fullgraph=True)
+    for lengths in (LENGTHS, [4, 4, 4, 6]):
+        batch = packed_batch(sequences(lengths)).kwargs()
+        assert_same_step(loss_and_grads(compiled, **batch), loss_and_grads(eager, **batch))
+    assert recorder.frames == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_packed_bf16_compiled_runs_varlen_exactly(arch, monkeypatch):
+    """``varlen_attention`` under compile: the document boundaries come from an op at run time
+    (their count is an unbacked size), the row length stands for the longest document; with a
+    traceable reference kernel, the compiled step equals the uncompiled one bit for bit, and
+    batches of other document counts compile nothing new."""
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device: dense_varlen)
+    model = surgery.patch(tiny_model(arch, dtype=torch.bfloat16).train())
+    eager = twin(model)
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=recorder, fullgraph=True)
+    for lengths in (LENGTHS, [4, 4, 4, 6], [2, 2, 2, 2, 2, 2, 2, 2, 2]):
+        batch = packed_batch(sequences(lengths)).kwargs()
+        loss, grads = loss_and_grads(compiled, **batch)
+        want_loss, want_grads = loss_and_grads(eager, **batch)
+        assert torch.equal(loss, want_loss)
+        for name, g in unwrap(grads).items():
+            assert torch.equal(g, want_grads[name]), name
+    assert recorder.frames == 1
+    assert "surgery.packed_cu_seqlens.default" in recorder.ops(recorder.forward)
+
+
+def test_packed_cu_seqlens_op():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [4, 5, 0, 1, 2, 3]])
+    cu = torch.ops.surgery.packed_cu_seqlens(pos, 2, 6)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 8, 12]
+    one_row = torch.ops.surgery.packed_cu_seqlens(torch.tensor([[0, 1, 0, 1]]), 2, 4)
+    assert one_row.tolist() == [0, 2, 4, 6, 8]  # (1, T) position ids shared by every row
+
+
+def test_compiled_graph_keeps_no_rebuilt_activation():
+    """The compiled step keeps less than it does with the recompute options off: the norm
+    outputs (two per layer, hidden wide) and the MLP product (intermediate wide)."""
+    batch = padded_batch(sequences(LENGTHS))
+    saved = {}
+    for name, options in (("rebuilt", {}), ("kept", surgery_keep_options())):
+        torch._dynamo.reset()
+        model = surgery.patch(tiny_model("llama").train(), **options)
+        recorder = GraphRecorder()
+        model.compile(backend=recorder, fullgraph=True)
+        loss_and_grads(model, **batch.kwargs())
+        saved[name] = recorder.saved_bytes()
+    config = model.config
+    tokens = batch.input_ids.numel()
+    per_layer = tokens * (2 * config.hidden_size + config.intermediate_size) * 4
+    assert saved["kept"] - saved["rebuilt"] >= config.num_hidden_layers * per_layer
+
+
+def test_compiled_eager_attention_keeps_no_probabilities():
+    """Gemma 2's eager attention (``eager_attention_recompute``) under compile: of the
+    (batch, heads, seq, seq) tensors the backward gets, only the tanh output per layer, no fp32
+    or half-precision probabilities."""
+    model = surgery.patch(tiny_model("gemma2", dtype=torch.bfloat16).train())
+    eager = twin(model)
+    recorder = GraphRecorder()
+    model.compile(backend=recorder, fullgraph=True)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    assert_same_step(loss_and_grads(model, **batch), loss_and_grads(eager, **batch), torch.bfloat16)
+    squares = [
+        node.meta["val"]
+        for node in recorder.backward[-1].graph.nodes
+        if node.op == "placeholder"
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and node.meta["val"].dim() == 4
+        and node.meta["val"].shape[-1] == node.meta["val"].shape[-2] > 1
+        and node.meta["val"].shape[1] > 1  # heads: not the (batch, 1, seq, seq) mask
+    ]
+    assert len(squares) == model.config.num_hidden_layers
+    assert all(t.dtype == torch.bfloat16 for t in squares)
+
+
+def surgery_keep_options() -> dict:
+    return {"recompute_mlp_product": False, "recompute_norm_output": False}
+
+
+def test_inductor_step_matches():
+    """inductor itself (C++ on CPU), one layer: two steps within fp32's budget, one frame."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", num_hidden_layers=1), attn_implementation="sdpa"
+    )
+    model = surgery.patch(model.train())
+    eager = twin(model)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    for _ in range(2):
+        assert_same_step(loss_and_grads(compiled, **batch), loss_and_grads(eager, **batch))
+    assert counter.frame_count == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels on their PyTorch path (CPU without the interpreter)
+
+
+def test_gated_activation_pytorch_path_compiles_with_its_backward():
+    """The fallback backward differentiates act(gate) without torch.autograd inside the op: the
+    op runs below autograd there (what a compiled graph runs), where autograd.grad finds no
+    graph."""
+    gate = (torch.randn(3, 5, 40) * 3).requires_grad_()
+    up = torch.randn(3, 5, 40).requires_grad_()
+    for activation in ("silu", "gelu_tanh"):
+        fn = torch.compile(
+            functools.partial(gated_activation, activation=activation),
+            fullgraph=True,
+            backend="aot_eager",
+        )
+        got = fn(gate, up)
+        want = gated_activation(gate, up, activation)
+        assert torch.equal(got, want)
+        dout = torch.randn_like(want)
+        for a, b in zip(
+            torch.autograd.grad(got, (gate, up), dout), torch.autograd.grad(want, (gate, up), dout)
+        ):
+            assert torch.equal(a, b)
+
+
+def test_compiled_loss_reports_a_bad_label_on_cpu():
+    """On CPU a label outside [0, V) raises, compiled or not (the check runs inside an op at run
+    time: a data-dependent raise cannot be traced)."""
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, 77, 4, -100])
+    fn = torch.compile(
+        lambda x, w, y: linear_cross_entropy(x, w, y).loss, fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(ValueError, match="label 77 is outside"):
+        linear_cross_entropy(x, w, labels)
+    with pytest.raises(ValueError, match="label 77 is outside"):
+        fn(x, w, labels)
+    good = labels.clamp(-100, 49)
+    torch.testing.assert_close(fn(x, w, good), linear_cross_entropy(x, w, good).loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: inductor and the Triton kernels, bf16, real flash / varlen kernels.
+
+GPU_VOCAB = 32_000
+GPU_LENGTHS = [301, 200, 57]
+
+
+def gpu_model(arch: str, dtype=torch.bfloat16):
+    from tests.surgery.test_gpu import gpu_model as build
+
+    return build(arch, dtype=dtype)
+
+
+def gpu_batch(kind: str, lengths=GPU_LENGTHS):
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(1, GPU_VOCAB, (n,), generator=g) for n in lengths]
+    return (packed_batch(seqs) if kind == "packed" else padded_batch(seqs)).to("cuda").kwargs()
+
+
+def gpu_step(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    return out.loss.detach().float(), grads
+
+
+class InductorRecorder:
+    """inductor, counting frames and keeping each Dynamo graph (before AOT autograd)."""
+
+    def __init__(self):
+        from torch._inductor.compile_fx import compile_fx
+
+        self._compile_fx = compile_fx
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return self._compile_fx(gm, example_inputs)
+
+    def calls(self, name: str) -> int:
+        return sum(name in str(n.target) for gm in self.graphs for n in gm.graph.nodes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_compiled_bf16_within_budget_and_compiled_once(arch, kind):
+    """inductor, bf16: three steps on one shape (the packed ones with other documents), each
+    within the budget of the uncompiled patched step against fp32, one frame; packed sdpa
+    models run torch's varlen kernel in the graph."""
+    fp32 = gpu_model(arch, torch.float32)
+    patched = surgery.patch(copy.deepcopy(fp32).to(torch.bfloat16))
+    compiled_model = copy.deepcopy(patched)
+    first = gpu_batch(kind)
+    transformers_hooks_installed(compiled_model, first)
+    recorder = InductorRecorder()
+    compiled_model.compile(backend=recorder, fullgraph=True)
+    for lengths in (GPU_LENGTHS, GPU_LENGTHS, [100, 300, 158]):
+        batch = gpu_batch(kind, lengths)
+        want = gpu_step(fp32, {**batch, "use_cache": False})
+        eager = gpu_step(patched, batch)
+        got = gpu_step(compiled_model, batch)
+        for i, what in enumerate(("loss", "grads")):
+            assert_close_budget(got[i], want[i], eager[i], torch.bfloat16, what=f"{arch} {what}")
+            assert rel_err(got[i], eager[i]) < TOLERANCES[torch.bfloat16]["rtol"], what
+    assert len(recorder.graphs) == 1
+    if kind == "packed" and compiled_model.config._attn_implementation == "sdpa":
+        assert recorder.calls("varlen") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_gpu_compiled_memory_no_more_than_eager(kind):
+    """Peak memory of a compiled training step (forward + backward) is no more than the
+    uncompiled patched step's (activations rebuilt under compile too; 5% for allocator slack)."""
+    config_model = gpu_model("llama")
+    batch = gpu_batch(kind, [1500, 1200, 1396])
+
+    def peak(model):
+        for _ in range(2):  # the second step: compiled, workspaces allocated
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            model(**batch).loss.backward()
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    eager = surgery.patch(copy.deepcopy(config_model))
+    compiled = surgery.patch(copy.deepcopy(config_model))
+    compiled.compile(fullgraph=True)
+    assert peak(compiled) <= 1.05 * peak(eager)
