@@ -12,6 +12,7 @@ whole table of bugs against it, and the test suite requires every bug to fail in
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import types
 from collections.abc import Callable
@@ -276,6 +277,10 @@ def run_controls(
             "caught": bool(caught), "caught_by": caught, "correct_fake_failed": correct[cfg],
             "seconds": time.perf_counter() - t0,
         })  # fmt: skip
+        del record
+        # The sides' models hold themselves through their bound forwards (a reference cycle):
+        # free them now, or a full-size table runs out of GPU memory.
+        gc.collect()
         names = sorted({c["name"] for c in caught})
         say(
             f"{control.name:36} "
