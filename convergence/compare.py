@@ -120,6 +120,11 @@ TOLERANCES: dict[str, Tolerance] = {
 # z-loss is small: measured up to 1.7e-4 at scale 1e-4 and 2e-6 at 1e-2 (tiny, probes, the real
 # patch through the interpreter); a 1% error in the z-loss gradient is 1e-2.
 Z_GRAD = 1e-3
+# The probes' gradients (fp32, same weights, every step). Past step 0 the weights have trained and
+# fp32's summation-order noise between two correct forwards grows a little: measured up to 1.6e-5
+# (the bug-free imitation, Gemma 2 full size, packed, H100; 2-4e-7 tiny); the smallest planted
+# gradient bug (1% scale) is 1e-2.
+PROBE_GRAD = 3e-5
 
 
 @dataclass(frozen=True)
@@ -227,7 +232,7 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
             fp32 = TOLERANCES["fp32"]
             pm = steps[f"{probe}~{record['probes'][probe]['partner']}"]
             limits = {"loss": fp32.same_weights_loss, "z_loss": fp32.same_weights_loss}
-            limits.update(dict.fromkeys(GRADS, fp32.grad_step0), z_grad=Z_GRAD)
+            limits.update(dict.fromkeys(GRADS, PROBE_GRAD), z_grad=Z_GRAD)
             for key, limit in limits.items():
                 if key.startswith("z_") and not (z_on and pm[key]):
                     continue
