@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,11 +31,10 @@ __all__ = ["BUGS", "Bug", "fake_patch"]
 @dataclass(frozen=True)
 class Bug:
     """A planted bug and the run that exposes it: the loss options and layouts it needs (a bug
-    in packing needs packed rows, a z-loss bug a z-loss)."""
+    in packing needs packed rows). Every control runs with a z-loss (``Z_SCALES``)."""
 
     description: str
     reduction: str = "mean"
-    z_loss: bool = False
     label_smoothing: float = 0.0
     layouts: tuple[str, ...] = ("padded", "packed")
     model: str = "llama"
@@ -47,9 +47,9 @@ class Bug:
 
 
 BUGS: dict[str, Bug] = {
-    "z_grad": Bug("z-loss gradient 1% too large", z_loss=True),
-    "z_scale_partial": Bug("trained loss carries 0.9 of the z-loss (returned whole)", z_loss=True),
-    "z_loss_not_trained": Bug("z-loss returned but its gradient dropped", z_loss=True),
+    "z_grad": Bug("z-loss gradient 1% too large"),
+    "z_scale_partial": Bug("trained loss carries 0.9 of the z-loss (returned whole)"),
+    "z_loss_not_trained": Bug("z-loss returned but its gradient dropped"),
     "ls_dropped": Bug("label smoothing 0.1 asked, none applied", label_smoothing=0.1),
     "ls_unasked": Bug("label smoothing 0.05 applied when none asked"),
     "shift_extra": Bug("labels shifted one position too many"),
@@ -255,8 +255,6 @@ def run_controls(
     must pass each run's config and the planted bug must fail it. Returns a json-able summary
     (``"passed"``: every bug caught, every correct run passed) with the checks that caught each
     bug."""
-    import time
-
     from .compare import evaluate
     from .train import train_and_compare
 
