@@ -63,6 +63,7 @@ from surgery.kernels.reduction import sequence_starts
 from surgery.models import ArchitectureSpec
 
 from . import recompute
+from .compiling import host_read
 from .recompute import RECOMPUTE_ATTR
 
 __all__ = [
@@ -115,7 +116,10 @@ class PackedSequences:
 
 
 def packed_sequences(
-    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device
+    position_ids: torch.Tensor,
+    shape: tuple[int, int],
+    device: torch.device,
+    read_on_host: bool = True,
 ) -> PackedSequences | None:
     """``PackedSequences`` of a (batch, seq) batch on ``device`` from its position ids, or None
     when every row holds one document (causal attention over the row is then already exact) or
@@ -125,16 +129,21 @@ def packed_sequences(
     (``pos[t] != pos[t - 1] + 1``): transformers' rule for its packed mask, and the loss's
     (``surgery.kernels.reduction.sequence_starts``). Labels play no part: a run of ignored labels
     (a masked prompt) is not a boundary. One device-to-host copy of the position ids.
+
+    Under ``torch.compile`` the row length stands for the longest document (flash attention only
+    sizes its grid from it: an upper bound is exact, blocks past a document's end return at once),
+    so no graph depends on it, and the boundaries are read (see ``surgery.compiling``):
+    ``read_on_host`` (graph breaks allowed): on the host, as one graph break, their count a dynamic
+    size of the rest of the forward; otherwise from an op at run time (their count an unbacked
+    size) and every row is taken as packed (varlen over rows of one document each is exact too).
     """
     kernel = varlen_kernel(device)
     if kernel is None:
         return None
     if torch.compiler.is_compiling():
-        # A traced graph holds no host read: the boundaries come from an op at run time (their
-        # count is data-dependent, an unbacked size to the compiler), every row is taken as
-        # packed (varlen over rows of one document each is exact too), and the row length
-        # stands for the longest document: flash attention only sizes its grid from it (an upper
-        # bound is exact; blocks past a document's end return at once).
+        if read_on_host:
+            cu_seqlens = _read_cu_seqlens(position_ids, shape, device)
+            return None if cu_seqlens is None else PackedSequences(cu_seqlens, shape[1], kernel)
         cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
         return PackedSequences(cu_seqlens, shape[1], kernel)
     cu_seqlens = _cu_seqlens(position_ids, shape)
@@ -142,6 +151,20 @@ def packed_sequences(
         return None
     max_length = int(cu_seqlens.diff().max())
     return PackedSequences(cu_seqlens.to(device=device, dtype=torch.int32), max_length, kernel)
+
+
+@host_read
+def _read_cu_seqlens(
+    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device
+) -> torch.Tensor | None:
+    # Eager inside a compiled forward; the count of documents is marked dynamic, so that batches
+    # with other counts reuse the graph compiled after this read.
+    cu_seqlens = _cu_seqlens(position_ids, shape)
+    if cu_seqlens.numel() == shape[0] + 1:
+        return None
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    return cu_seqlens
 
 
 def _cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from surgery.kernels import cross_entropy, linear_cross_entropy
 from surgery.models import ArchitectureSpec
 
 from .attention import PACKED_KWARG, packed_sequences
+from .compiling import graph_break_allowed, host_read
 from .options import PatchOptions
 from .swap import apply_swaps, is_swapped, plan_swap
 
@@ -200,6 +201,9 @@ def padding_only_behind(
     return bool(right & (real | (targets == ignore_index)).all())
 
 
+_padding_only_behind = host_read(padding_only_behind)
+
+
 def _load_balancing_loss(spec: ArchitectureSpec):
     # The model's module is imported (its classes built the model): read the function from
     # sys.modules, which torch.compile traces, rather than through importlib.import_module
@@ -290,15 +294,13 @@ def _forward(
     if packed_step:
         use_cache = False
     output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-    if (
-        packed_step
-        and options.varlen_attention
-        and options.rope
-        and self.config._attn_implementation == "sdpa"
-        and not output_attentions
-    ):
+    sdpa = self.config._attn_implementation == "sdpa"
+    # Both shortcuts below read the batch on the host; under torch.compile that is one graph
+    # break before the model, taken only where the caller allows breaks (surgery.compiling).
+    host_reads = not torch.compiler.is_compiling() or graph_break_allowed()
+    if packed_step and options.varlen_attention and options.rope and sdpa and not output_attentions:
         tokens = input_ids if input_ids is not None else inputs_embeds
-        packed = packed_sequences(position_ids, tuple(tokens.shape[:2]), tokens.device)
+        packed = packed_sequences(position_ids, tuple(tokens.shape[:2]), tokens.device, host_reads)
         if packed is not None:  # see PatchOptions.varlen_attention
             kwargs[PACKED_KWARG] = packed
 
@@ -315,14 +317,11 @@ def _forward(
         and attention_mask is not None
         and past_key_values is None
         and position_ids is None
-        and self.config._attn_implementation == "sdpa"
+        and sdpa
         and not kwargs.get("output_hidden_states", self.config.output_hidden_states)
         and not output_attentions
-        # Not under torch.compile: the verdict is a host read, which a traced graph cannot hold
-        # (torch.cond could choose the kernel at run time, but torch 2.13's tracing then loses
-        # attribute writes made around it: transformers' output collector and KV cache).
-        and not torch.compiler.is_compiling()
-        and padding_only_behind(
+        and host_reads
+        and _padding_only_behind(
             attention_mask, labels if shift_labels is None else shift_labels, ignore_index
         )
     ):

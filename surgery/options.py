@@ -57,8 +57,10 @@ class PatchOptions:
       token: causal attention never lets a token see positions after it, which is where right
       padding lives, and padding positions carry no loss. Checked on every such forward (one
       device-to-host read of a flag); anything else (left padding, labels on padding, logits or
-      hidden states requested, a KV cache, position ids passed) keeps the mask, as does every
-      batch under ``torch.compile`` (the check is a host read a traced graph cannot hold).
+      hidden states requested, a KV cache, position ids passed) keeps the mask. Under
+      ``torch.compile`` the check is one deliberate graph break before the model (a graph per
+      verdict, each compiled once); with ``fullgraph=True``, where no break is allowed, padded
+      batches keep their mask (see ``surgery.compiling``).
     - ``eager_attention_recompute``: with ``rope`` and ``attn_implementation="eager"`` (Gemma 2's
       default), the fp32 attention probabilities are not kept for the backward, which recomputes
       them from the kept half-precision tanh output (or scores) with transformers' own ops:
@@ -73,7 +75,8 @@ class PatchOptions:
       sees only itself, causally, within any sliding window), but only the blocks inside documents
       are computed. Document boundaries come from the position ids, as transformers' mask and the
       loss take them (one device-to-host copy of the position ids per forward; under
-      ``torch.compile`` an op computes them at run time, so one graph serves any document count).
+      ``torch.compile`` that copy is one graph break before the model, or with ``fullgraph=True``
+      an op at run time; either way one graph serves any document count).
       fp32 layers, attention dropout and attention-logit softcaps keep the mask.
     """
 

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 import surgery
 import surgery.attention as attention
+from surgery.compiling import graph_break_allowed
 from surgery.kernels import gated_activation, linear_cross_entropy
 from tests.models.tiny import (
     ARCHS,
@@ -202,6 +203,88 @@ def test_packed_bf16_compiled_runs_varlen_exactly(arch, monkeypatch):
     assert "surgery.packed_cu_seqlens.default" in recorder.ops(recorder.forward)
 
 
+# ---------------------------------------------------------------------------------------------
+# graph breaks allowed (model.compile() and torch.compile(model) by default): the host reads
+
+
+def test_graph_break_allowed_reads_the_compile_mode():
+    """True while tracing with graph breaks allowed; False with ``fullgraph=True`` (and
+    eagerly, where the caller does not ask)."""
+
+    def fn(x):
+        allowed = torch.compiler.is_compiling() and graph_break_allowed()
+        return x + (1 if allowed else 0)
+
+    x = torch.zeros(2)
+    assert fn(x).tolist() == [0, 0]
+    assert torch.compile(fn, backend="eager")(x).tolist() == [1, 1]
+    torch._dynamo.reset()
+    assert torch.compile(fn, backend="eager", fullgraph=True)(x).tolist() == [0, 0]
+
+
+class DynamoRecorder:
+    """The eager backend, keeping each Dynamo graph."""
+
+    def __init__(self):
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def sdpa_masks(self, graph: int) -> list[bool]:
+        """For each sdpa call of graph ``graph``: whether it gets a mask."""
+        return [
+            node.kwargs.get("attn_mask") is not None
+            for node in self.graphs[graph].graph.nodes
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
+        ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])  # no sliding window: no mask at all
+def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch):
+    """``model.compile()`` without ``fullgraph``: a right-padded batch whose padding is not
+    trained runs unmasked causal attention, as the uncompiled patched model does (one graph break
+    before the model reads the mask); a left-padded one keeps its mask in a second graph; more
+    batches of either kind compile nothing new. Each step equals the uncompiled one."""
+    model = surgery.patch(tiny_model(arch).train())
+    eager = twin(model)
+    seqs = sequences(LENGTHS)
+    right, left = padded_batch(seqs), left_padded_batch(seqs)
+    transformers_hooks_installed(model, right.kwargs())
+    recorder = DynamoRecorder()
+    model.compile(backend=recorder)
+    for batch in (right, left, right, left):
+        got = loss_and_grads(model, **batch.kwargs())
+        assert_same_step(got, loss_and_grads(eager, **batch.kwargs()))
+    assert len(recorder.graphs) == 2
+    layers = model.config.num_hidden_layers
+    assert recorder.sdpa_masks(0) == [False] * layers
+    assert recorder.sdpa_masks(1) == [True] * layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_default_compile_reads_packed_documents_once_per_shape(arch, monkeypatch):
+    """``torch.compile(model)`` without ``fullgraph`` on packed bf16 rows: the documents are read
+    on the host (one graph break) and their count is a dynamic size, so batches with other
+    counts compile nothing new; each step equals the uncompiled one bit for bit."""
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device: dense_varlen)
+    model = surgery.patch(tiny_model(arch, dtype=torch.bfloat16).train())
+    eager = twin(model)
+    recorder = DynamoRecorder()
+    compiled = torch.compile(model, backend=recorder)
+    for lengths in (LENGTHS, [4, 4, 4, 6], [2, 2, 2, 2, 2, 2, 2, 2, 2]):
+        batch = packed_batch(sequences(lengths)).kwargs()
+        loss, grads = loss_and_grads(compiled, **batch)
+        want_loss, want_grads = loss_and_grads(eager, **batch)
+        assert torch.equal(loss, want_loss)
+        for name, g in unwrap(grads).items():
+            assert torch.equal(g, want_grads[name]), name
+    assert len(recorder.graphs) == 1
+    # dense_varlen, traced into the graph, places each token in its document with searchsorted
+    assert any("searchsorted" in str(n.target) for n in recorder.graphs[0].graph.nodes)
+
+
 def test_packed_cu_seqlens_op():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [4, 5, 0, 1, 2, 3]])
     cu = torch.ops.surgery.packed_cu_seqlens(pos, 2, 6)
@@ -319,6 +402,7 @@ def test_compiled_loss_reports_a_bad_label_on_cpu():
 
 GPU_VOCAB = 32_000
 GPU_LENGTHS = [301, 200, 57]
+OTHER_GPU_LENGTHS = [100, 301, 157]  # the same padded shape, other padding and documents
 
 
 def gpu_model(arch: str, dtype=torch.bfloat16):
@@ -372,7 +456,7 @@ def test_gpu_compiled_bf16_within_budget_and_compiled_once(arch, kind):
     transformers_hooks_installed(compiled_model, first)
     recorder = InductorRecorder()
     compiled_model.compile(backend=recorder, fullgraph=True)
-    for lengths in (GPU_LENGTHS, GPU_LENGTHS, [100, 300, 158]):
+    for lengths in (GPU_LENGTHS, GPU_LENGTHS, OTHER_GPU_LENGTHS):
         batch = gpu_batch(kind, lengths)
         want = gpu_step(fp32, {**batch, "use_cache": False})
         eager = gpu_step(patched, batch)
