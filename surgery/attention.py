@@ -101,6 +101,11 @@ SHARED_MASK_ATTR = "_surgery_shared_mask"
 PACKED_KWARG = "surgery_packed_sequences"
 """The keyword argument that carries ``PackedSequences`` from the causal-LM forward through the
 base model and its decoder layers (which pass their keyword arguments on) to the attention."""
+CAUSAL_KWARG = "surgery_causal"
+"""The keyword argument, passed the same way, saying the causal-LM forward dropped the padding mask
+(``PatchOptions.causal_right_padding``): layers without a sliding window then run sdpa causal and
+unmasked whatever mask the base model built (transformers builds a plain causal mask under
+``torch.compile`` before torch 2.14 instead of letting sdpa's ``is_causal`` take it)."""
 
 
 @dataclass(frozen=True)
@@ -443,6 +448,8 @@ def attention_forward(
     dropout = self.attention_dropout if self.training else 0.0
     extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
     packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
+    if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None:
+        attention_mask = None
     if (
         packed is not None
         and query.dtype in (torch.float16, torch.bfloat16)

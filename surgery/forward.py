@@ -29,7 +29,7 @@ from transformers.utils.generic import can_return_tuple
 from surgery.kernels import cross_entropy, linear_cross_entropy
 from surgery.models import ArchitectureSpec
 
-from .attention import PACKED_KWARG, packed_sequences
+from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .compiling import graph_break_allowed, host_read
 from .options import PatchOptions
 from .swap import apply_swaps, is_swapped, plan_swap
@@ -326,6 +326,7 @@ def _forward(
         )
     ):
         attention_mask = None  # see PatchOptions.causal_right_padding
+        kwargs[CAUSAL_KWARG] = True
 
     outputs = self.model(
         input_ids=input_ids,
