@@ -349,7 +349,7 @@ def worker(job: dict[str, Any]) -> None:
         return
 
     scenarios = []
-    for kind, batch in SMOKE_SCENARIOS if smoke else SCENARIOS:
+    for kind, batch in SMOKE_SCENARIOS if smoke else job["scenarios"]:
         if job["quick"] and batch == 4:
             continue
         name = f"{kind} {batch}x{seq}"
@@ -769,6 +769,12 @@ def parse_args(argv=None):
         f" {COMPILED} (the contender, then model.compile())",
     )
     p.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps, skip batch 4")
+    p.add_argument(
+        "--scenarios",
+        type=lambda s: s.split(","),
+        default=[f"{kind}{batch}" for kind, batch in SCENARIOS],
+        help="comma list of the scenarios to run, e.g. padded2,packed2 (default: all)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per scenario (+1 first)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per scenario")
     p.add_argument(
@@ -858,6 +864,9 @@ def main(argv=None) -> int:
         "out": str(out_dir),
         "compile_backend": args.compile_backend,
         "skip_max_seq": args.skip_max_seq,
+        "scenarios": [
+            [kind, batch] for kind, batch in SCENARIOS if f"{kind}{batch}" in args.scenarios
+        ],
     }
     print(
         f"train_step: models {models}, contenders {contenders}, {warmup}+1 warm-up and {steps}"
