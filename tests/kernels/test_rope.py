@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import surgery.kernels.rope as rope_mod
+import surgery.kernels.rope.api as rope_api
+import surgery.kernels.rope.launch as rope_launch
 from surgery.kernels import apply_rope, apply_rope_reference, apply_rotary_pos_emb
 from surgery.kernels.rope import DEFAULT_LAUNCH, RopeLaunch, rope_bwd, rope_cos_sin_fwd, rope_fwd
 from tests.utils import DEVICE, assert_close_budget, poisoned_empty, rel_err
@@ -549,8 +550,12 @@ def test_pytorch_fallback_without_interpreter(monkeypatch):
     pos = random_positions(c, device="cpu")
     rd = c.rotary_dim
     inv = default_inv_freq(rd, device="cpu")
-    monkeypatch.setattr(rope_mod, "rope_fwd_kernel", None)  # must not be reached
-    monkeypatch.setattr(rope_mod, "rope_cos_sin_kernel", None)
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched without the interpreter")
+
+    monkeypatch.setattr(rope_launch, "_launch_rope", launched)
+    monkeypatch.setattr(rope_launch, "_launch_cos_sin", launched)
     aq, ak = apply_rope(q, k, pos, inv, 1.0, rd)
     q64, k64, (rq, rk) = reference64(q, k, pos, inv, 1.0, rd)
     cos, sin = eager_cos_sin(pos, inv, 1.0, c.dtype)
@@ -613,7 +618,7 @@ def test_bad_inputs_raise_before_launch(name, monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("launched before validating")
 
-    monkeypatch.setattr(rope_mod, "_rope", launched)
+    monkeypatch.setattr(rope_api, "_rope", launched)
     args, exc, match = BAD_INPUTS[name]
     with pytest.raises(exc, match=match):
         apply_rope(**args)
@@ -651,7 +656,7 @@ def test_bad_cos_sin_raise_before_launch(name, monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("launched before validating")
 
-    monkeypatch.setattr(rope_mod, "_rope_cos_sin", launched)
+    monkeypatch.setattr(rope_api, "_rope_cos_sin", launched)
     over, exc, match = BAD_COS_SIN[name]
     args = {
         "q": torch.randn(2, 4, 5, 16),
