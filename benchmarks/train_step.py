@@ -122,6 +122,49 @@ MODELS: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": True,
         },
     },
+    # A Qwen3-30B-A3B-shaped mixture of experts, 8 of its 48 layers: 64 experts, 8 per token,
+    # expert width 768; the router's aux loss trained (as fine-tuning recipes keep it).
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "attn": "sdpa",
+        "config": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 8,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.001,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+        },
+    },
+    # A Qwen3.5-shaped hybrid: three Gated DeltaNet layers to one gated full-attention layer (the
+    # config's default pattern), 16 layers at hidden 2048, Qwen3.5's vocabulary.
+    "qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "attn": "sdpa",
+        "config": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "intermediate_size": 6144,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 248320,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+        },
+    },
 }
 SMOKE_CONFIG = {
     "hidden_size": 64,
@@ -136,7 +179,8 @@ SMOKE_GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6
 CONTENDERS = ["unpatched", "surgery", "liger"]
 # liger_rope_flce: Liger with only RoPE and the fused loss, the same kernels surgery swaps.
 # surgery_masked: surgery with causal_right_padding=False (padded batches keep their mask).
-EXTRA_CONTENDERS = ["liger_rope_flce", "surgery_masked"]
+# unpatched_grouped_mm: transformers with grouped_mm experts asked for (MoE models).
+EXTRA_CONTENDERS = ["liger_rope_flce", "surgery_masked", "unpatched_grouped_mm"]
 # Any contender followed by model.compile().
 COMPILED = "_compiled"
 
@@ -222,6 +266,13 @@ def apply_contender(model, contender: str) -> dict[str, Any]:
     """Patch ``model`` in place for ``contender``; returns which kernels are on."""
     if contender == "unpatched":
         return {}
+    if contender == "unpatched_grouped_mm":
+        # transformers with its grouped_mm experts asked for explicitly (its default where the
+        # GPU and torch can dispatch it, else the eager loop).
+        if not hasattr(model, "set_experts_implementation"):
+            raise Unavailable("this transformers has no experts implementations")
+        model.set_experts_implementation("grouped_mm")
+        return {"experts_implementation": "grouped_mm"}
     if contender in ("surgery", "surgery_masked"):
         surgery = import_surgery()
         if not hasattr(surgery, "patch"):

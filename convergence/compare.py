@@ -1,7 +1,7 @@
 """Verdicts: the tolerance table, the checks a run must pass, the printed table, png and json.
 
 Every measure is a relative error: ‖x − x_ref‖ / ‖x_ref‖ for tensors, |x − x_ref| / |x_ref| for
-losses. Four kinds of check:
+losses. Five kinds of check:
 
 1. Direct, patched against the reference: the loss and z-loss at every step, each step t within
    the dtype's tolerance plus ``drift_factor`` times the unpatched run's largest distance from the
@@ -40,6 +40,14 @@ losses. Four kinds of check:
    a z-loss gradient 10% off or label smoothing 0.05 nobody asked for, and bf16's rounding of a
    gradient (2^-9 per element) hides a 1% error in a z-loss of scale 1e-4 even with the same
    weights. The negative controls (``surgery.convergence.controls``) are each caught.
+
+5. Routing (mixtures of experts). Every comparison on one batch runs every side with the routing
+   decisions of the run one precision up replayed (train.py, ``routing``), so 1.-3. compare the
+   same experts' outputs at the dense tolerances; without it, one near-tied token that bf16
+   rounding sends elsewhere in the patched model and not in the unpatched one is enough to fail
+   them (tiny Mixtral's eval batch: eval_grad 3.3e-2, eval_logits:accuracy 1.6e-2 against the
+   unpatched 4.7e-3). What each side would have picked itself is held to rounding instead: every
+   flip at a margin rounding can reach (``flip_margin_ratio``), at step 0 and on the eval batch.
 """
 
 from __future__ import annotations
@@ -52,7 +60,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOLERANCES", "Check", "Tolerance", "evaluate", "format_table", "plot", "write_json"]
+__all__ = [
+    "TOLERANCES",
+    "Check",
+    "Tolerance",
+    "evaluate",
+    "flip_margin_ratio",
+    "format_table",
+    "plot",
+    "write_json",
+]
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,35 @@ def _ratio(mine: float, theirs: float) -> float:
     return mine / theirs if theirs > 0 else (float("inf") if mine > 0 else 1.0)
 
 
+def flip_margin_ratio(mine: dict[str, Any], unpatched: dict[str, Any]) -> tuple[float, str]:
+    """The routing check's value: the largest yardstick margin at one of ``mine``'s flips, in
+    units of twice the unpatched side's largest router-score error on the same call, and a
+    detail line. Both arguments are ``routing.compare_decisions`` results against the yardstick.
+
+    A token flips from expert a (yardstick's k-th or better) to b (its (k+1)-th or worse) only if
+    the side's scores moved a and b by more than the yardstick's margin together, so its larger
+    score error there is at least half the margin. A side whose router scores are within f times
+    the unpatched model's largest error (the accuracy budget's factor) can flip only at margins
+    up to 2 f that error: the value is at most f. The unpatched side's own flips are at most 1 by
+    construction. A flip at a larger margin means scores off by more than rounding (the hidden
+    states the router sees are wrong)."""
+    worst, flips, rows, at_margin = 0.0, 0, 0, 0.0
+    for c, margins_c in enumerate(mine["flip_margins"]):
+        err = unpatched["score_error"][c]
+        rows += mine["rows"][c]
+        flips += len(margins_c)
+        for m in margins_c:
+            ratio = m / (2 * err) if err > 0 else (0.0 if m == 0 else float("inf"))
+            if ratio >= worst:
+                worst, at_margin = ratio, m
+    detail = (
+        f"{flips}/{rows} decisions flipped (unpatched {sum(unpatched['flips'])}), "
+        f"the worst at margin {at_margin:.1e}, unpatched score error up to "
+        f"{max(unpatched['score_error'], default=0.0):.1e}"
+    )
+    return worst, detail
+
+
 def evaluate(record: dict[str, Any]) -> list[Check]:
     """Every check of one run (a ``train_and_compare`` record) against ``TOLERANCES``."""
     cfg = record["config"]
@@ -259,6 +305,18 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
                 tol.accuracy_floor,
                 f"vs {exact}",
             )
+        # Routing (mixtures of experts), with the same weights: the side's own decisions
+        # (every earlier layer routed like the run one precision up) differ from that run's
+        # only where rounding can tip them (flip_margin_ratio). The final eval's are recorded,
+        # not checked: by then the weights differ by the run's drift (a tiny bf16 run's patched
+        # side flipped 16 of 54 decisions at margins up to 7.7e-2, the unpatched one 1, with
+        # params:drift 1.76x the unpatched run's), which params:drift and
+        # final_eval_logits:drift judge, routed alike.
+        for phase, name in (("step0", "routing@0"), ("eval_init", "eval_routing")):
+            if side in record.get("routing", {}).get(phase, {}):
+                phase_routing = record["routing"][phase]
+                value, detail = flip_margin_ratio(phase_routing[side], phase_routing["reference"])
+                add(name, value, tol.accuracy_factor, f"{detail}; vs {exact}")
         # 3. Drift over the run, against the unpatched run's own.
         # The final model's eval loss: the same rule as the training loss above.
         theirs = record["eval_final"][f"reference~{exact}"]["loss"]

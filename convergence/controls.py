@@ -73,6 +73,10 @@ BUGS: dict[str, Bug] = {
     "grad_scale": Bug("every gradient 1% too large (loss right)"),
     "token_mean": Bug("per-sequence mean replaced by the token mean", reduction="sequence"),
     "logits": Bug("the training forward returns logits", late=False),
+    # A mixture of experts, where the sides run with the yardstick's routing replayed: replay
+    # must not hide a wrong expert output.
+    "moe_experts": Bug("every MoE layer's expert output 1% too large", model="mixtral"),
+    "moe_router_input": Bug("the routers see hidden states 1% off", model="mixtral"),
 }
 
 
@@ -119,6 +123,23 @@ def fake_patch(bug: str | None = None, onset: int = 0):
         def on(name: str) -> bool:
             return bug == name and steps[0] >= onset
 
+        if bug == "moe_experts":
+            for layer in model.model.layers:
+                layer.mlp.experts.register_forward_hook(
+                    lambda module, args, out: out * 1.01 if on("moe_experts") else out
+                )
+        if bug == "moe_router_input":
+            # A fixed ±1% per hidden unit: changes the router's ranking, not only its scale.
+            g = torch.Generator().manual_seed(0)
+            sign = torch.randint(0, 2, (model.config.hidden_size,), generator=g) * 2 - 1
+            for layer in model.model.layers:
+                layer.mlp.gate.register_forward_pre_hook(
+                    lambda module, args: (
+                        (args[0] * (1 + 0.01 * sign.to(args[0])),)
+                        if on("moe_router_input")
+                        else args
+                    )
+                )
         if bug == "rope_off_by_one":
             _rotate_keys_one_position(model, lambda: on("rope_off_by_one"))
         if bug == "rope_no_restart":

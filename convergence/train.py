@@ -28,6 +28,14 @@ loss, the gradient with respect to the final norm's output (the hidden states th
 the lm_head weight's gradient, its sum over the vocabulary (the z-loss's own gradient, see
 ``_z_grad``) and every parameter's gradient. Logits and their gradients are compared on an eval
 batch, where both sides materialise them.
+
+Mixtures of experts (``routing``): wherever sides are compared on one batch (the eval batch,
+before and after training, and the step-0 gradients) every side runs with the yardstick's
+routing decisions replayed at the real tokens, so that a near-tied router that rounding tips
+does not compare one expert's output with another's; the step-0 comparison is then a pass of its
+own and the step trained routes freely, as every later one does. The probes route as their
+partner did at that step. What each side would have picked itself is recorded (``routing`` in
+the record) and judged by ``compare.flip_margin_ratio``.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch.nn.functional as F
 from .configs import ARCHITECTURES, FALLBACK, SIZES, build_model
 from .data import IGNORE_INDEX, Document, collate, make_batches
 from .loss import causal_lm_loss
+from .routing import Decision, Routing, compare_decisions
 
 __all__ = ["DTYPES", "LAYOUTS", "RunConfig", "Variant", "rel_err", "train_and_compare"]
 
@@ -170,7 +179,9 @@ class _Side:
         # not also the input embedding (see _z_grad).
         self.untied = self.lm_head is not model.get_input_embeddings().weight
         self.hidden: torch.Tensor | None = None
-        model.get_decoder().norm.register_forward_hook(self._keep_hidden)
+        # The base model (get_decoder() returns Llama 4's causal LM itself: its base_model_prefix
+        # names no attribute).
+        model.model.norm.register_forward_hook(self._keep_hidden)
         self.losses: list[float] = []
         self.z_losses: list[float] = []
 
@@ -231,6 +242,16 @@ class _Side:
         )
         return loss, z, logits
 
+    def routing(self, batch: dict[str, torch.Tensor], replay: list[Decision] | None = None):
+        """A ``routing.Routing`` for one forward of ``batch``: records the side's routing
+        decisions at the real tokens and forces ``replay``'s there (None: free routing)."""
+        ids = batch["input_ids"]
+        if self.layout == "packed":
+            real = torch.arange(ids.shape[-1], device=ids.device)
+        else:
+            real = batch["attention_mask"].flatten().nonzero().squeeze(1)
+        return Routing(real, tuple(ids.shape), replay)
+
     def real_tokens(self, t: torch.Tensor | None, batch: dict[str, torch.Tensor]):
         """(N, ...) rows of ``t`` for the batch's real tokens, documents in order."""
         if t is None:
@@ -257,18 +278,50 @@ def _default_patch() -> Callable[..., Any]:
     return surgery.patch
 
 
-def _eval_check(
-    sides: list[_Side], pairs: list[tuple[str, str]], docs: list[Document], device
-) -> dict[str, dict[str, float]]:
-    """Logits, loss and every gradient on one batch, for each pair of sides.
+def _yardstick_first(sides: list[_Side], exact: str) -> list[_Side]:
+    return sorted(sides, key=lambda s: s.name != exact)
 
-    All sides are in eval mode, so the patched ones materialise logits too."""
+
+def _routed_forward(side: _Side, batch, replay: list[Decision] | None):
+    """``side.forward(batch)`` inside a ``Routing``: (loss, z, logits, decisions)."""
+    routing = side.routing(batch, replay)
+    with routing:
+        loss, z, logits = side.forward(batch)
+    routing.check_replayed()
+    return loss, z, logits, routing.decisions
+
+
+def _routing_summary(decisions: dict[str, list[Decision]], exact: str) -> dict[str, dict[str, Any]]:
+    """Each side's own routing decisions against the yardstick's (``routing.compare_decisions``),
+    or {} where the model does not route (a dense model makes no topk call)."""
+    if not decisions[exact]:
+        return {}
+    return {
+        name: compare_decisions(mine, decisions[exact])
+        for name, mine in decisions.items()
+        if name != exact
+    }
+
+
+def _eval_check(
+    sides: list[_Side], pairs: list[tuple[str, str]], docs: list[Document], device, exact: str
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    """Logits, loss and every gradient on one batch, for each pair of sides; and each side's
+    routing decisions against the yardstick's (``_routing_summary``).
+
+    All sides are in eval mode, so the patched ones materialise logits too. A mixture of experts
+    runs every side with the yardstick's (``exact``) routing replayed at the real tokens
+    (``routing``): where rounding alone tips a near-tied router, the sides would otherwise compare
+    different experts' outputs for that token. What each side would have picked itself, with
+    every earlier layer routed alike, is what the summary compares."""
     captured: dict[str, dict[str, Any]] = {}
-    for side in sides:
+    decisions: dict[str, list[Decision]] = {}
+    for side in _yardstick_first(sides, exact):
         batch = _to_device(collate(docs, side.layout), device)
         side.model.eval()
         side.zero_grad()
-        loss, z, logits = side.forward(batch)
+        replay = None if side.name == exact else decisions[exact]
+        loss, z, logits, decisions[side.name] = _routed_forward(side, batch, replay)
         if logits is None:
             raise RuntimeError(f"{side.name}: the eval forward returned no logits")
         logits.retain_grad()
@@ -296,7 +349,22 @@ def _eval_check(
             "hidden_grad": rel_err(x["hidden_grad"], r["hidden_grad"]),
             "grad": _rel_err_many(x["grads"], r["grads"]),
         }
-    return results
+    return results, _routing_summary(decisions, exact)
+
+
+def _append_step(m: dict[str, list[float]], sa: _Side, sb: _Side, ba, bb, la, lb, z_on) -> None:
+    """One step's METRICS of side ``sa`` against ``sb`` (their batches ``ba``, ``bb`` and their
+    (loss, z-loss) ``la``, ``lb``), from the gradients they hold now."""
+    m["loss"].append(_rel_scalar(la[0], lb[0]))
+    m["z_loss"].append(_rel_scalar(la[1], lb[1]) if z_on else 0.0)
+    m["hidden_grad"].append(
+        rel_err(sa.real_tokens(sa.hidden.grad, ba), sb.real_tokens(sb.hidden.grad, bb))
+    )
+    m["lm_head_grad"].append(rel_err(sa.lm_head.grad, sb.lm_head.grad))
+    m["grad"].append(_rel_err_many(sa.grads(), sb.grads()))
+    z_grad = _z_grad(sa, sb) if z_on else None
+    if z_grad is not None:
+        m["z_grad"].append(z_grad)
 
 
 def train_and_compare(
@@ -329,10 +397,10 @@ def train_and_compare(
             # loss is compared with transformers' on the same batch in tests/models.
             # TODO(#14): an unpatched reference per layout, to train and compare the aux loss here.
             model.config.output_router_logits = False
-            if model_dtype == torch.float64:
-                # transformers' default experts implementation (grouped_mm) has no fp64 kernel;
-                # its reference loop computes the same experts.
-                model.set_experts_implementation("eager")
+        if model_dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
+            # transformers' default experts implementation (grouped_mm) has no fp64 kernel; its
+            # reference loop computes the same experts (Gemma 4's mixture has no aux loss).
+            model.set_experts_implementation("eager")
         if patched:
             # A model outside the registry gets the fused loss through the fallback.
             fallback = {"fallback": "loss"} if cfg.model in FALLBACK else {}
@@ -375,53 +443,66 @@ def train_and_compare(
     probe_pairs = [(p.name, partner.name) for p in probes]
     by_name = {s.name: s for s in sides + probes}
 
-    eval_init = _eval_check(sides, pairs, eval_docs, device)
+    eval_init, routing_init = _eval_check(sides, pairs, eval_docs, device, exact_name)
+    # A mixture of experts: the yardstick's eval forward made topk calls (a dense model makes
+    # none, and runs exactly as before).
+    routed = bool(routing_init)
+    routing: dict[str, dict[str, Any]] = {"eval_init": routing_init} if routed else {}
 
     step_metrics: dict[str, dict[str, list[float]]] = {
         f"{a}~{b}": {k: [] for k in METRICS} for a, b in pairs + probe_pairs
     }
     logits_materialised = []
     for step, docs in enumerate(train_docs):
-        captured = {}
+        batches = {s.name: _to_device(collate(docs, s.layout), device) for s in sides + probes}
+        measured = pairs + probe_pairs
+        if step == 0 and routed:
+            # Same weights at step 0: the gradient checks compare like with like, every side
+            # with the yardstick's routing replayed as on the eval batch. In a pass of its own,
+            # so that the step trained below routes freely, as the sides do at every other step.
+            losses, decisions = {}, {}
+            for s in _yardstick_first(sides, exact_name):
+                s.zero_grad()
+                replay = None if s.name == exact_name else decisions[exact_name]
+                loss, z, _, decisions[s.name] = _routed_forward(s, batches[s.name], replay)
+                loss.backward()
+                losses[s.name] = (loss.item(), z.item())
+            for a, b in pairs:
+                _append_step(step_metrics[f"{a}~{b}"], by_name[a], by_name[b], batches[a],
+                             batches[b], losses[a], losses[b], v.z_loss_scale)  # fmt: skip
+            routing["step0"] = _routing_summary(decisions, exact_name)
+            measured = probe_pairs
+        partner_routing = None
         for s in sides:
-            batch = _to_device(collate(docs, s.layout), device)
             s.zero_grad()
-            loss, z, logits = s.forward(batch)
+            if routed and s is partner:
+                # The probes route as their partner did (they compare the patch alone).
+                loss, z, logits, partner_routing = _routed_forward(s, batches[s.name], None)
+            else:
+                loss, z, logits = s.forward(batches[s.name])
             loss.backward()
             if s.patched and logits is not None:
                 logits_materialised.append(s.name)
             s.losses.append(loss.item())
             s.z_losses.append(z.item())
-            captured[s.name] = batch
         for p in probes:
             with torch.no_grad():
                 for mine, theirs in zip(p.params.values(), partner.params.values()):
                     mine.copy_(theirs)
-            batch = _to_device(collate(docs, p.layout), device)
             p.zero_grad()
-            loss, z, _ = p.forward(batch)
+            if routed:
+                loss, z, _, _ = _routed_forward(p, batches[p.name], partner_routing)
+            else:
+                loss, z, _ = p.forward(batches[p.name])
             loss.backward()
             p.losses.append(loss.item())
             p.z_losses.append(z.item())
-            captured[p.name] = batch
-        for a, b in pairs + probe_pairs:
-            m, sa, sb = step_metrics[f"{a}~{b}"], by_name[a], by_name[b]
-            m["loss"].append(_rel_scalar(sa.losses[-1], sb.losses[-1]))
-            m["z_loss"].append(
-                _rel_scalar(sa.z_losses[-1], sb.z_losses[-1]) if v.z_loss_scale else 0.0
-            )
-            m["hidden_grad"].append(
-                rel_err(
-                    sa.real_tokens(sa.hidden.grad, captured[a]),
-                    sb.real_tokens(sb.hidden.grad, captured[b]),
-                )
-            )
-            m["lm_head_grad"].append(rel_err(sa.lm_head.grad, sb.lm_head.grad))
-            m["grad"].append(_rel_err_many(sa.grads(), sb.grads()))
-            z_grad = _z_grad(sa, sb) if v.z_loss_scale else None
-            if z_grad is not None:
-                m["z_grad"].append(z_grad)
-        del captured
+        for a, b in measured:
+            sa, sb = by_name[a], by_name[b]
+            _append_step(step_metrics[f"{a}~{b}"], sa, sb, batches[a], batches[b],
+                         (sa.losses[-1], sa.z_losses[-1]), (sb.losses[-1], sb.z_losses[-1]),
+                         v.z_loss_scale)  # fmt: skip
+        del batches
         for s in sides:
             s.step()
         if progress is not None and ((step + 1) % 8 == 0 or step + 1 == cfg.steps):
@@ -430,7 +511,9 @@ def train_and_compare(
                 + "  ".join(f"{s.name} {s.losses[-1]:.4f}" for s in sides)
             )
 
-    eval_final = _eval_check(sides, pairs, eval_docs, device)
+    eval_final, routing_final = _eval_check(sides, pairs, eval_docs, device, exact_name)
+    if routed:
+        routing["eval_final"] = routing_final
     final: dict[str, dict[str, Any]] = {}
     for a, b in pairs:
         pa, pb = by_name[a].params, by_name[b].params
@@ -474,6 +557,7 @@ def train_and_compare(
         "final": final,
         "eval_init": eval_init,
         "eval_final": eval_final,
+        "routing": routing,
         "logits_materialised_in_training": sorted(set(logits_materialised)),
         "tokens_per_step": sum(len(d) for docs in train_docs for d in docs) / len(train_docs),
         "seconds": time.perf_counter() - t0,

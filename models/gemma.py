@@ -1,9 +1,16 @@
 """Gemma, Gemma2, Gemma3 (text): RMSNorm scaled by (1 + weight) in fp32, GeGLU MLPs, tied lm_head;
 Gemma2/3 cap the final logits; Gemma2 also caps the attention logits; Gemma3 normalises q and k and
-has separate local and global RoPE frequencies."""
+has separate local and global RoPE frequencies.
 
-from .mini import MiniConfig, alternating_layer_types, from_size
-from .spec import GEMMA_RMS_NORM, ArchitectureSpec
+Gemma 3n and Gemma 4 (text) scale their RMSNorm by the weight itself (in fp32), normalise the values
+too (a norm without a scale), and let their last layers reuse the keys and values of earlier ones
+(KV sharing). What is theirs alone stays with transformers: per-layer input embeddings, Gemma 3n's
+AltUp and Laurel blocks and its MLPs with activation sparsity, Gemma 4's experts and router."""
+
+import dataclasses
+
+from .mini import MiniConfig, MiniSize, alternating_layer_types, from_size
+from .spec import GEMMA_RMS_NORM, ArchitectureSpec, RMSNormStyle
 
 GEMMA = ArchitectureSpec(
     model_type="gemma",
@@ -73,6 +80,139 @@ GEMMA3 = ArchitectureSpec(
     mlp_activation_attr="hidden_activation",
     rope_per_layer_type=True,
     qk_norm=True,
+    attention_kwargs=(("sliding_window", "sliding_window"),),
+    logit_softcap="final_logit_softcapping",
+    tied_lm_head=True,
+)
+
+
+# Gemma 3n and Gemma 4: ``(normed * weight.float()).type_as(x)``, the weight starting at one.
+GEMMA3N_RMS_NORM = RMSNormStyle(eps_attr="eps", offset=0.0, casting="gemma")
+
+
+def kv_sharing_layers(size: MiniSize) -> int:
+    """Three layers at least: one of each attention type that stores its keys and values, then one
+    that reuses them (``num_kv_shared_layers=1``)."""
+    return max(size.num_hidden_layers, 3)
+
+
+def kv_sharing_layer_types(size: MiniSize) -> list[str]:
+    """Sliding and full attention in turn over ``kv_sharing_layers``: with three, the last layer
+    (sliding) reuses the first one's keys and values."""
+    return alternating_layer_types(
+        dataclasses.replace(size, num_hidden_layers=kv_sharing_layers(size))
+    )
+
+
+def kv_sharing_layer_types_last_full(size: MiniSize) -> list[str]:
+    """The same with the last layer full (Gemma 4 forces it): with three, it reuses the second
+    one's keys and values."""
+    return [*kv_sharing_layer_types(size)[:-1], "full_attention"]
+
+
+def twice_head_dim(size: MiniSize) -> int:
+    """Gemma 4's ``global_head_dim``: the full-attention layers' own head dim."""
+    return 2 * size.head_dim
+
+
+def no_activation_sparsity(size: MiniSize) -> list[float]:
+    """Gemma 3n's per-layer activation sparsity, zero everywhere: every MLP plain gated (one with
+    sparsity keeps its own forward; tests/models/test_gemma_kv_sharing.py covers that)."""
+    return [0.0] * kv_sharing_layers(size)
+
+
+GEMMA3N = ArchitectureSpec(
+    model_type="gemma3n_text",
+    module="transformers.models.gemma3n.modeling_gemma3n",
+    causal_lm="Gemma3nForCausalLM",
+    attention="Gemma3nTextAttention",
+    mini_config=MiniConfig(
+        "Gemma3nTextConfig",
+        {
+            "num_hidden_layers": kv_sharing_layers,
+            "layer_types": kv_sharing_layer_types,
+            "num_kv_shared_layers": 1,
+            "sliding_window": from_size("sliding_window"),
+            "activation_sparsity_pattern": no_activation_sparsity,
+            # The per-layer embedding table is (vocab_size_per_layer_input, layers * width): kept
+            # as small as the model.
+            "vocab_size_per_layer_input": from_size("vocab_size"),
+            "hidden_size_per_layer_input": from_size("head_dim"),
+            "laurel_rank": from_size("head_dim"),
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 500_000.0, "factor": 4.0},
+            },
+        },
+    ),
+    rms_norm="Gemma3nRMSNorm",
+    rms_norm_style=GEMMA3N_RMS_NORM,
+    mlp="Gemma3nTextMLP",
+    mlp_activation_attr="hidden_activation",
+    mlp_sparsity_attr="activation_sparsity",
+    rope_per_layer_type=True,
+    qk_norm=True,
+    v_norm=True,
+    kv_sharing=True,
+    attention_kwargs=(("sliding_window", "sliding_window"),),
+    logit_softcap="final_logit_softcapping",
+    tied_lm_head=True,
+)
+
+# Gemma 4's mixture of experts, on top of its mini config: four experts, two per token.
+GEMMA4_MOE_ARGUMENTS = {
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": from_size("head_dim"),
+}
+
+GEMMA4 = ArchitectureSpec(
+    model_type="gemma4_text",
+    module="transformers.models.gemma4.modeling_gemma4",
+    causal_lm="Gemma4ForCausalLM",
+    attention="Gemma4TextAttention",
+    # Every kind of dense layer of the Gemma 4 family in one mini model: the full-attention layers
+    # have a head dim of their own, keys that are also the values (attention_k_eq_v) with fewer
+    # heads, and proportional RoPE over a quarter of it; the last layer reuses the keys and values
+    # of the full-attention layer before it (its MLP twice as wide); per-layer input embeddings.
+    # The mixture of experts beside the MLPs (26B-A4B; no auxiliary loss, experts and router left
+    # to transformers) is tested with GEMMA4_MOE_ARGUMENTS in tests/models/test_gemma_kv_sharing.py:
+    # a mini router's near-tied experts flip under half precision, so the autocast comparisons of
+    # the registry's tests would measure the flips, not the kernels.
+    mini_config=MiniConfig(
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": kv_sharing_layers,
+            "layer_types": kv_sharing_layer_types_last_full,
+            "num_kv_shared_layers": 1,
+            "use_double_wide_mlp": True,
+            "sliding_window": from_size("sliding_window"),
+            "global_head_dim": twice_head_dim,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "vocab_size_per_layer_input": from_size("vocab_size"),
+            "hidden_size_per_layer_input": from_size("head_dim"),
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 500_000.0,
+                },
+            },
+        },
+    ),
+    rms_norm="Gemma4RMSNorm",
+    rms_norm_style=GEMMA3N_RMS_NORM,
+    mlp="Gemma4TextMLP",
+    mlp_activation_attr="hidden_activation",
+    rope_per_layer_type=True,
+    qk_norm=True,
+    v_norm=True,
+    kv_sharing=True,
     attention_kwargs=(("sliding_window", "sliding_window"),),
     logit_softcap="final_logit_softcapping",
     tied_lm_head=True,

@@ -97,6 +97,67 @@ class ArchitectureSpec:
     forward with the fused ``gated_activation``; None: none."""
     mlp_activation_attr: str = "hidden_act"
     """Config attribute naming the MLP's activation (an ACT2FN key)."""
+    attention_output_gate: bool = False
+    """``q_proj`` yields, per head, the query then an output gate of the same size (its output
+    viewed as ``(..., heads, 2 * head_dim)`` and split in halves); the attention output is
+    multiplied by ``sigmoid(gate)`` before ``o_proj`` (Qwen3-Next, Qwen3.5)."""
+    linear_attention: str | None = None
+    """Linear-attention (recurrent) layer class of a hybrid model, left to transformers' own math
+    but given the documents of a packed batch: its instances run each document as one row of a
+    right-padded batch, so that neither its recurrent state nor its convolution window crosses a
+    document boundary (``surgery.linear_attention``); None: none."""
+    kv_sharing: bool = False
+    """Later layers reuse the keys and values of an earlier layer of their type (Gemma 3n, Gemma
+    4): the attention takes transformers' ``shared_kv_states``; a module whose
+    ``is_kv_shared_layer`` is set reads its keys and values there (no projections, norms, RoPE or
+    cache update of its own), one whose ``store_full_length_kv`` is set stores them there after its
+    cache update. A module without ``v_proj`` (Gemma 4's ``attention_k_eq_v``) takes its values
+    from the key projection, before ``k_norm``."""
+    v_norm: bool = False
+    """``v_norm`` (an RMSNorm over the head dim, Gemma 3n/4's without a scale) is applied to the
+    values."""
+    mlp_sparsity_attr: str | None = None
+    """Attribute of the MLP module holding its activation sparsity (Gemma 3n: where nonzero, a
+    Gaussian top-k cut of the gate before the activation): those MLPs keep their own forward; the
+    others (zero) get the fused one. None: every MLP is plain gated."""
+    rope_layout: str = "half"
+    """Where the two channels RoPE rotates together live (``apply_rope``'s ``layout``): ``"half"``,
+    channels j and j + D/2 (transformers' ``rotate_half``), or ``"interleaved"``, channels 2j and
+    2j + 1 (Llama 4's complex form)."""
+    rope_layer_attr: str | None = None
+    """Attribute of the attention module that is False on a layer without RoPE (Llama 4's
+    ``use_rope``, from ``config.no_rope_layers``); None: every layer rotates q and k."""
+    post_rope_qk_norm: str | None = None
+    """Attribute of the attention module holding a norm applied to q and k after RoPE (Llama 4's
+    ``qk_norm``, an L2 norm without a scale, on its RoPE layers only); a module without it has
+    none. None: no such norm."""
+    attention_temperature: bool = False
+    """On a layer without RoPE whose module sets ``attn_temperature_tuning`` (Llama 4), the query
+    is multiplied by ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))`` (the module's
+    attributes), each token's position read from the position ids
+    (``surgery.chunked_attention``)."""
+    chunked_attention: bool = False
+    """The layers whose ``config.layer_types`` entry is ``"chunked_attention"`` attend causally
+    within chunks of ``config.attention_chunk_size`` positions (Llama 4's RoPE layers); on a packed
+    batch the chunks follow each document's own positions (``surgery.chunked_attention``)."""
+    positions_to_attention: bool = False
+    """The decoder layers do not pass ``position_ids`` on to the attention (Llama 4): the base
+    model's forward is wrapped to hand them to it under a keyword of surgery's own
+    (``surgery.chunked_attention``)."""
+    eager_softmax_fp32: bool = True
+    """transformers' eager attention of ``module`` takes its softmax in fp32, as
+    ``lean_eager_attention`` does; False (Llama 4: in the scores' dtype): the eager
+    implementation runs the module's own function."""
+    position_query_scale: bool = False
+    """After RoPE the query is multiplied by transformers' ``get_llama_4_attn_scale`` of
+    ``module``, ``1 + beta * log(1 + floor(position / original))`` with ``llama_4_scaling_beta``
+    and ``original_max_position_embeddings`` of the config's ``rope_parameters`` (Ministral 3,
+    Mistral 4), each token's position read from the position ids: a packed document restarting
+    at 0 gets its own."""
+    latent_attention: bool = False
+    """The attention is multi-head latent attention (Mistral 4's MLA: low-rank query, one
+    compressed key/value latent per token, a rotary key part shared by all heads): its instances
+    get ``surgery.mla.mla_attention_forward`` in place of the generic attention forward."""
 
     @property
     def name(self) -> str:
@@ -129,8 +190,8 @@ class ArchitectureSpec:
         matter: modules are matched with ``is_instance``."""
         found = {}
         for name in ("apply_rotary_pos_emb", "eager_attention_forward"):
-            obj = self._resolve(name)
-            if getattr(obj, "__module__", None) != self.module:
+            obj = getattr(importlib.import_module(self.module), name, None)  # Llama 4: no rotary
+            if obj is not None and getattr(obj, "__module__", None) != self.module:
                 found[name] = obj
         return found
 
@@ -152,8 +213,9 @@ class ArchitectureSpec:
         return GATED_ACTIVATIONS.get(getattr(config, self.mlp_activation_attr, None))
 
     def rotary_pos_emb(self):
-        """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` of this module."""
-        return self._resolve("apply_rotary_pos_emb")
+        """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` of this module, or None where
+        it has none (Llama 4, whose attention always gets position ids)."""
+        return getattr(importlib.import_module(self.module), "apply_rotary_pos_emb", None)
 
     def load_balancing_loss(self):
         """transformers' ``load_balancing_loss_func`` of this module (MoE architectures)."""

@@ -25,7 +25,8 @@ from torch import nn
 
 from surgery.models import SPECS, ArchitectureSpec
 
-from .attention import BINDING_ATTR, AttentionBinding, attention_forward
+from .attention import BINDING_ATTR, AttentionBinding, attention_forward_for
+from .chunked_attention import POSITIONS_ATTR, positions_model_forward
 from .fallback import (
     FALLBACK_ATTR,
     FALLBACKS,
@@ -48,9 +49,16 @@ from .forward import (
 from .layers import (
     MLP_ATTR,
     NORM_ATTR,
-    gated_mlp_forward,
+    gated_mlp_forward_for,
     rms_norm_forward_for,
 )
+from .linear_attention import (
+    DOCUMENTS_ATTR,
+    LINEAR_ATTENTION_ATTR,
+    documents_model_forward,
+    linear_attention_forward,
+)
+from .mla import mla_attention_forward
 from .options import PatchOptions
 from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
@@ -69,6 +77,7 @@ __all__ = [
 M = TypeVar("M", bound=nn.Module)
 
 ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
+EXPERTS_ATTR = "_surgery_experts_implementation"  # the implementation before patch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +130,11 @@ def _check_not_foreign(lm: nn.Module, spec: ArchitectureSpec) -> None:
         )
 
 
+def _sparse_mlp(spec: ArchitectureSpec, mlp: nn.Module) -> bool:
+    """An MLP with activation sparsity (``ArchitectureSpec.mlp_sparsity_attr``): not plain gated."""
+    return spec.mlp_sparsity_attr is not None and bool(getattr(mlp, spec.mlp_sparsity_attr))
+
+
 def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[Swap]:
     """Every swap ``options`` asks for on ``lm``, checked; nothing is changed yet."""
     _check_not_foreign(lm, spec)
@@ -135,12 +149,17 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
             eager_attention=spec.eager_attention(),
             fallback_rope=spec.rotary_pos_emb(),
             share_mask=options.share_attention_mask,
-            lean_eager=options.eager_attention_recompute,
+            lean_eager=options.eager_attention_recompute and spec.eager_softmax_fp32,
         )
         for name, module in modules:
             if spec.is_instance(module, spec.attention):
                 extra = {BINDING_ATTR: binding, **norm_plan}
-                wanted.append((name, module, attention_forward, extra))
+                forward = attention_forward_for(module)
+                if spec.latent_attention:
+                    forward = mla_attention_forward
+                wanted.append((name, module, forward, extra))
+        if spec.positions_to_attention:  # Llama 4: its decoder layers pass no position ids
+            wanted.append(("model", lm.model, positions_model_forward, {POSITIONS_ATTR: True}))
     if options.rms_norm and spec.rms_norm is not None:
         for name, module in modules:
             if spec.is_instance(module, spec.rms_norm):
@@ -159,11 +178,18 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
             )
         else:
             for name, module in modules:
-                if spec.is_instance(module, spec.mlp):
+                if spec.is_instance(module, spec.mlp) and not _sparse_mlp(spec, module):
                     extra = {MLP_ATTR: activation}
                     if plan is not None:
                         extra[RECOMPUTE_ATTR] = plan
-                    wanted.append((name, module, gated_mlp_forward, extra))
+                    wanted.append((name, module, gated_mlp_forward_for(module), extra))
+    if spec.linear_attention is not None:
+        # Not an option: without it a packed batch carries state across its documents.
+        for name, module in modules:
+            if spec.is_instance(module, spec.linear_attention):
+                extra = {LINEAR_ATTENTION_ATTR: True}
+                wanted.append((name, module, linear_attention_forward, extra))
+        wanted.append(("model", lm.model, documents_model_forward, {DOCUMENTS_ATTR: True}))
     if options.fused_linear_cross_entropy:
         names = {id(m): n for n, m in modules}
         for head in head_linears(lm):
@@ -177,6 +203,16 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
 
 def _install(lm: nn.Module, swaps: list[Swap], options: PatchOptions) -> None:
     """Install the planned ``swaps`` on ``lm`` (registry or fallback), all or nothing."""
+    experts = options.experts_implementation
+    if experts is not None:
+        if not hasattr(lm, "set_experts_implementation"):
+            raise ValueError(
+                f"experts_implementation={experts!r}: {type(lm).__name__} has no experts "
+                "implementations to choose from (not a mixture-of-experts model of transformers 5)"
+            )
+        previous = lm.config._experts_implementation
+        lm.set_experts_implementation(experts)  # raises on a name transformers does not know
+        lm.__dict__.setdefault(EXPERTS_ATTR, previous)
     apply_swaps(swaps)
     if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
         # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
@@ -192,6 +228,8 @@ def _install(lm: nn.Module, swaps: list[Swap], options: PatchOptions) -> None:
 def _unpatch_lm(lm: nn.Module) -> None:
     for module in lm.modules():
         restore_swap(module)
+    if EXPERTS_ATTR in lm.__dict__:
+        lm.set_experts_implementation(lm.__dict__.pop(EXPERTS_ATTR))
     if ACCEPTS_ATTR in lm.__dict__:
         had, value = lm.__dict__.pop(ACCEPTS_ATTR)
         if had:
@@ -219,6 +257,7 @@ def patch(
     causal_right_padding: bool = True,
     eager_attention_recompute: bool = True,
     varlen_attention: bool = True,
+    experts_implementation: str | None = None,
     fallback: str | None = None,
     strict: bool = True,
 ) -> M:
@@ -256,6 +295,7 @@ def patch(
         causal_right_padding=causal_right_padding,
         eager_attention_recompute=eager_attention_recompute,
         varlen_attention=varlen_attention,
+        experts_implementation=experts_implementation,
     )
     try:
         lm, spec = find_causal_lm(model)
@@ -404,25 +444,43 @@ if TYPE_CHECKING:
     def apply_gemma(**options: Any) -> None: ...
     def apply_gemma2(**options: Any) -> None: ...
     def apply_gemma3(**options: Any) -> None: ...
+    def apply_gemma3n(**options: Any) -> None: ...
+    def apply_gemma4(**options: Any) -> None: ...
     def apply_llama(**options: Any) -> None: ...
+    def apply_llama4(**options: Any) -> None: ...
     def apply_ministral(**options: Any) -> None: ...
+    def apply_ministral3(**options: Any) -> None: ...
     def apply_mistral(**options: Any) -> None: ...
+    def apply_mistral4(**options: Any) -> None: ...
+    def apply_mixtral(**options: Any) -> None: ...
     def apply_qwen2(**options: Any) -> None: ...
     def apply_qwen2_moe(**options: Any) -> None: ...
     def apply_qwen3(**options: Any) -> None: ...
+    def apply_qwen3_5(**options: Any) -> None: ...
+    def apply_qwen3_5_moe(**options: Any) -> None: ...
     def apply_qwen3_moe(**options: Any) -> None: ...
+    def apply_qwen3_next(**options: Any) -> None: ...
 
     __all__ += [
         "apply_gemma",
         "apply_gemma2",
         "apply_gemma3",
+        "apply_gemma3n",
+        "apply_gemma4",
         "apply_llama",
+        "apply_llama4",
         "apply_ministral",
+        "apply_ministral3",
         "apply_mistral",
+        "apply_mistral4",
+        "apply_mixtral",
         "apply_qwen2",
         "apply_qwen2_moe",
         "apply_qwen3",
+        "apply_qwen3_5",
+        "apply_qwen3_5_moe",
         "apply_qwen3_moe",
+        "apply_qwen3_next",
     ]
 else:
     for _spec in SPECS:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,7 +64,9 @@ from surgery.kernels.reduction import sequence_starts
 from surgery.models import ArchitectureSpec
 
 from . import recompute
+from .chunked_attention import POSITIONS_KWARG, after_rope, chunked_layer_mask, is_chunked_layer
 from .compiling import host_read
+from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
 
 __all__ = [
@@ -71,8 +74,13 @@ __all__ = [
     "PackedSequences",
     "SharedMask",
     "attention_forward",
+    "attention_forward_for",
+    "attention_interface",
     "lean_eager_attention",
     "packed_sequences",
+    "position_ids_first_attention_forward",
+    "position_query_scale",
+    "shared_kv_first_attention_forward",
     "shared_sdpa_mask",
     "varlen_attention",
 ]
@@ -87,9 +95,10 @@ class AttentionBinding:
     spec: ArchitectureSpec
     rotary: nn.Module
     eager_attention: Callable
-    fallback_rope: Callable
+    fallback_rope: Callable | None
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``, for a caller that passes no
-    position ids (the decoder layers of every supported model do)."""
+    position ids (the decoder layers of every supported model do, or their base model: see
+    ``ArchitectureSpec.positions_to_attention``)."""
     share_mask: bool = True
     """Hand sdpa one additive mask shared by all layers instead of the boolean one."""
     lean_eager: bool = True
@@ -396,73 +405,42 @@ def rope_frequencies(module: nn.Module, binding: AttentionBinding) -> tuple[torc
     return rotary.inv_freq, rotary.attention_scaling
 
 
-def attention_forward(
+def position_query_scale(
+    module: nn.Module, spec: ArchitectureSpec, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """The query scale of ``ArchitectureSpec.position_query_scale`` at (batch, seq) or (1, seq)
+    ``position_ids``: transformers' ``get_llama_4_attn_scale`` of ``spec.module`` (imported: its
+    classes built ``module``), (batch, 1, seq, 1) in fp32."""
+    rope = module.config.rope_parameters
+    scale = sys.modules[spec.module].get_llama_4_attn_scale
+    return scale(
+        position_ids, rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    )
+
+
+def _shared_kv_key(module: nn.Module, reading: bool):
+    """Where ``module`` reads (or stores) keys and values in ``shared_kv_states``: under its layer
+    type; transformers 5.17's Gemma 3n keyed them by layer index (``kv_shared_layer_index`` of the
+    storing layer)."""
+    if hasattr(module, "kv_shared_layer_index"):
+        return module.kv_shared_layer_index if reading else module.layer_idx
+    return module.layer_type
+
+
+def attention_interface(
     self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
+    binding: AttentionBinding,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    binding: AttentionBinding = self.__dict__[BINDING_ATTR]
-    spec = binding.spec
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-
-    # The projections save hidden_states, the input norm's output: rebuilt in the backward when
-    # the norm registered it (surgery.recompute).
-    plan = self.__dict__.get(RECOMPUTE_ATTR)
-    with recompute.saved_tensor_scope(plan is not None and plan.norm_output):
-        query = self.q_proj(hidden_states).view(hidden_shape)
-        key = self.k_proj(hidden_states).view(hidden_shape)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
-        query, key = self.q_norm(query), self.k_norm(key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
-
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None:
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
-        inv_freq, scaling = rope_frequencies(self, binding)
-        if inv_freq.device != query.device:
-            # A device map (accelerate's hooks) put the rotary module on another GPU than this
-            # layer; unpatched, its cos/sin would be moved here with the layer's inputs.
-            inv_freq = inv_freq.to(query.device)
-        rotary_dim = 2 * inv_freq.shape[-1]
-        query, key = apply_rope(
-            query,
-            key,
-            position_ids,
-            inv_freq,
-            attention_scaling=scaling,
-            rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
-        )
-    else:
-        cos, sin = position_embeddings
-        query, key = binding.fallback_rope(query, key, cos, sin)
-
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
-
-    dropout = self.attention_dropout if self.training else 0.0
-    extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
-    packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
-    if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None:
-        attention_mask = None
-    if (
-        packed is not None
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and not dropout
-        and extra.get("softcap") is None
-        and self.head_dim <= 256
-        and past_key_values is None
-    ):
-        attn_output = varlen_attention(
-            query, key, value, packed, self.scaling, extra.get("sliding_window")
-        )
-        return self.o_proj(attn_output.reshape(*input_shape, -1)), None
-
+) -> tuple[torch.Tensor, torch.Tensor | None, SharedMask | None]:
+    """transformers' attention interface of the module's implementation on (B, H, T, D) query,
+    key and value, with ``kwargs`` (dropout, scaling, ...) passed on: sdpa gets the one additive
+    mask shared by every layer (``share_mask``), eager runs ``lean_eager_attention``
+    (``lean_eager``). Returns its (output, weights) and the shared mask, if any, whose
+    ``unattended`` rows the caller sets in o_proj's output (``zero_unattended_rows``)."""
     implementation = self.config._attn_implementation
     shared = None
     if binding.share_mask and implementation == "sdpa":
@@ -478,19 +456,167 @@ def attention_forward(
         interface = lean_eager_attention
     else:
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, binding.eager_attention)
-    attn_output, attn_weights = interface(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=dropout,
-        scaling=self.scaling,
-        **extra,
-        **kwargs,
-    )
+    attn_output, attn_weights = interface(self, query, key, value, attention_mask, **kwargs)
+    return attn_output, attn_weights, shared
+
+
+def attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    shared_kv_states=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    binding: AttentionBinding = self.__dict__[BINDING_ATTR]
+    spec = binding.spec
+    # A layer reusing an earlier layer's keys and values (spec.kv_sharing) has no k/v of its own.
+    kv_shared = spec.kv_sharing and self.is_kv_shared_layer
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    # The projections save hidden_states, the input norm's output: rebuilt in the backward when
+    # the norm registered it (surgery.recompute).
+    plan = self.__dict__.get(RECOMPUTE_ATTR)
+    gate = None
+    with recompute.saved_tensor_scope(plan is not None and plan.norm_output):
+        if spec.attention_output_gate:  # per head: the query, then its output gate
+            query_and_gate = self.q_proj(hidden_states).view(*input_shape, -1, 2 * self.head_dim)
+            query, gate = query_and_gate.chunk(2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
+        else:
+            query = self.q_proj(hidden_states).view(hidden_shape)
+        if kv_shared:  # no key heads: RoPE below rotates the query alone
+            key = value = query[..., :0, :]
+        else:
+            key = self.k_proj(hidden_states).view(hidden_shape)
+            # No v_proj (Gemma 4's attention_k_eq_v): the values are the key projection.
+            value = key if self.v_proj is None else self.v_proj(hidden_states).view(hidden_shape)
+    if spec.v_norm and not kv_shared:
+        value = self.v_norm(value)
+    value = value.transpose(1, 2)
+    if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
+        query = self.q_norm(query)
+        key = key if kv_shared else self.k_norm(key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+
+    # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
+    # positions_to_attention); on its layers without RoPE nothing is rotated.
+    position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
+    rotated = spec.rope_layer_attr is None or bool(getattr(self, spec.rope_layer_attr))
+    if position_ids is not None and rotated:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        inv_freq, scaling = rope_frequencies(self, binding)
+        if inv_freq.device != query.device:
+            # A device map (accelerate's hooks) put the rotary module on another GPU than this
+            # layer; unpatched, its cos/sin would be moved here with the layer's inputs.
+            inv_freq = inv_freq.to(query.device)
+        rotary_dim = 2 * inv_freq.shape[-1]
+        query, key = apply_rope(
+            query,
+            key,
+            position_ids,
+            inv_freq,
+            attention_scaling=scaling,
+            rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
+            layout=spec.rope_layout,
+        )
+    elif rotated:
+        cos, sin = position_embeddings
+        query, key = binding.fallback_rope(query, key, cos, sin)
+    query, key = after_rope(self, spec, query, key, position_ids, rotated)
+    if spec.position_query_scale:
+        query = query * position_query_scale(self, spec, position_ids).to(query.dtype)
+
+    if kv_shared:
+        key, value = shared_kv_states[_shared_kv_key(self, reading=True)]
+        key, value = key.to(query.device), value.to(query.device)  # a device map's other GPU
+    elif past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    if spec.kv_sharing and self.store_full_length_kv:
+        shared_kv_states[_shared_kv_key(self, reading=False)] = key, value
+
+    dropout = self.attention_dropout if self.training else 0.0
+    extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
+    packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
+    chunked = is_chunked_layer(self, spec)  # Llama 4: a packed batch's chunks come with it
+    attention_mask = chunked_layer_mask(chunked, attention_mask, past_key_values, kwargs)
+    if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None and not chunked:
+        attention_mask = None
+    kwargs.pop(DOCUMENTS_KWARG, None)  # for the linear-attention layers of a hybrid model
+    if (
+        packed is not None
+        # TODO: chunked layers through varlen too, cu_seqlens split where a document's position
+        # crosses a multiple of the chunk size; needs a GPU test against the masked path.
+        and not chunked
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and not dropout
+        and extra.get("softcap") is None
+        and self.head_dim <= 256
+        and past_key_values is None
+    ):
+        attn_output = varlen_attention(
+            query, key, value, packed, self.scaling, extra.get("sliding_window")
+        )
+        attn_output = attn_output.reshape(*input_shape, -1)
+        if gate is not None:
+            attn_output = attn_output * torch.sigmoid(gate)
+        return self.o_proj(attn_output), None
+
+    attn_output, attn_weights, shared = attention_interface(
+        self, binding, query, key, value, attention_mask,
+        dropout=dropout, scaling=self.scaling, **extra, **kwargs,
+    )  # fmt: skip
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)
     output = self.o_proj(attn_output)
     if shared is not None:
         output = zero_unattended_rows(output, shared.unattended, self.o_proj)
     return output, attn_weights
+
+
+def shared_kv_first_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    shared_kv_states=None,
+    past_key_values=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attention_forward`` with Gemma 4's argument order (``shared_kv_states`` before
+    ``past_key_values``), so that a positional call means what it means to transformers."""
+    return attention_forward(self, hidden_states, position_embeddings, attention_mask,
+                             past_key_values, shared_kv_states, **kwargs)  # fmt: skip
+
+
+def position_ids_first_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attention_forward`` with Ministral 3's argument order (``position_ids`` before
+    ``past_key_values``), so that a positional call means what it means to transformers."""
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    return attention_forward(self, hidden_states, position_embeddings, attention_mask,
+                             past_key_values, **kwargs)  # fmt: skip
+
+
+def attention_forward_for(module: nn.Module) -> Callable:
+    """The attention forward whose arguments come in the order of ``module``'s class forward (the
+    patch checks that they do): ``attention_forward``, or its Gemma 4 or Ministral 3 order."""
+    params = inspect.signature(type(module).forward).parameters
+    if "position_ids" in params:
+        return position_ids_first_attention_forward
+    order = [name for name in params if name in ("shared_kv_states", "past_key_values")]
+    if order == ["shared_kv_states", "past_key_values"]:
+        return shared_kv_first_attention_forward
+    return attention_forward

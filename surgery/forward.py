@@ -223,9 +223,14 @@ def causal_lm_forward(
     labels: torch.LongTensor | None = None,
     use_cache: bool | None = None,
     logits_to_keep: int | torch.Tensor = 0,
+    per_layer_inputs: torch.Tensor | None = None,
     **kwargs,
 ) -> CausalLMOutputWithZLoss:
-    """The causal-LM forward of every dense architecture (see the module docstring)."""
+    """The causal-LM forward of every dense architecture (see the module docstring).
+    ``per_layer_inputs`` (Gemma 4's precomputed per-layer input embeddings, where its causal LM
+    takes them) goes to the base model like any other keyword argument."""
+    if per_layer_inputs is not None:
+        kwargs["per_layer_inputs"] = per_layer_inputs
     return _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                     labels, use_cache, logits_to_keep, None, kwargs)  # fmt: skip
 

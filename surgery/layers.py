@@ -27,6 +27,8 @@ __all__ = [
     "RECOMPUTE_ATTR",
     "RecomputePlan",
     "gated_mlp_forward",
+    "gated_mlp_forward_for",
+    "gated_mlp_forward_hidden_states",
     "rms_norm_forward",
     "rms_norm_forward_for",
     "rms_norm_forward_x",
@@ -46,7 +48,9 @@ def _rebuild_rms_norm(x, weight, eps, offset, casting):
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     style: RMSNormStyle = module.__dict__[NORM_ATTR]
     eps = getattr(module, style.eps_attr)
-    weight = module.weight
+    weight = getattr(module, "weight", None)
+    if weight is None:  # a norm without a scale (Gemma 3n/4's with_scale=False): a scale of 1
+        weight = torch.full((x.shape[-1],), 1.0 - style.offset, dtype=x.dtype, device=x.device)
     plan: RecomputePlan | None = module.__dict__.get(RECOMPUTE_ATTR)
     if plan is not None and plan.norm_output and recompute.compiling_with_grad():
         return recompute.compiled_recompute(
@@ -117,3 +121,15 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         recompute.register(product, lambda g, u: gated_activation_fwd(g, u, activation), gate, up)
     with recompute.saved_tensor_scope(record):
         return self.down_proj(product)
+
+
+def gated_mlp_forward_hidden_states(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``gated_mlp_forward`` under the argument name Gemma 3n's MLP uses."""
+    return gated_mlp_forward(self, hidden_states)
+
+
+def gated_mlp_forward_for(module: nn.Module) -> Callable:
+    """The MLP forward whose argument is named like the one of ``module``'s class forward (as
+    ``rms_norm_forward_for``)."""
+    params = list(inspect.signature(type(module).forward).parameters)[1:]
+    return gated_mlp_forward_hidden_states if params[:1] == ["hidden_states"] else gated_mlp_forward

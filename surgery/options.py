@@ -78,6 +78,12 @@ class PatchOptions:
       ``torch.compile`` that copy is one graph break before the model, or with ``fullgraph=True``
       an op at run time; either way one graph serves any document count).
       fp32 layers, attention dropout and attention-logit softcaps keep the mask.
+    - ``experts_implementation``: mixture-of-experts models only: transformers' experts
+      implementation to run (``model.set_experts_implementation``: ``"grouped_mm"``,
+      ``"batched_mm"``, ``"eager"``, ...), put back by ``unpatch``; None (the default) leaves the
+      model's own, which transformers chooses (``grouped_mm`` where torch and the GPU can run it,
+      else its eager loop). The experts' computation is transformers' either way: surgery fuses
+      nothing inside them.
     """
 
     rope: bool = True
@@ -96,6 +102,7 @@ class PatchOptions:
     causal_right_padding: bool = True
     eager_attention_recompute: bool = True
     varlen_attention: bool = True
+    experts_implementation: str | None = None
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -125,5 +132,8 @@ class PatchOptions:
         chunk = self.loss_chunk_bytes
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)):
             raise TypeError(f"loss_chunk_bytes must be an int or None, got {chunk!r}")
+        experts = self.experts_implementation
+        if experts is not None and not isinstance(experts, str):
+            raise TypeError(f"experts_implementation must be a str or None, got {experts!r}")
         if chunk is not None and chunk <= 0:
             raise ValueError(f"loss_chunk_bytes must be > 0, got {chunk}")

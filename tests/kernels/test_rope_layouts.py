@@ -165,7 +165,8 @@ def test_pairs_are_interleaved_not_rotate_half(rd):
     to_half = apply_rope(q, k, pos, inv, 1.0, rd, layout="interleaved_to_half")
     plain = apply_rope(q, k, pos, inv, 1.0, rd)
     for h, i, t, p in zip(half, inter, to_half, plain):
-        assert torch.equal(i, interleave(h, rd)) and torch.equal(t, h)
+        # (interleaved_to_half takes the PyTorch path everywhere for now: equal within rounding)
+        assert torch.equal(i, interleave(h, rd)) and rel_err(t, h) < 1e-6
         assert rel_err(i, p) > 0.1 and rel_err(t, p) > 0.1
     # Attention scores are the same in both interleaved layouts (q and k permuted alike).
     scores = [qq @ kk.transpose(-1, -2) for qq, kk in (inter, to_half)]

@@ -11,14 +11,13 @@ import pickle
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import surgery
 from surgery.attention import _read_path
 from surgery.convergence.configs import ARCHITECTURES, FALLBACK_SPECS, SIZES, make_config
 from surgery.models import SPECS
 
-from .tiny import ARCHS, attn_for, tiny_config
+from .tiny import ARCHS, TINY, attn_for, causal_lm_from_config, tiny_config
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.model_type)
@@ -27,7 +26,7 @@ def test_every_registered_model_is_tested(spec):
     assert type(config).__name__ == spec.mini_config.config_class
     assert config.model_type == spec.model_type
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_for(spec.model_type))
+    model = causal_lm_from_config(config, attn_implementation=attn_for(spec.model_type))
     assert type(model) is spec.causal_lm_class()
 
     # The mini model holds every class the spec names and exercises every feature it declares:
@@ -36,7 +35,15 @@ def test_every_registered_model_is_tested(spec):
         return [m for m in model.modules() if spec.is_instance(m, name)]
 
     attentions = instances(spec.attention)
-    assert len(attentions) == config.num_hidden_layers
+    if spec.linear_attention is None:
+        assert len(attentions) == config.num_hidden_layers
+    else:  # a hybrid: both kinds of layer, one of them in each
+        linear = instances(spec.linear_attention)
+        assert attentions and linear
+        assert len(attentions) + len(linear) == config.num_hidden_layers
+    if spec.attention_output_gate:  # q_proj yields the query and its gate
+        for module in attentions:
+            assert module.q_proj.out_features == 2 * config.num_attention_heads * module.head_dim
     assert isinstance(getattr(model.model, spec.rotary_attr), torch.nn.Module)
     if spec.rms_norm is not None:
         assert instances(spec.rms_norm)
@@ -50,14 +57,36 @@ def test_every_registered_model_is_tested(spec):
     for name, path in spec.attention_kwargs:
         values = [_read_path(module, path) for module in attentions]
         assert any(v is not None for v in values), f"no layer of the mini model sets {name}"
+    # A layer that reuses an earlier layer's keys and values has no key projection or norm.
+    own_kv = [m for m in attentions if not (spec.kv_sharing and m.is_kv_shared_layer)]
     if spec.qk_norm:
-        assert all(hasattr(m, "q_norm") and hasattr(m, "k_norm") for m in attentions)
+        assert all(hasattr(m, "q_norm") for m in attentions)
+        assert all(hasattr(m, "k_norm") for m in own_kv)
+    if spec.v_norm:
+        assert all(hasattr(m, "v_norm") for m in own_kv)
+    if spec.kv_sharing:
+        assert own_kv != attentions, "no layer of the mini model reuses keys and values"
     if spec.logit_softcap is not None:
         assert getattr(config, spec.logit_softcap) is not None
+    if spec.rope_layer_attr is not None:  # layers with RoPE and layers without
+        assert len({bool(getattr(m, spec.rope_layer_attr)) for m in attentions}) == 2
+    if spec.post_rope_qk_norm is not None:
+        assert any(hasattr(m, spec.post_rope_qk_norm) for m in attentions)
+    if spec.attention_temperature:
+        assert any(m.attn_temperature_tuning for m in attentions)
+        assert config.floor_scale < TINY.sliding_window, "no temperature within the sequences"
+    if spec.chunked_attention:  # chunked and global layers, chunks shorter than the sequences
+        assert {"chunked_attention", "full_attention"} <= set(config.layer_types)
+        assert config.attention_chunk_size <= TINY.sliding_window
     if spec.rope_per_layer_type:
         assert len(set(config.layer_types)) > 1, "one layer type: one set of RoPE frequencies"
     if spec.tied_lm_head:
         assert model.lm_head.weight is model.model.embed_tokens.weight
+    if spec.position_query_scale:  # a scale that grows within the tests' sequences (up to 7)
+        rope = config.rope_parameters
+        assert rope["llama_4_scaling_beta"] and rope["original_max_position_embeddings"] < 7
+    if spec.latent_attention:  # both query paths are transformers' own; the low-rank one here
+        assert all(m.q_lora_rank is not None for m in attentions)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.model_type)
@@ -71,7 +100,7 @@ def test_mini_models_are_deterministic_and_independent(spec):
     models = []
     for config in (first, second):
         torch.manual_seed(0)
-        models.append(AutoModelForCausalLM.from_config(config))
+        models.append(causal_lm_from_config(config))
     for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
         assert torch.equal(a, b), name
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
 
 import surgery
 from surgery.models import MiniSize
@@ -41,14 +41,29 @@ def attn_for(arch: str, attn: str = "sdpa") -> str:
     return SPECS[arch].mini_config.attention(attn)
 
 
+def sized_config(arch: str, **size):
+    """The config of ``arch`` at another size: the tiny size with the fields ``size`` names
+    replaced (``vocab_size=32_000``, ...), every argument the spec derives from the size derived
+    again (Gemma 3n/4's per-layer tables, Mistral 4's head split)."""
+    return SPECS[arch].mini_config.build(dataclasses.replace(TINY, **size), pad_token_id=0)
+
+
 def tiny_config(arch: str, **overrides):
     """The tiny config of ``arch`` (a ``config.model_type``); ``overrides`` replace any argument."""
     return SPECS[arch].mini_config.build(TINY, **{"pad_token_id": 0, **overrides})
 
 
+def causal_lm_from_config(config, **kwargs):
+    """``AutoModelForCausalLM.from_config(config, **kwargs)`` through the spec's own class:
+    transformers maps Mistral 4's config to its causal LM under ``AutoModelForImageTextToText``
+    only."""
+    spec = SPECS[config.model_type]
+    return spec.causal_lm_class()._from_config(config, **kwargs)
+
+
 def tiny_model(arch: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
+    model = causal_lm_from_config(
         tiny_config(arch), dtype=dtype, attn_implementation=attn_for(arch, attn)
     )
     # Non-trivial norm weights (Gemma's start at zero, Llama's at one) so every parameter matters.
@@ -56,12 +71,36 @@ def tiny_model(arch: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+        # Gemma 3n scales every token by its embedding's root mean square, whose gradient is NaN
+        # at zero: give the padding token (whose row transformers zeroes) an embedding of its own,
+        # as a trained checkpoint has. Other architectures keep theirs (their budgets were set so).
+        if arch == "gemma3n_text":
+            embed = model.get_input_embeddings()
+            embed.weight[embed.padding_idx].normal_(std=model.config.initializer_range)
     return model
 
 
 def twin(model):
     """An unpatched copy with identical parameters."""
     return copy.deepcopy(model)
+
+
+def unpatched_packs_exactly(arch: str) -> bool:
+    """Whether unpatched transformers (without a KV cache) keeps the documents of a packed row
+    apart. Not in a hybrid model: its linear-attention layers carry their recurrent state from one
+    document into the next; nor in Llama 4, whose query temperature (and, in transformers 5.17,
+    whose chunks) follow the token's index in the row. Tests that take the unpatched model as the
+    reference on packed rows then give it the same documents padded, each in a row of its own."""
+    spec = SPECS[arch]
+    position_dependent = spec.attention_temperature or spec.chunked_attention
+    return spec.linear_attention is None and not position_dependent
+
+
+def attention_modules(model, arch: str) -> list:
+    """The modules of ``model`` that the spec of ``arch`` patches as attention, in order (a
+    hybrid's linear-attention layers are not among them)."""
+    spec = SPECS[arch]
+    return [m for m in model.modules() if spec.is_instance(m, spec.attention)]
 
 
 @dataclass

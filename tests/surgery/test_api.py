@@ -438,3 +438,28 @@ def test_resize_token_embeddings_after_patch_stays_fused(arch, how):
     surgery.unpatch(model)
     assert surgery_attrs(model) == []
     assert instance_forwards(model) == instance_forwards(reference)
+
+
+def test_experts_implementation_is_an_option_put_back_by_unpatch():
+    """``experts_implementation`` runs transformers' experts implementation of that name (the
+    model's own choice otherwise) and ``unpatch`` puts the previous one back; the patched step
+    equals the unpatched model's with the same implementation."""
+    model = tiny_model("qwen3_moe").train()
+    before = model.config._experts_implementation
+    other = "batched_mm" if before != "batched_mm" else "eager"
+    reference = twin(model)
+    reference.set_experts_implementation(other)
+    surgery.patch(model, experts_implementation=other)
+    assert model.config._experts_implementation == other
+    assert surgery.patch_options(model).experts_implementation == other
+    batch = padded_batch(sequences([7, 5, 3])).kwargs()
+    (loss, grads), (want, want_grads) = (loss_and_grads(m, **batch) for m in (model, reference))
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(loss, want, rtol=tol["rtol"], atol=tol["atol"])
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=tol["rtol"], atol=tol["atol"])
+    surgery.unpatch(model)
+    assert model.config._experts_implementation == before
+    with pytest.raises(TypeError, match="experts_implementation"):
+        surgery.patch(model, experts_implementation=1)
+    assert not surgery.is_patched(model)

@@ -63,7 +63,7 @@ class GraphRecorder:
         def keep(graphs):
             def compiler(gm, example_inputs):
                 graphs.append(gm)
-                return make_boxed_func(gm.forward)
+                return make_boxed_func(views_as_reshapes(gm).forward)
 
             return compiler
 
@@ -90,6 +90,18 @@ class GraphRecorder:
             if is_tensor and not node.name.startswith("tangents"):
                 total += val.numel() * val.element_size()
         return total
+
+
+def views_as_reshapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with every ``aten.view`` run as ``aten.reshape``, as inductor lowers it (a copy where
+    the strides do not allow a view). AOT autograd's backward graphs may view a gradient whose
+    strides it only assumed (GatedDeltaNet's backward meets that, patched or not); run as traced,
+    such a view raises."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm
 
 
 def unwrap(grads: dict) -> dict:
@@ -160,7 +172,8 @@ def test_compiled_steps_match_and_compile_once(arch):
     assert recorder.frames == 1
     backward = recorder.ops(recorder.backward)
     assert backward.count("surgery.rms_norm_fwd.default") >= 2  # the layers' input norms
-    assert "surgery.gated_activation_fwd.default" in backward
+    if SPECS[arch].mlp is not None:  # Mixtral's experts are its only MLPs
+        assert "surgery.gated_activation_fwd.default" in backward
 
 
 # ---------------------------------------------------------------------------------------------

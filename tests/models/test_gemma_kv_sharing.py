@@ -1,0 +1,94 @@
+"""What Gemma 3n and Gemma 4 do that the registry's tests do not reach: generation through layers
+that reuse earlier layers' keys and values (with a KV cache), Gemma 4's mixture of experts (a
+variant of its mini config) and Gemma 3n's MLPs with activation sparsity (left unfused)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import surgery
+from surgery import layers as surgery_layers
+from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
+from tests.utils import TOLERANCES
+
+from .tiny import (
+    TINY,
+    assert_grads_close,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_config,
+    tiny_model,
+    twin,
+)
+
+TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
+LENGTHS = [7, 5, 3]
+ARCHS = ["gemma4_text", "gemma3n_text"]
+
+
+def model_of(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_with_shared_kv_matches_unpatched(arch):
+    """Greedy generation with a KV cache: the shared layers read the keys and values their
+    producer stored in this step (prompt and every new token), as transformers' do."""
+    model = tiny_model(arch).eval()
+    assert any(layer.self_attn.is_kv_shared_layer for layer in model.model.layers)
+    reference = twin(model)
+    surgery.patch(model)
+    prompt = padded_batch(sequences([6, 4]))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
+    want = reference.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_gemma4_moe_matches_unpatched(layout):
+    """Gemma 4's experts beside the MLPs (no auxiliary loss): loss and every gradient, and the
+    router logits when asked."""
+    mini = surgery.supported()["gemma4_text"].mini_config
+    moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
+    model = model_of(moe.build(TINY, pad_token_id=0)).train()
+    assert model.model.layers[0].enable_moe_block
+    reference = twin(model)
+    reference.config.use_cache = False  # unpatched keeps packed sequences apart only without
+    surgery.patch(model)
+    seqs = sequences(LENGTHS)
+    batch = (packed_batch(seqs) if layout == "packed" else padded_batch(seqs)).kwargs()
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+
+
+def test_gemma3n_sparse_mlps_keep_their_forward(monkeypatch):
+    """An MLP with activation sparsity cuts its gate before the activation: not the fused gated
+    kernel's math. It keeps transformers' forward; the others are fused; training is exact."""
+    layers = max(TINY.num_hidden_layers, 3)
+    config = tiny_config("gemma3n_text", activation_sparsity_pattern=[0.95] + [0.0] * (layers - 1))
+    model = model_of(config).train()
+    reference = twin(model)
+    surgery.patch(model)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert [type(m).forward is m.forward.__func__ for m in mlps] == [True] + [False] * (layers - 1)
+    calls = []
+    original = surgery_layers.gated_activation
+    monkeypatch.setattr(
+        surgery_layers, "gated_activation", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    assert len(calls) == layers - 1
