@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "REDUCTIONS",
     "check_labels",
+    "host_cu_seqlens",
     "label_error_flag",
     "prepare_targets",
     "sequence_starts",
@@ -145,6 +146,17 @@ def sequence_starts(
         starts[:, 0] = True
         return starts.reshape(-1)
     return None
+
+
+def host_cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """On the host (one device-to-host copy of the position ids): int64 ``(documents + 1,)``
+    offsets over the flattened (batch, seq) tokens where each document starts, then the token
+    count; documents as ``sequence_starts`` finds them. ``position_ids`` may be (batch, seq),
+    (1, seq) or (seq,): one row shared by every row."""
+    positions = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+    starts = sequence_starts(shape, torch.device("cpu"), position_ids=positions.cpu())
+    first = torch.nonzero(starts).flatten()
+    return torch.cat([first, first.new_tensor([starts.numel()])])
 
 
 def prepare_targets(

@@ -60,7 +60,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from surgery.kernels import apply_rope
-from surgery.kernels.reduction import sequence_starts
+from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec
 
 from . import recompute
@@ -160,7 +160,7 @@ def packed_sequences(
             return None if cu_seqlens is None else PackedSequences(cu_seqlens, shape[1], kernel)
         cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
         return PackedSequences(cu_seqlens, shape[1], kernel)
-    cu_seqlens = _cu_seqlens(position_ids, shape)
+    cu_seqlens = host_cu_seqlens(position_ids, shape)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
     max_length = int(cu_seqlens.diff().max())
@@ -173,7 +173,7 @@ def _read_cu_seqlens(
 ) -> torch.Tensor | None:
     # Eager inside a compiled forward; the count of documents is marked dynamic, so that batches
     # with other counts reuse the graph compiled after this read.
-    cu_seqlens = _cu_seqlens(position_ids, shape)
+    cu_seqlens = host_cu_seqlens(position_ids, shape)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
@@ -181,17 +181,10 @@ def _read_cu_seqlens(
     return cu_seqlens
 
 
-def _cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    # On the host: one device-to-host copy of the position ids.
-    starts = sequence_starts(shape, torch.device("cpu"), position_ids=position_ids.cpu())
-    first = torch.nonzero(starts).flatten()
-    return torch.cat([first, first.new_tensor([starts.numel()])])
-
-
 @torch.library.custom_op("surgery::packed_cu_seqlens", mutates_args=())
 def _packed_cu_seqlens_op(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """``PackedSequences.cu_seqlens`` of a (batch, seq) batch, on the position ids' device."""
-    cu_seqlens = _cu_seqlens(position_ids, (batch, seq))
+    cu_seqlens = host_cu_seqlens(position_ids, (batch, seq))
     return cu_seqlens.to(device=position_ids.device, dtype=torch.int32)
 
 

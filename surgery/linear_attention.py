@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from surgery.kernels.reduction import sequence_starts
+from surgery.kernels.reduction import host_cu_seqlens
 
 __all__ = [
     "DOCUMENTS_KWARG",
@@ -95,16 +95,13 @@ def packed_documents(
     """``Documents`` of a (batch, seq) batch from its (batch, seq) or (seq,) position ids, or None
     when every row holds one document. One device-to-host copy of the position ids."""
     batch, seq = shape
-    positions = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
-    positions = positions.expand(batch, seq).cpu()
-    starts = sequence_starts(shape, torch.device("cpu"), position_ids=positions)
-    first = torch.nonzero(starts).flatten()
+    cu_seqlens = host_cu_seqlens(position_ids, shape)
+    first, tokens = cu_seqlens[:-1], batch * seq
     if first.numel() == batch:
         return None
-    tokens = starts.numel()
-    lengths = torch.diff(first, append=first.new_tensor([tokens]))
+    lengths = cu_seqlens.diff()
     longest = int(lengths.max())
-    document = torch.cumsum(starts, 0) - 1
+    document = torch.repeat_interleave(torch.arange(first.numel()), lengths)
     offset = torch.arange(tokens) - first[document]
     scatter = document * longest + offset
     gather = torch.full((first.numel() * longest,), tokens, dtype=torch.long)
