@@ -12,9 +12,13 @@ where the pair (a, b) is read and written at (``layout``):
     "interleaved"          read (2j, 2j + 1),   write (2j, 2j + 1)   Llama 4's complex form
     "interleaved_to_half"  read (2j, 2j + 1),   write (j, j + r/2)   Mistral 4 / DeepSeek MLA
 
-and channels r..D-1 pass through unchanged. The map is a scaled rotation followed by a fixed
-permutation, so its backward is the same kernel with the angle negated and the read and write
-layouts swapped: dx = s P_in R(-angle) P_out^T dout.
+and channels r..D-1 pass through unchanged. Multimodal RoPE (``mrope_section``, Qwen2-VL and
+later) keeps all of this and changes only the position: frequency j is rotated by
+``position_ids[s(j), b, t] * inv_freq[j]``, s(j) its section's row of the (3, B, T) temporal,
+height and width positions, sections contiguous or interleaved over the frequencies.
+
+The map is a scaled rotation followed by a fixed permutation, so its backward is the same kernel
+with the angle negated and the read and write layouts swapped: dx = s P_in R(-angle) P_out^T dout.
 
 ``apply_rope`` computes cos/sin in the kernel from ``position_ids``, once per (token, frequency)
 and reused across every head of q and k in the program, so no (B, T, D) cos/sin tensors exist,
@@ -39,6 +43,7 @@ from .launch import (
     LAYOUTS,
     RopeLaunch,
     RopeLayout,
+    mrope_rows,
     rope_bwd,
     rope_cos_sin_bwd,
     rope_cos_sin_fwd,
@@ -46,7 +51,7 @@ from .launch import (
 )
 from .launch import _launch_cos_sin as _launch_cos_sin  # the FastLaunchers: test_launch.py
 from .launch import _launch_rope as _launch_rope  # inspects their caches
-from .reference import apply_rope_reference
+from .reference import apply_rope_reference, multimodal_angles
 
 __all__ = [
     "DEFAULT_LAUNCH",
@@ -57,6 +62,8 @@ __all__ = [
     "apply_rope",
     "apply_rope_reference",
     "apply_rotary_pos_emb",
+    "mrope_rows",
+    "multimodal_angles",
     "rope_bwd",
     "rope_cos_sin_bwd",
     "rope_cos_sin_fwd",

@@ -4,6 +4,8 @@ checked here, before anything launches."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .launch import LAYOUTS, RopeLayout, _rope, _rope_cos_sin
@@ -41,7 +43,29 @@ def _check_q_k(q, k, what: str) -> None:
         raise ValueError(f"{what}: q is on {q.device} but k is on {k.device}")
 
 
-def _check_rope(q, k, position_ids, inv_freq, rotary_dim, layout) -> int:
+def _check_mrope_section(mrope_section, mrope_interleaved, half) -> tuple[int, int, int]:
+    ok = isinstance(mrope_section, Sequence) and len(mrope_section) == 3
+    ok = ok and all(type(s) is int and s >= 0 for s in mrope_section)
+    if not ok:
+        raise ValueError(
+            "apply_rope: mrope_section must be three non-negative ints (temporal, height, width "
+            "frequencies, e.g. the config's rope_parameters['mrope_section']); got "
+            f"{mrope_section!r}"
+        )
+    if sum(mrope_section) != half:
+        raise ValueError(
+            f"apply_rope: mrope_section {list(mrope_section)} must sum to rotary_dim/2 = {half} "
+            "(one section per frequency); pass rotary_dim for partial rotary"
+        )
+    if not isinstance(mrope_interleaved, bool):
+        raise TypeError(f"apply_rope: mrope_interleaved must be a bool; got {mrope_interleaved!r}")
+    return tuple(mrope_section)
+
+
+def _check_rope(q, k, position_ids, inv_freq, rotary_dim, layout, mrope_section,
+                mrope_interleaved):  # fmt: skip
+    """Returns (rotary_dim, mrope_section as a tuple or None, position_ids as the kernel reads
+    them: (3, B|1, T) with sections, (B|1, T) without)."""
     _check_q_k(q, k, "apply_rope")
     if layout not in LAYOUTS:
         raise ValueError(f"apply_rope: layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
@@ -54,11 +78,28 @@ def _check_rope(q, k, position_ids, inv_freq, rotary_dim, layout) -> int:
             "apply_rope: position_ids must be an int32 or int64 tensor; got "
             f"{getattr(position_ids, 'dtype', type(position_ids))}"
         )
-    if position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
-        raise ValueError(
-            f"apply_rope: position_ids must be ({B}, {T}) or (1, {T}) for q {_shape(q)}; got "
-            f"{_shape(position_ids)}"
-        )
+    pos_2d = position_ids.dim() == 2 and position_ids.shape[0] in (1, B)
+    if mrope_section is None:
+        if position_ids.dim() == 3:
+            raise ValueError(
+                f"apply_rope: position_ids {_shape(position_ids)} are multimodal (3, batch, seq); "
+                "pass mrope_section (and mrope_interleaved) to rotate with them"
+            )
+        if not pos_2d or position_ids.shape[1] != T:
+            raise ValueError(
+                f"apply_rope: position_ids must be ({B}, {T}) or (1, {T}) for q {_shape(q)}; "
+                f"got {_shape(position_ids)}"
+            )
+    else:
+        pos_3d = position_ids.dim() == 3 and position_ids.shape[:2] in ((3, B), (3, 1))
+        if not (pos_3d or pos_2d) or position_ids.shape[-1] != T:
+            raise ValueError(
+                f"apply_rope: multimodal position_ids must be (3, {B}, {T}) or (3, 1, {T}) "
+                f"(temporal, height, width rows), or ({B}, {T}) / (1, {T}) for one row shared by "
+                f"all three, for q {_shape(q)}; got {_shape(position_ids)}"
+            )
+        if pos_2d:  # what transformers' multimodal rotary modules do with 2-D positions
+            position_ids = position_ids.expand(3, *position_ids.shape)
     rd = D if rotary_dim is None else int(rotary_dim)
     if rd <= 0 or rd > D or rd % 2:
         raise ValueError(
@@ -75,7 +116,11 @@ def _check_rope(q, k, position_ids, inv_freq, rotary_dim, layout) -> int:
     for name, t in (("position_ids", position_ids), ("inv_freq", inv_freq)):
         if t.device != q.device:
             raise ValueError(f"apply_rope: {name} is on {t.device} but q is on {q.device}")
-    return rd
+    if mrope_section is not None:
+        mrope_section = _check_mrope_section(mrope_section, mrope_interleaved, rd // 2)
+    elif mrope_interleaved:
+        raise ValueError("apply_rope: mrope_interleaved=True needs mrope_section")
+    return rd, mrope_section, position_ids
 
 
 def apply_rope(
@@ -86,6 +131,8 @@ def apply_rope(
     attention_scaling: float = 1.0,
     rotary_dim: int | None = None,
     layout: RopeLayout = "half",
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of queries and keys at their positions, angles computed in the kernel.
 
@@ -96,6 +143,9 @@ def apply_rope(
             one key head shared by every query head (MLA's rotary key ``k_pe``, (B, 1, T, r)).
         position_ids: (B, T) or (1, T), int32 or int64: the position of every token. Positions
             may restart inside a row (packed sequences) or start anywhere (a KV-cache offset).
+            With ``mrope_section``: (3, B, T) or (3, 1, T), the temporal, height and width
+            positions of every token (transformers' ``get_rope_index``; any strides), or (B, T)
+            / (1, T) for the same position in all three rows (text only).
         inv_freq: (rotary_dim/2,) inverse frequencies, as a transformers rotary module holds in
             ``inv_freq`` (every rope type that lives in ``inv_freq`` and ``attention_scaling``:
             default, linear, llama3, yarn, dynamic, ...). Read as fp32.
@@ -114,6 +164,16 @@ def apply_rope(
               ``rope_interleave``), which de-interleaves as it rotates. Attention scores equal
               ``"interleaved"``'s (q and k are permuted alike) but the values, and what a KV
               cache stores, are transformers' only in this layout.
+
+        mrope_section: multimodal RoPE (Qwen2-VL and later, the config's
+            ``rope_parameters["mrope_section"]``): how many of the r/2 frequencies take their
+            angle from the temporal, height and width position rows, three ints summing to r/2.
+            Frequency j is rotated by ``position_ids[s(j), b, t] * inv_freq[j]``; s(j) as
+            transformers' multimodal rotary modules build cos/sin (``mrope_rows`` states it).
+        mrope_interleaved: the section layout over the frequencies. False: contiguous runs
+            (Qwen2-VL, Qwen2.5-VL: [0, t) temporal, then height, then width). True: interleaved
+            (Qwen3-VL, Qwen3.5: j % 3 == 1 height and j % 3 == 2 width while those sections
+            last, temporal otherwise).
 
     Returns:
         ``(q_rot, k_rot)``: new tensors with the dtype and memory layout of q and k. Inputs are
@@ -140,14 +200,22 @@ def apply_rope(
     dtype itself), so attention reads the same values (but for a rare one-ulp difference: one
     rounding here against two there), and no fp32 copy of q and k is written.
     """
-    rd = _check_rope(q, k, position_ids, inv_freq, rotary_dim, layout)
+    rd, section, position_ids = _check_rope(
+        q, k, position_ids, inv_freq, rotary_dim, layout, mrope_section, mrope_interleaved
+    )
     scaling = float(attention_scaling)
+    interleaved = bool(mrope_interleaved)  # False without sections (checked)
     if torch.compiler.is_compiling():
-        return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout)
+        if section is None:  # the op's schema as before multimodal positions existed
+            return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout)
+        return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout, list(section),
+                            interleaved)  # fmt: skip
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
         # Nothing to differentiate: the launcher alone, without the Function's host time.
-        return _rope(q, k, position_ids, inv_freq, scaling, rd, layout, False, None, None)
-    return RopeFunction.apply(q, k, position_ids, inv_freq, scaling, rd, layout, False)
+        return _rope(q, k, position_ids, inv_freq, scaling, rd, layout, False, None, None, section,
+                     interleaved)  # fmt: skip
+    return RopeFunction.apply(q, k, position_ids, inv_freq, scaling, rd, layout, False, section,
+                              interleaved)  # fmt: skip
 
 
 def _cos_sin_eager(q, k, cos, sin):

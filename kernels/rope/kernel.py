@@ -13,6 +13,10 @@ as whole contiguous rows (vector loads and stores) and are split or joined in re
 them interleaved and writing them half-split moves values between threads, through shared
 memory. TODO: time the interleaved layouts on the H100 (a layout option in
 benchmarks/bench_rope.py) to know what that shuffle costs against a copy.
+
+Multimodal RoPE (MROPE, a constexpr) changes only where a frequency's position comes from: one
+of three position rows (temporal, height, width), picked per frequency by the section sizes
+(constexprs too) in registers; the rest of the kernel is the same.
 """
 
 from __future__ import annotations
@@ -48,6 +52,23 @@ if triton is not None:
             "sin.approx.ftz.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1
         )
         return cos, sin
+
+    @triton.jit
+    def _mrope_positions(pos_ptr, spos_s, mask_t, f, MROPE: tl.constexpr, SECTION_T: tl.constexpr,
+                         SECTION_H: tl.constexpr, SECTION_W: tl.constexpr):  # fmt: skip
+        # [BLOCK_T, HALF_PAD] fp32 position of every (token, frequency): the three rows are
+        # loaded once (BLOCK_T values each) and each frequency selects its row in registers, so
+        # no per-frequency table is read and the section layout costs a few integer compares.
+        p_t = tl.load(pos_ptr, mask=mask_t, other=0).to(tl.float32)[:, None]
+        p_h = tl.load(pos_ptr + spos_s, mask=mask_t, other=0).to(tl.float32)[:, None]
+        p_w = tl.load(pos_ptr + 2 * spos_s, mask=mask_t, other=0).to(tl.float32)[:, None]
+        if MROPE == 1:  # contiguous: SECTION_T temporal, then SECTION_H height, the rest width
+            is_h = (f >= SECTION_T) & (f < SECTION_T + SECTION_H)
+            is_w = f >= SECTION_T + SECTION_H
+        else:  # interleaved: j % 3 == 1 height and j % 3 == 2 width while the section lasts
+            is_h = (f % 3 == 1) & (f < 3 * SECTION_H)
+            is_w = (f % 3 == 2) & (f < 3 * SECTION_W)
+        return tl.where(is_h[None, :], p_h, tl.where(is_w[None, :], p_w, p_t))
 
     @triton.jit
     def _rotate_block(
@@ -210,6 +231,7 @@ if triton is not None:
         sok_h,
         sok_t,
         sok_d,
+        spos_s,
         spos_b,
         spos_t,
         s_inv,
@@ -222,18 +244,31 @@ if triton is not None:
         IN_INTERLEAVED: tl.constexpr,
         OUT_INTERLEAVED: tl.constexpr,
         INVERSE: tl.constexpr,
+        MROPE: tl.constexpr,
+        SECTION_T: tl.constexpr,
+        SECTION_H: tl.constexpr,
+        SECTION_W: tl.constexpr,
         SFU_TRIG: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
-        """Grid (token blocks, head groups, batch). INVERSE rotates by -angle (the backward)."""
+        """Grid (token blocks, head groups, batch). INVERSE rotates by -angle (the backward).
+
+        MROPE 0: one position per token. 1 (sections contiguous) or 2 (interleaved): three
+        position rows (temporal, height, width; ``spos_s`` apart), frequency j taking its
+        position from the row ``_mrope_positions`` gives it."""
         pid_b = tl.program_id(2).to(tl.int64)
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
-        pos = tl.load(pos_ptr + pid_b * spos_b + offs_t * spos_t, mask=mask_t, other=0)
         f = tl.arange(0, HALF_PAD)
         inv_freq = tl.load(inv_freq_ptr + f * s_inv, mask=f < HALF, other=0.0).to(tl.float32)
+        pos_ptr += pid_b * spos_b + offs_t * spos_t
+        if MROPE == 0:
+            pos = tl.load(pos_ptr, mask=mask_t, other=0).to(tl.float32)[:, None, None]
+        else:
+            pos = _mrope_positions(pos_ptr, spos_s, mask_t, f, MROPE, SECTION_T, SECTION_H,
+                                   SECTION_W)[:, None, :]  # fmt: skip
         # Same fp32 product as transformers' rotary modules, so angles agree bit for bit.
-        angle = pos.to(tl.float32)[:, None, None] * inv_freq[None, None, :]
+        angle = pos * inv_freq[None, None, :]
         if SFU_TRIG:
             cos, sin = _cos_sin_sfu(angle)
         else:

@@ -1,6 +1,6 @@
 """Host launchers of the rotary kernels (``rope_fwd``, ``rope_bwd``, ``rope_cos_sin_fwd``,
-``rope_cos_sin_bwd``), their launch configuration, and the PyTorch path CPU tensors take when the
-Triton interpreter is off.
+``rope_cos_sin_bwd``), their launch configuration, the multimodal section layout
+(``mrope_rows``), and the PyTorch path CPU tensors take when the Triton interpreter is off.
 
 Launchers take inputs as validated by ``apply_rope`` / ``apply_rotary_pos_emb`` (no checks here).
 Outputs are always new tensors laid out like the input (``empty_like``), so transformers' (B, T,
@@ -25,6 +25,7 @@ __all__ = [
     "LAYOUTS",
     "RopeLaunch",
     "RopeLayout",
+    "mrope_rows",
     "rope_bwd",
     "rope_cos_sin_bwd",
     "rope_cos_sin_fwd",
@@ -39,6 +40,9 @@ LAYOUTS: dict[str, tuple[bool, bool]] = {
     "interleaved": (True, True),
     "interleaved_to_half": (True, False),
 }
+
+# The kernel's constexprs for one position per token (no multimodal rows).
+_TEXT_POSITIONS = (("MROPE", 0), ("SECTION_T", 0), ("SECTION_H", 0), ("SECTION_W", 0))
 
 if rope_fwd_kernel is not None:
     # Launched directly once compiled (kernels/launch.py): the host time of a launch otherwise
@@ -120,6 +124,39 @@ def _launch_plan(launch, q, k, rotary_dim):
     return _plan(launch or INTERPRETER_LAUNCH, B, T, Hq, k.shape[1], D, rotary_dim, None)
 
 
+@functools.lru_cache(maxsize=64)
+def mrope_rows(
+    half: int, mrope_section: tuple[int, int, int], interleaved: bool
+) -> tuple[int, ...]:
+    """The position row (0 temporal, 1 height, 2 width) that each of the ``half`` frequencies
+    takes its angle from, for ``mrope_section`` = (t, h, w) frequencies per row (t + h + w =
+    ``half``; checked by ``apply_rope``).
+
+    Contiguous (Qwen2-VL, Qwen2.5-VL): frequencies [0, t) temporal, [t, t + h) height, the rest
+    width. Interleaved (Qwen3-VL, Qwen3.5): frequency j is height if j % 3 == 1 and j < 3h, width
+    if j % 3 == 2 and j < 3w, temporal otherwise. The kernel computes the same from constexprs
+    (``_mrope_positions``); this is the PyTorch path's copy.
+    """
+    t, h, w = mrope_section
+    if interleaved:
+        return tuple(
+            1 if j % 3 == 1 and j < 3 * h else 2 if j % 3 == 2 and j < 3 * w else 0
+            for j in range(half)
+        )
+    return tuple(0 if j < t else 1 if j < t + h else 2 for j in range(half))
+
+
+def _positions_fp32(position_ids, half, mrope_section, mrope_interleaved):
+    """fp32 positions that broadcast against (B|1, 1, T, half) angles: one per token, or (the
+    multimodal case) one per (token, frequency), gathered from the frequency's row."""
+    if mrope_section is None:
+        return position_ids.to(torch.float32)[:, None, :, None]  # (B|1, 1, T, 1)
+    rows = mrope_rows(half, mrope_section, mrope_interleaved)
+    rows = torch.tensor(rows, dtype=torch.long, device=position_ids.device)
+    pos = position_ids.index_select(0, rows).to(torch.float32)  # (half, B|1, T)
+    return pos.permute(1, 2, 0)[:, None]  # (B|1, 1, T, half)
+
+
 def _pair(x, rotary_dim, interleaved):
     """The two members of every rotated channel pair: (x_j, x_{j+r/2}) or (x_{2j}, x_{2j+1})."""
     if interleaved:
@@ -151,7 +188,7 @@ def _outputs(q, k, out):
 
 
 def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse, launch,
-          out):  # fmt: skip
+          out, mrope_section=None, mrope_interleaved=False):  # fmt: skip
     oq, ok = _outputs(q, k, out)
     _, Hq, T, _ = q.shape
     Hk = k.shape[1]
@@ -161,13 +198,8 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, i
     if inverse:
         # The transpose of "read pairs one way, write them another" reads the other way round.
         in_il, out_il = out_il, in_il
-    # Reading pairs in one layout and writing them in the other (Mistral 4's MLA) takes the
-    # PyTorch path on every device for now: its Triton path hit a misaligned address on the H100
-    # in the backward of a tiny Mistral 4 (MLA's sliced rotary views, rotary dim 4, bf16;
-    # benchmarks/results/gpu_tests_log.txt). TODO: find the load that assumes an alignment the
-    # strides do not give, verify on the GPU, and route the layout back to Triton.
-    if not use_triton(q) or in_il != out_il:
-        pos = position_ids.to(torch.float32)[:, None, :, None]  # (B|1, 1, T, 1)
+    if not use_triton(q):
+        pos = _positions_fp32(position_ids, rotary_dim // 2, mrope_section, mrope_interleaved)
         angle = pos * inv_freq.to(device=q.device, dtype=torch.float32)
         cos = angle.cos() * attention_scaling
         sin = angle.sin() * attention_scaling
@@ -178,13 +210,21 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, i
         return oq, ok
     grid, meta = _launch_plan(launch, q, k, rotary_dim)
     interpreted = interpreter_enabled()
+    if mrope_section is None:  # (B|1, T): no row axis
+        spos = (0, position_ids.stride(0) if position_ids.shape[0] > 1 else 0,
+                position_ids.stride(1))  # fmt: skip
+        positions = _TEXT_POSITIONS
+    else:  # (3, B|1, T)
+        spos = (position_ids.stride(0), position_ids.stride(1) if position_ids.shape[1] > 1 else 0,
+                position_ids.stride(2))  # fmt: skip
+        positions = (("MROPE", 2 if mrope_interleaved else 1), ("SECTION_T", mrope_section[0]),
+                     ("SECTION_H", mrope_section[1]), ("SECTION_W", mrope_section[2]))  # fmt: skip
     scalars = (T, Hq, Hk, float(attention_scaling), *q.stride(), *k.stride(), *oq.stride(),
-               *ok.stride(), position_ids.stride(0) if position_ids.shape[0] > 1 else 0,
-               position_ids.stride(1), inv_freq.stride(0))  # fmt: skip
+               *ok.stride(), *spos, inv_freq.stride(0))  # fmt: skip
     # Inline PTX on NVIDIA only; the interpreter and ROCm take the precise tl.cos/tl.sin.
     sfu = not interpreted and torch.version.hip is None
     flags = (("IN_INTERLEAVED", in_il), ("OUT_INTERLEAVED", out_il), ("INVERSE", inverse),
-             ("SFU_TRIG", sfu), ("INTERPRETED", interpreted))  # fmt: skip
+             *positions, ("SFU_TRIG", sfu), ("INTERPRETED", interpreted))  # fmt: skip
     _launch_rope(grid, (q, k, oq, ok, position_ids, inv_freq), scalars, meta + flags)
     return oq, ok
 
@@ -199,12 +239,14 @@ def rope_fwd(
     layout: RopeLayout = "half",
     launch: RopeLaunch | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated copies of (B, Hq, T, D) ``q`` and (B, Hk, T, D) ``k`` in ``layout`` (see
     ``apply_rope``). ``out``: tensors to write instead of new ones (any strides; never q or k
-    themselves)."""
+    themselves). With ``mrope_section``, ``position_ids`` is (3, B|1, T) (see ``apply_rope``)."""
     return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, False,
-                 launch, out)  # fmt: skip
+                 launch, out, mrope_section, mrope_interleaved)  # fmt: skip
 
 
 def rope_bwd(
@@ -217,11 +259,14 @@ def rope_bwd(
     layout: RopeLayout = "half",
     launch: RopeLaunch | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``rope_fwd``'s inputs (same ``layout``): the inverse rotation (scaled) of the
-    output grads, pairs read where ``rope_fwd`` writes them and written where it reads them."""
+    """Gradients of ``rope_fwd``'s inputs (same ``layout`` and positions): the inverse rotation
+    (scaled) of the output grads, pairs read where ``rope_fwd`` writes them and written where it
+    reads them."""
     return _rope(grad_q, grad_k, position_ids, inv_freq, attention_scaling, rotary_dim, layout,
-                 True, launch, out)  # fmt: skip
+                 True, launch, out, mrope_section, mrope_interleaved)  # fmt: skip
 
 
 def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):

@@ -17,8 +17,13 @@ __all__ = ["RopeCosSinFunction", "RopeFunction"]
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops: opaque to torch.compile (fullgraph=True traces through them). The op names
-# (``torch.ops.surgery.rope_*``) are stable; ``layout`` has a default so that calls written
-# before it existed keep their meaning.
+# (``torch.ops.surgery.rope_*``) are stable; ``layout`` and the multimodal arguments have
+# defaults so that calls written before they existed keep their meaning.
+
+
+def _section(mrope_section):
+    # The schema's int[] arrives as a list; the launcher keys caches on it.
+    return None if mrope_section is None else tuple(mrope_section)
 
 
 @torch.library.custom_op("surgery::rope_fwd", mutates_args=())
@@ -30,8 +35,12 @@ def _rope_fwd_op(
     attention_scaling: float,
     rotary_dim: int,
     layout: str = "half",
+    mrope_section: list[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_fwd(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout)
+    section = _section(mrope_section)
+    return rope_fwd(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout,
+                  mrope_section=section, mrope_interleaved=mrope_interleaved)  # fmt: skip
 
 
 @torch.library.custom_op("surgery::rope_bwd", mutates_args=())
@@ -43,8 +52,12 @@ def _rope_bwd_op(
     attention_scaling: float,
     rotary_dim: int,
     layout: str = "half",
+    mrope_section: list[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_bwd(grad_q, grad_k, position_ids, inv_freq, attention_scaling, rotary_dim, layout)
+    section = _section(mrope_section)
+    return rope_bwd(grad_q, grad_k, position_ids, inv_freq, attention_scaling, rotary_dim, layout,
+                  mrope_section=section, mrope_interleaved=mrope_interleaved)  # fmt: skip
 
 
 @torch.library.custom_op("surgery::rope_cos_sin_fwd", mutates_args=())
@@ -70,9 +83,9 @@ for _op in (_rope_fwd_op, _rope_bwd_op, _rope_cos_sin_fwd_op, _rope_cos_sin_bwd_
 
 
 def _save_rope_args(ctx, inputs, output):
-    _, _, position_ids, inv_freq, attention_scaling, rotary_dim, layout = inputs
+    _, _, position_ids, inv_freq, *rope_args = inputs
     ctx.save_for_backward(position_ids, inv_freq)
-    ctx.rope_args = (attention_scaling, rotary_dim, layout)
+    ctx.rope_args = tuple(rope_args)  # scaling, rotary_dim, layout, mrope_section, interleaved
 
 
 def _save_cos_sin(ctx, inputs, output):
@@ -90,8 +103,8 @@ def _partner_backward(partner_op, n_extra):
     return backward
 
 
-_rope_fwd_op.register_autograd(_partner_backward(_rope_bwd_op, 5), setup_context=_save_rope_args)
-_rope_bwd_op.register_autograd(_partner_backward(_rope_fwd_op, 5), setup_context=_save_rope_args)
+_rope_fwd_op.register_autograd(_partner_backward(_rope_bwd_op, 7), setup_context=_save_rope_args)
+_rope_bwd_op.register_autograd(_partner_backward(_rope_fwd_op, 7), setup_context=_save_rope_args)
 _rope_cos_sin_fwd_op.register_autograd(
     _partner_backward(_rope_cos_sin_bwd_op, 2), setup_context=_save_cos_sin
 )
@@ -110,23 +123,25 @@ class RopeFunction(torch.autograd.Function):
     Function's host time, which shows when the GPU work is a tenth of a millisecond."""
 
     @staticmethod
-    def forward(ctx, q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse):
+    def forward(ctx, q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse,
+                mrope_section=None, mrope_interleaved=False):  # fmt: skip
         ctx.save_for_backward(position_ids, inv_freq)
-        ctx.rope_args = (attention_scaling, rotary_dim, layout, inverse)
+        ctx.rope_args = (attention_scaling, rotary_dim, layout, inverse, mrope_section,
+                         mrope_interleaved)  # fmt: skip
         return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse,
-                     None, None)  # fmt: skip
+                     None, None, mrope_section, mrope_interleaved)  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        scaling, rotary_dim, layout, inverse = ctx.rope_args
+        scaling, rotary_dim, layout, inverse, section, interleaved = ctx.rope_args
         args = (grad_q, grad_k, *ctx.saved_tensors, scaling, rotary_dim, layout, not inverse)
         # Only a double backward (create_graph=True) needs this backward to be differentiable;
         # otherwise the launcher runs directly, without a second Function's host cost.
         if torch.is_grad_enabled():
-            dq, dk = RopeFunction.apply(*args)
+            dq, dk = RopeFunction.apply(*args, section, interleaved)
         else:
-            dq, dk = _rope(*args, None, None)
-        return dq, dk, None, None, None, None, None, None
+            dq, dk = _rope(*args, None, None, section, interleaved)
+        return dq, dk, None, None, None, None, None, None, None, None
 
 
 class RopeCosSinFunction(torch.autograd.Function):
