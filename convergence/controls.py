@@ -3,10 +3,11 @@ to show that the convergence checks catch what they claim to catch.
 
 ``fake_patch()`` trains exactly like the real patch (transformers' modules, the loss of
 ``surgery.convergence.loss``, the packed-batch guard, boundaries from ``position_ids``,
-``shift_labels``); ``fake_patch(bug, onset=k)`` plants one bug of ``BUGS``, active from training
-step ``k`` on (0: from the start; a late onset shows that the checks do not stop at step 0). It
-is never the patched side of a real run: ``python -m surgery.convergence --controls`` runs the
-whole table of bugs against it, and the test suite requires every bug to fail in fp32 and bf16.
+``shift_labels``, a mixture's router aux loss over the mask's tokens); ``fake_patch(bug,
+onset=k)`` plants one bug of ``BUGS``, active from training step ``k`` on (0: from the start; a
+late onset shows that the checks do not stop at step 0). It is never the patched side of a real
+run: ``python -m surgery.convergence --controls`` runs the whole table of bugs against it, and the
+test suite requires every bug to fail in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .loss import causal_lm_loss
+from .train import router_aux_loss_trained
 
 __all__ = ["BUGS", "Bug", "fake_patch"]
 
@@ -77,6 +80,14 @@ BUGS: dict[str, Bug] = {
     # must not hide a wrong expert output.
     "moe_experts": Bug("every MoE layer's expert output 1% too large", model="mixtral"),
     "moe_router_input": Bug("the routers see hidden states 1% off", model="mixtral"),
+    # The router aux loss, trained with the model's coefficient: wrongly weighted, and wrongly
+    # counted (the mask left out, as a forward that drops it for its attention might).
+    "aux_weight": Bug(
+        "trained loss carries the router aux loss at 1.01x its coefficient", model="mixtral"
+    ),
+    "aux_padding": Bug(
+        "router aux loss counts the padding tokens", layouts=("padded",), model="mixtral"
+    ),
 }
 
 
@@ -113,12 +124,13 @@ def _rotate_keys_one_position(model, active: Callable[[], bool]) -> None:
 def fake_patch(bug: str | None = None, onset: int = 0):
     """A ``patch`` callable: correct with ``bug=None``, else with ``BUGS[bug]`` planted from
     training step ``onset`` on (training steps are counted by training-mode forwards with
-    labels)."""
+    labels; a second one on the same batch, a mixture's step-0 comparison pass and then the step
+    trained, is the same step)."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; expected one of {sorted(BUGS)}")
 
     def patch(model, loss_reduction="mean", z_loss_scale=0.0, label_smoothing=0.0, **_):
-        steps = [0]
+        steps, last_batch = [0], [None]
 
         def on(name: str) -> bool:
             return bug == name and steps[0] >= onset
@@ -156,13 +168,18 @@ def fake_patch(bug: str | None = None, onset: int = 0):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
                     shift_labels=None, **kwargs):  # fmt: skip
             counted = self.training and labels is not None
+            if counted and input_ids is last_batch[0]:
+                steps[0] -= 1
             # The packed-batch guard: with a KV cache transformers lets packed rows attend across
             # documents (see surgery.forward).
             use_cache = None if on("attention_leak") else False
-            hidden = self.model(
+            aux_on = router_aux_loss_trained(self)
+            moe = {"output_router_logits": True} if aux_on else {}
+            base = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=use_cache,
-            ).last_hidden_state  # fmt: skip
+                use_cache=use_cache, **moe,
+            )  # fmt: skip
+            hidden = base.last_hidden_state
             weight = self.lm_head.weight
             if on("lm_head_grad"):
                 weight = _ScaleGrad.apply(weight, 1.01)
@@ -199,12 +216,25 @@ def fake_patch(bug: str | None = None, onset: int = 0):
                 loss = loss - z + z.detach()
             if on("grad_scale"):
                 loss = loss + 0.01 * (loss - loss.detach())
+            aux = None
+            if aux_on:
+                # transformers' load-balancing loss of the model's own module, after the decoder
+                # (its topk calls in the order transformers' forward makes them).
+                aux = sys.modules[type(self).__module__].load_balancing_loss_func(
+                    base.router_logits, self.num_experts, self.num_experts_per_tok,
+                    None if on("aux_padding") else attention_mask,
+                )  # fmt: skip
+                coef = self.router_aux_loss_coef * (1.01 if on("aux_weight") else 1.0)
+                loss = loss + coef * aux
             if counted:
                 steps[0] += 1
+                last_batch[0] = input_ids
             out = CausalLMOutputWithPast(
                 loss=loss, logits=logits if (on("logits") or not self.training) else None
             )
             out["z_loss"] = z.detach()
+            if aux is not None:
+                out["aux_loss"] = aux.detach()
             return out
 
         model.forward = types.MethodType(forward, model)

@@ -8,8 +8,12 @@ each side is loaded, trained and dropped before the next starts; tensors are com
 fixed random sketches, good to about 1%). The sides: ``reference`` (padded), the yardstick, and
 ``patched-padded`` / ``patched-packed``, as in ``train``; the fp32 probes run inside the unpatched
 fp32 run (the reference of an fp32 run, the yardstick of a bf16 one). The model is set up as the
-mini models are (``sequential.prepare_model``). Padded rows are padded with token 0: right padding
-under causal attention is never seen by a real token, so its id does not matter.
+mini models are (``sequential.prepare_model``: a mixture of experts trains its router aux loss with
+the checkpoint's coefficient). Padded rows are padded with token 0: right padding under causal
+attention is never seen by a real token, so its id does not matter. A mixture of experts runs with
+the mini runs' router replay (``routing``), the reference's routing replayed since it runs first
+(``sequential``), its own decisions and every other side's judged against the yardstick's
+(``record["routing"]``, as in ``train``).
 
 The yardstick (the mini rule: the unpatched run one precision up, fp32 for bf16, fp64 for fp32,
 trained on the same batches) needs twice the reference's memory. ``yardstick``:
@@ -60,7 +64,7 @@ import torch
 
 from . import train as _train
 from .data import DATA_KINDS, Document, read_documents, split_batches, synthetic_batches
-from .sequential import SequentialRunner, SideSpec
+from .sequential import SequentialRunner, SideSpec, SideTrace
 from .sketch import SKETCH_WIDTH
 from .train import DTYPES, EXACT, LAYOUTS, Variant
 
@@ -240,6 +244,7 @@ def train_and_compare_pretrained(
         fits, numbers = _yardstick_fits(runner, run, exact_dtype)
         mode, reason = ("full", f"fits: {numbers}") if fits else ("init", f"too big: {numbers}")
     if mode == "full":
+        runner.routing_yardstick = exact_name
         # No attention_mask, as train's yardstick (right padding is causal anyway; fp64 eager
         # masks can turn a pad row into NaN).
         spec = SideSpec(
@@ -259,6 +264,8 @@ def train_and_compare_pretrained(
         at_init, twin = f"{exact_name}@init", f"{run.dtype}-twin"
         exact = f"{at_init}+{twin}"
         yardsticks = [at_init, twin]
+        # Routing is judged at the initial weights (the final eval's is only recorded anyway).
+        runner.routing_yardstick = at_init
         runner.run_side(
             SideSpec(
                 at_init,
@@ -309,29 +316,27 @@ def train_and_compare_pretrained(
             runner.final[key] = _scaled(runner.final.pop(key_twin), k)
 
     traces = runner.traces
+
+    def series(trace: SideTrace) -> dict[str, list[float]]:
+        out = {"loss": trace.losses, "z_loss": trace.z_losses}
+        if trace.aux_losses is not None:
+            out["aux_loss"] = trace.aux_losses
+        return out
+
     if mode == "full":
-        yardstick_losses = (traces[exact].losses, traces[exact].z_losses)
+        yardstick_series = series(traces[exact])
     else:
-        init_trace, twin_trace = traces[at_init], traces[twin]
-        yardstick_losses = (
-            init_trace.losses[:1] + twin_trace.losses[1:],
-            init_trace.z_losses[:1] + twin_trace.z_losses[1:],
-        )
+        at_init_series, twin_series = series(traces[at_init]), series(traces[twin])
+        yardstick_series = {k: v[:1] + twin_series[k][1:] for k, v in at_init_series.items()}
     sides = {
         name: {
             "layout": traces[name].spec.layout,
             "patched": traces[name].spec.patched,
-            "loss": traces[name].losses,
-            "z_loss": traces[name].z_losses,
+            **series(traces[name]),
         }
         for name in ["reference"] + [s.name for s in patched]
     }
-    sides[exact] = {
-        "layout": "padded",
-        "patched": False,
-        "loss": yardstick_losses[0],
-        "z_loss": yardstick_losses[1],
-    }
+    sides[exact] = {"layout": "padded", "patched": False, **yardstick_series}
     from transformers import AutoConfig
 
     text_config = AutoConfig.from_pretrained(run.checkpoint).get_text_config()
@@ -350,6 +355,12 @@ def train_and_compare_pretrained(
         "final": runner.final,
         "eval_init": runner.eval_init,
         "eval_final": runner.eval_final,
+        # A mixture of experts: each side's own routing decisions against the yardstick's, by
+        # phase (as train's record; {} for a dense model).
+        "routing": {
+            phase: {k: v for k, v in by_side.items() if k in sides}
+            for phase, by_side in runner.routing.items()
+        },
         "logits_materialised_in_training": sorted(
             name for name, t in traces.items() if t.logits_materialised
         ),

@@ -9,18 +9,24 @@ its own tokens, so comparing two sides' logits and gradients would compare diffe
 
 ``Routing`` is a ``torch.overrides.TorchFunctionMode`` (public API, nothing in torch is rebound)
 that sees every ``torch.topk`` and ``Tensor.topk`` of one forward. Every router of the registry's
-mixtures calls ``topk`` once per MoE layer (Mistral 4's group-limited router three times:
-experts within each group, groups, then experts), and nothing else in those forwards does (the
-sides run without ``output_router_logits``; with it, transformers' aux loss ranks the router
-logits once more per layer, calls that would be recorded and replayed alike), so the calls in
-order are the forward's routing decisions (nothing of surgery's own calls ``topk``). What a call
-records (``Decision``): the scores it ranked and the indices it picked, at the batch's real
-tokens. Given another forward's decisions (``replay``), each call returns those indices at the
-real tokens, the side's own choice at pads, and the side's *own* scores gathered at the forced
-indices, so that the model's own formula (normalisation, scaling, sigmoid) runs on its own
-scores for the forced experts and the gradients flow as through ``topk``'s values. Calls are
-matched by order; a call whose ranked shape, ``k`` or ``largest`` differs from the recorded one,
-or a forward that calls ``topk`` fewer or more times, is an error.
+mixtures calls ``topk`` once per MoE layer (Mistral 4's group-limited router three times: experts
+within each group, groups, then experts), and nothing else in the decoder does (nothing of surgery's
+own calls ``topk``). With ``output_router_logits`` (the sides of a mixture with a router aux loss
+train it), transformers' ``load_balancing_loss_func`` ranks each layer's router probabilities once
+more, one call per layer in layer order, after the decoder has returned: in the unpatched causal-LM
+forward and in surgery's alike (``surgery.forward`` calls the same function at the same point). So
+every side makes the same calls in the same order, and the calls in order are the forward's routing
+decisions followed by the aux loss's count of tokens per expert; replaying both sends each real
+token to the same experts in the experts' output and in the aux loss, so a near tie that rounding
+tips moves neither. A ``topk`` that is no part of the forward being compared (a side computing an
+aux loss of its own, ``paused``) is neither recorded nor replayed. What a call records
+(``Decision``): the scores it ranked and the indices it picked, at the batch's real tokens. Given
+another forward's decisions (``replay``), each call returns those indices at the real tokens, the
+side's own choice at pads, and the side's *own* scores gathered at the forced indices, so that the
+model's own formula (normalisation, scaling, sigmoid) runs on its own scores for the forced experts
+and the gradients flow as through ``topk``'s values. Calls are matched by order; a call whose ranked
+shape, ``k`` or ``largest`` differs from the recorded one, or a forward that calls ``topk`` fewer or
+more times, is an error.
 
 Tokens are matched between layouts through the real tokens: the flat positions of the batch's
 non-pad tokens in row-major order (documents in order, as ``train._Side.real_tokens``), which a
@@ -35,6 +41,7 @@ its (k+1)-th score) and the largest score error against the yardstick.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +102,17 @@ class Routing(TorchFunctionMode):
         self.shape = tuple(shape)
         self.replay = replay
         self.decisions: list[Decision] = []
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside, ``topk`` calls run as they would without the mode: neither recorded nor
+        replayed."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def _tokens_first(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (topk's dimension already last) as (batch * seq, ..., E)."""
@@ -110,7 +128,7 @@ class Routing(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _TOPK:
+        if func not in _TOPK or self._paused:
             return func(*args, **kwargs)
         x, k, dim, largest, _ = _topk_args(*args, **kwargs)
         free = func(*args, **kwargs)

@@ -17,6 +17,16 @@ The fp32 probes of ``train`` (the patched model on the unpatched fp32 run's weig
 step) run inside their partner's run, as patched copies of its modules that share its parameters
 and gradients: no weights of their own. At each step they run just before the partner's own
 forward and backward, on the same weights.
+
+Mixtures of experts get ``train``'s router replay (``routing``), with one difference the order
+forces: the routing every side replays on one batch (the eval batch before and after training,
+and the step-0 comparison, a pass of its own before the step trained) is that of the first side
+run, the reference, which routes freely, since the yardstick runs after it. Each side's own
+decisions (every earlier layer routed as the reference's) are compared with the yardstick's once
+both have run (``routing`` in the record, judged by ``compare.flip_margin_ratio`` as in the mini
+runs). The probes route as their partner's step does: a forward of the partner without gradients
+picks its routing, which the probes and then the partner's own step replay. A router aux loss is
+trained and recorded as in ``train``.
 """
 
 from __future__ import annotations
@@ -31,8 +41,22 @@ from typing import Any
 import torch
 
 from .data import Document, collate
+from .routing import Decision, compare_decisions
 from .sketch import SKETCH_WIDTH, CountSketch
-from .train import DTYPES, METRICS, _rel_scalar, _Side, _to_device, rel_err
+from .train import (
+    DTYPES,
+    METRICS,
+    Forward,
+    _aux_value,
+    _rel_scalar,
+    _routed_forward,
+    _Side,
+    _to_device,
+    _values,
+    adds_router_aux_loss,
+    rel_err,
+    router_aux_loss_trained,
+)
 
 __all__ = ["SequentialRunner", "SideSpec", "SideTrace", "prepare_model"]
 
@@ -63,6 +87,7 @@ class SideTrace:
     spec: SideSpec
     losses: list[float] = field(default_factory=list)
     z_losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] | None = None  # a router aux loss trained: its value at every step
     steps: list[dict[str, Any]] = field(default_factory=list)  # only when spec.keep
     eval_init: dict[str, Any] | None = None
     eval_final: dict[str, Any] | None = None
@@ -71,6 +96,9 @@ class SideTrace:
     delta_per_tensor: dict[str, torch.Tensor] = field(default_factory=dict)
     logits_materialised: bool = False
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> layout, losses
+    # A mixture of experts: the side's own routing decisions (on the CPU) by phase ("eval_init",
+    # "step0", "eval_final"), until compared with the yardstick's.
+    decisions: dict[str, list[Decision]] = field(default_factory=dict)
     peak_bytes: int | None = None  # CUDA: in the training steps (eval batches make logits)
     peak_bytes_all: int | None = None  # CUDA: including the eval batches
 
@@ -90,10 +118,13 @@ def _round_once_more(side: _Side, noise: float, step: int, seed: int) -> None:
             p.grad.copy_(torch.addcmul(g, g, delta, value=noise))
 
 
-def _step_metrics(a: dict[str, Any], b: dict[str, Any], z_on: bool) -> dict[str, float]:
+def _step_metrics(
+    a: dict[str, Any], b: dict[str, Any], z_on: bool, aux_on: bool
+) -> dict[str, float]:
     out = {
         "loss": _rel_scalar(a["loss"], b["loss"]),
         "z_loss": _rel_scalar(a["z_loss"], b["z_loss"]) if z_on else 0.0,
+        "aux_loss": _rel_scalar(a["aux_loss"], b["aux_loss"]) if aux_on else 0.0,
         "grad": rel_err(a["grad"], b["grad"]),
         "hidden_grad": rel_err(a["hidden_grad"], b["hidden_grad"]),
         "lm_head_grad": rel_err(a["lm_head_grad"], b["lm_head_grad"]),
@@ -105,10 +136,13 @@ def _step_metrics(a: dict[str, Any], b: dict[str, Any], z_on: bool) -> dict[str,
     return out
 
 
-def _eval_metrics(a: dict[str, Any], b: dict[str, Any], z_on: bool) -> dict[str, float]:
+def _eval_metrics(
+    a: dict[str, Any], b: dict[str, Any], z_on: bool, aux_on: bool
+) -> dict[str, float]:
     return {
         "loss": _rel_scalar(a["loss"], b["loss"]),
         "z_loss": _rel_scalar(a["z_loss"], b["z_loss"]) if z_on else 0.0,
+        "aux_loss": _rel_scalar(a["aux_loss"], b["aux_loss"]) if aux_on else 0.0,
         **{k: rel_err(a[k], b[k]) for k in ("logits", "logits_grad", "hidden_grad", "grad")},
     }
 
@@ -126,16 +160,17 @@ def _final_metrics(a: SideTrace, b: SideTrace) -> dict[str, Any]:
 
 def prepare_model(model, dtype: torch.dtype) -> None:
     """Dropout off everywhere (two correct runs with dropout differ by design), and a
-    mixture-of-experts model without the router's auxiliary loss (as in ``train``: it is a
-    statistic of the whole batch, which packing changes). ``use_cache`` stays as the checkpoint
+    mixture-of-experts model whose causal-LM forward adds a router aux loss trains it (with the
+    checkpoint's ``router_aux_loss_coef``), as in ``train``. ``use_cache`` stays as the checkpoint
     has it, as in the mini configs: with a cache transformers lets packed documents attend to each
     other, so the packed side tests the patched forward's own guard against that."""
     config = model.config
-    if getattr(config, "output_router_logits", None) is not None:
-        config.output_router_logits = False
-        if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
-            # transformers' default experts implementation (grouped_mm) has no fp64 kernel.
-            model.set_experts_implementation("eager")
+    if adds_router_aux_loss(model):
+        config.output_router_logits = True
+    moe = getattr(config, "output_router_logits", None) is not None
+    if moe and dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
+        # transformers' default experts implementation (grouped_mm) has no fp64 kernel.
+        model.set_experts_implementation("eager")
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -167,6 +202,15 @@ class SequentialRunner:
         self.eval_final: dict[str, dict[str, float]] = {}
         self.final: dict[str, dict[str, Any]] = {}
         self.n_params = 0
+        self.aux_on = False  # the model trains a router aux loss (known once a side has loaded)
+        # Mixtures of experts (module docstring): the routing every later side replays, by phase
+        # (the first side's, on the CPU); whether the model routes at all (known after the first
+        # side's eval batch); the side whose decisions the others' are judged against (set by
+        # the caller before that side runs); and each side's own against it, by phase.
+        self.replay_source: dict[str, list[Decision]] = {}
+        self.routed = False
+        self.routing_yardstick: str | None = None
+        self.routing: dict[str, dict[str, dict[str, Any]]] = {}
 
     def _load(self, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
@@ -185,12 +229,14 @@ class SequentialRunner:
     def _collate(self, docs: Sequence[Document], spec: SideSpec) -> dict[str, torch.Tensor]:
         return _to_device(collate(docs, spec.layout), self.device)
 
-    def _capture_step(self, side: _Side, batch, loss, z) -> dict[str, Any]:
+    def _capture_step(self, side: _Side, batch, out: Forward) -> dict[str, Any]:
         sk = self.sketch
         head_grad = side.lm_head.grad
+        loss, z, aux = _values(out)
         return {
-            "loss": loss.item(),
-            "z_loss": z.item(),
+            "loss": loss,
+            "z_loss": z,
+            "aux_loss": aux,
             "grad": sk((k, p.grad) for k, p in side.params.items()),
             "hidden_grad": sk.one("hidden", side.real_tokens(side.hidden.grad, batch)),
             "lm_head_grad": sk.one("lm_head", head_grad),
@@ -207,7 +253,9 @@ class SequentialRunner:
         shared = {id(p): p for p in model.parameters()}
         probe = self._patched(copy.deepcopy(model, shared))
         v = self.run.variant
-        return _Side(f"probe-{layout}", probe, layout, True, v, self.run, partner.mask, probe=True)
+        # As in train: the attention mask where the router aux loss reads it.
+        mask = partner.mask or router_aux_loss_trained(model)
+        return _Side(f"probe-{layout}", probe, layout, True, v, self.run, mask, probe=True)
 
     def _patched(self, model):
         """``model`` patched as ``train``'s sides are."""
@@ -221,19 +269,36 @@ class SequentialRunner:
             label_smoothing=v.label_smoothing,
         )
 
-    def _capture_eval(self, side: _Side, spec: SideSpec) -> dict[str, Any]:
+    def _replayed(self, side: _Side, batch, phase: str, trace: SideTrace) -> Forward:
+        """``side.forward(batch)`` with the routing of ``phase`` that every side replays: the
+        first side to run the phase routes freely and its decisions become that routing. The
+        side's own decisions are kept in ``trace`` for the comparison with the yardstick's."""
+        source = self.replay_source.get(phase)
+        out, decisions = _routed_forward(side, batch, source)
+        own = [Decision(d.scores.cpu(), d.indices.cpu(), d.largest) for d in decisions]
+        if source is None:
+            self.replay_source[phase] = own
+        if own:
+            trace.decisions[phase] = own
+        return out
+
+    def _capture_eval(
+        self, side: _Side, spec: SideSpec, phase: str, trace: SideTrace
+    ) -> dict[str, Any]:
         batch = self._collate(self.eval_docs, spec)
         side.model.eval()
         side.zero_grad()
-        loss, z, logits = side.forward(batch)
+        fwd = self._replayed(side, batch, phase, trace)
+        logits = fwd.logits
         if logits is None:
             raise RuntimeError(f"{spec.name}: the eval forward returned no logits")
         logits.retain_grad()
-        loss.backward()
+        fwd.loss.backward()
         sk = self.sketch
         out = {
-            "loss": loss.item(),
-            "z_loss": z.item(),
+            "loss": fwd.loss.item(),
+            "z_loss": fwd.z_loss.item(),
+            "aux_loss": _aux_value(fwd.aux_loss),
             "logits": sk.one("logits", side.real_tokens(logits.detach(), batch)),
             "logits_grad": sk.one("logits_grad", side.real_tokens(logits.grad, batch)),
             "hidden_grad": sk.one("hidden", side.real_tokens(side.hidden.grad, batch)),
@@ -274,36 +339,65 @@ class SequentialRunner:
                 f"{run.checkpoint} twice gave different weights"
             )
         trace.init = init
-        trace.eval_init = self._capture_eval(side, spec)
+        self.aux_on = side.aux_coef is not None
+        if self.aux_on:
+            trace.aux_losses = []
+        trace.eval_init = self._capture_eval(side, spec, "eval_init", trace)
+        self.routed = bool(self.replay_source["eval_init"])
         peaks = [self._peak(reset=True)]
 
         mine += [(probe.name, spec.name) for probe in probes]
         steps = {f"{a}~{b}": {k: [] for k in METRICS} for a, b in mine}
         batches = self.train_docs if spec.train else self.train_docs[:1]
         for t, docs in enumerate(batches):
-            # The probes first, on the weights this side has now (they share its parameters).
+            batch = self._collate(docs, spec)
+            compared = None
+            if t == 0 and self.routed:
+                # Same weights: the step-0 comparison runs every side with one routing, in a
+                # pass of its own, so that the step trained below routes freely (as in train).
+                side.zero_grad()
+                fwd = self._replayed(side, batch, "step0", trace)
+                fwd.loss.backward()
+                if spec.grad_noise:
+                    _round_once_more(side, spec.grad_noise, t, run.seed)
+                compared = self._capture_step(side, batch, fwd)
+                del fwd
+            # The probes first, on the weights this side has now (they share its parameters),
+            # routed as this side's step is: its own choice, from a forward without gradients.
+            routing = None
+            if probes and self.routed:
+                with torch.no_grad():
+                    _, routing = _routed_forward(side, batch, None)
             probed = {}
             for probe in probes:
                 probe_batch = _to_device(collate(docs, probe.layout), self.device)
                 probe.zero_grad()
-                loss, z, _ = probe.forward(probe_batch)
-                loss.backward()
-                probed[probe.name] = self._capture_step(probe, probe_batch, loss, z)
-                probe.losses.append(probed[probe.name]["loss"])
-                probe.z_losses.append(probed[probe.name]["z_loss"])
-                del probe_batch, loss, z
-            batch = self._collate(docs, spec)
+                if routing is not None:
+                    fwd, _ = _routed_forward(probe, probe_batch, routing)
+                else:
+                    fwd = probe.forward(probe_batch)
+                fwd.loss.backward()
+                probed[probe.name] = self._capture_step(probe, probe_batch, fwd)
+                probe.record(fwd)
+                del probe_batch, fwd
             side.zero_grad()
-            loss, z, logits = side.forward(batch)
-            loss.backward()
+            if routing is not None:
+                fwd, _ = _routed_forward(side, batch, routing)
+            else:
+                fwd = side.forward(batch)
+            fwd.loss.backward()
             if spec.grad_noise:
                 _round_once_more(side, spec.grad_noise, t, run.seed)
-            trace.logits_materialised |= spec.patched and logits is not None
-            here = self._capture_step(side, batch, loss, z)
+            trace.logits_materialised |= spec.patched and fwd.logits is not None
+            here = self._capture_step(side, batch, fwd)
             trace.losses.append(here["loss"])
             trace.z_losses.append(here["z_loss"])
+            if self.aux_on:
+                trace.aux_losses.append(here["aux_loss"])
+            # What the sides are compared on: the step-0 pass where there is one.
+            compared = compared or here
             if spec.keep:
-                trace.steps.append(here)
+                trace.steps.append(compared)
             for a, b in mine:
                 if a in probed:
                     xa, xb = probed[a], here
@@ -311,10 +405,12 @@ class SequentialRunner:
                     other = self.traces[b if a == spec.name else a]
                     if t >= len(other.steps):
                         continue
-                    xa, xb = (here, other.steps[t]) if a == spec.name else (other.steps[t], here)
-                for k, value in _step_metrics(xa, xb, self.z_on).items():
+                    xa, xb = (
+                        (compared, other.steps[t]) if a == spec.name else (other.steps[t], compared)
+                    )
+                for k, value in _step_metrics(xa, xb, self.z_on, self.aux_on).items():
                     steps[f"{a}~{b}"][k].append(value)
-            del here, batch, loss, z, logits, probed
+            del here, compared, batch, fwd, probed, routing
             if spec.train:
                 side.step()
             if self.progress is not None and ((t + 1) % 8 == 0 or t + 1 == len(batches)):
@@ -325,7 +421,7 @@ class SequentialRunner:
         peaks.append(self._peak(reset=True))
         trace.peak_bytes = peaks[-1]
         if spec.train:
-            trace.eval_final = self._capture_eval(side, spec)
+            trace.eval_final = self._capture_eval(side, spec, "eval_final", trace)
             final, final_per_tensor = self._weights(side)
             trace.delta = final - init
             trace.delta_per_tensor = {
@@ -339,6 +435,7 @@ class SequentialRunner:
                 "partner": spec.name,
                 "loss": probe.losses,
                 "z_loss": probe.z_losses,
+                **({"aux_loss": probe.aux_losses} if self.aux_on else {}),
             }
             for probe in probes
         }
@@ -352,11 +449,28 @@ class SequentialRunner:
             if a in trace.probes:
                 continue
             ta, tb = self.traces[a], self.traces[b]
-            self.eval_init[f"{a}~{b}"] = _eval_metrics(ta.eval_init, tb.eval_init, self.z_on)
+            on = self.z_on, self.aux_on
+            self.eval_init[f"{a}~{b}"] = _eval_metrics(ta.eval_init, tb.eval_init, *on)
             if ta.eval_final is not None and tb.eval_final is not None:
-                self.eval_final[f"{a}~{b}"] = _eval_metrics(ta.eval_final, tb.eval_final, self.z_on)
+                self.eval_final[f"{a}~{b}"] = _eval_metrics(ta.eval_final, tb.eval_final, *on)
                 self.final[f"{a}~{b}"] = _final_metrics(ta, tb)
+        self._compare_routing()
         return trace
+
+    def _compare_routing(self) -> None:
+        """Each finished side's own routing decisions against the yardstick's, by phase
+        (``routing.compare_decisions``), once the yardstick has run; then they are dropped."""
+        yardstick = self.traces.get(self.routing_yardstick)
+        if yardstick is None:
+            return
+        for name, trace in self.traces.items():
+            if trace is yardstick:
+                continue
+            for phase, mine in trace.decisions.items():
+                if phase in yardstick.decisions:
+                    theirs = yardstick.decisions[phase]
+                    self.routing.setdefault(phase, {})[name] = compare_decisions(mine, theirs)
+            trace.decisions = {}
 
     def _peak(self, reset: bool = False) -> int | None:
         """CUDA: the most memory allocated since the last reset (None elsewhere)."""

@@ -29,6 +29,15 @@ the lm_head weight's gradient, its sum over the vocabulary (the z-loss's own gra
 ``_z_grad``) and every parameter's gradient. Logits and their gradients are compared on an eval
 batch, where both sides materialise them.
 
+A mixture of experts with a router auxiliary loss (``router_aux_loss_trained``) trains it, as
+transformers' causal-LM forward does with ``output_router_logits``: every side's loss is the
+language-model loss plus the model's own ``router_aux_loss_coef`` times transformers'
+``load_balancing_loss_func`` of the router logits over the real tokens (the unpatched sides add
+it to ``causal_lm_loss`` as transformers' forward adds it to its own loss; the patched forward
+adds it itself), and each side's aux loss is recorded beside its loss. It is one statistic of all
+the batch's real tokens, the same whether they come padded (the attention mask leaves the pads
+out) or packed, so every side is compared with the padded reference as for the loss.
+
 Mixtures of experts (``routing``): wherever sides are compared on one batch (the eval batch,
 before and after training, and the step-0 gradients) every side runs with the yardstick's
 routing decisions replayed at the real tokens, so that a near-tied router that rounding tips
@@ -40,14 +49,17 @@ the record) and judged by ``compare.flip_margin_ratio``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +76,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EXACT = {"fp32": ("fp64-reference", torch.float64), "bf16": ("fp32-reference", torch.float32)}
 LAYOUTS = ("padded", "packed")
 # What each step records for a pair of sides (see compare for the checks).
-METRICS = ("loss", "z_loss", "grad", "hidden_grad", "lm_head_grad", "z_grad")
+METRICS = ("loss", "z_loss", "aux_loss", "grad", "hidden_grad", "lm_head_grad", "z_grad")
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,30 @@ def _z_grad(a: _Side, b: _Side) -> float | None:
     return rel_err(a.lm_head.grad.sum(0), b.lm_head.grad.sum(0))
 
 
+def adds_router_aux_loss(model) -> bool:
+    """Whether ``model``'s class's causal-LM forward takes ``output_router_logits``: transformers'
+    mixtures of experts that then add ``router_aux_loss_coef`` times ``load_balancing_loss_func``
+    of the router logits to the loss (Llama 4's, which outputs them but adds nothing, does not)."""
+    return "output_router_logits" in inspect.signature(type(model).forward).parameters
+
+
+def router_aux_loss_trained(model) -> bool:
+    """Whether ``model`` trains a router aux loss: it adds one (``adds_router_aux_loss``) and its
+    config turns the router logits on."""
+    return adds_router_aux_loss(model) and bool(model.config.output_router_logits)
+
+
+class Forward(NamedTuple):
+    """One side's forward: what it trains (``loss``), the z-loss and router aux loss terms in it
+    (the aux loss before its coefficient, as transformers returns it; None without one) and the
+    logits (None where the patched forward does not materialise them)."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    logits: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+
+
 class _Side:
     """One model in the lockstep run, with its optimizer (none for a probe) and a hook on the
     final norm."""
@@ -182,8 +218,21 @@ class _Side:
         # The base model (get_decoder() returns Llama 4's causal LM itself: its base_model_prefix
         # names no attribute).
         model.model.norm.register_forward_hook(self._keep_hidden)
+        # The router aux loss's coefficient where the model trains one (None: no aux loss).
+        self.aux_coef = model.router_aux_loss_coef if router_aux_loss_trained(model) else None
         self.losses: list[float] = []
         self.z_losses: list[float] = []
+        self.aux_losses: list[float] = []
+
+    def record(self, out: Forward) -> tuple[float, float, float]:
+        """Append ``out``'s loss, z-loss and aux loss to the side's series; returns them
+        (``_values``)."""
+        values = _values(out)
+        self.losses.append(values[0])
+        self.z_losses.append(values[1])
+        if self.aux_coef is not None:
+            self.aux_losses.append(values[2])
+        return values
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -221,26 +270,44 @@ class _Side:
             batch["labels"] = torch.where(starts, batch["input_ids"], batch["labels"])
         return batch
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(loss, z_loss, logits or None) of one batch, with the side's loss definition."""
+    def forward(self, batch: dict[str, torch.Tensor], routing: Routing | None = None) -> Forward:
+        """One batch's ``Forward``, with the side's loss definition. ``routing``: the
+        ``routing.Routing`` the forward runs in, if any."""
         inputs = self.inputs(batch)
         if self.patched:
             out = self.model(**inputs)
             z = getattr(out, "z_loss", None)
             if z is None:
                 z = torch.zeros((), device=out.loss.device)
-            return out.loss, z, out.logits
-        logits = self.model(**inputs).logits
+            aux = getattr(out, "aux_loss", None) if self.aux_coef is not None else None
+            return Forward(out.loss, z, out.logits, aux)
+        out = self.model(**inputs)
         v = self.variant
         loss, z = causal_lm_loss(
-            logits,
+            out.logits,
             batch["labels"],
             reduction=v.reduction,
             z_loss_scale=v.z_loss_scale,
             label_smoothing=v.label_smoothing,
             position_ids=inputs.get("position_ids"),
         )
-        return loss, z, logits
+        aux = None
+        if self.aux_coef is not None:
+            aux = out.aux_loss
+            if not self.mask:
+                # Run without the attention mask (the yardstick), transformers counted the pads
+                # too: the same function over the real tokens, as for the sides with the mask.
+                # Its topk calls are no part of the forward the others replay.
+                with routing.paused() if routing is not None else contextlib.nullcontext():
+                    aux = _load_balancing_loss(self.model)(
+                        out.router_logits,
+                        self.model.num_experts,
+                        self.model.num_experts_per_tok,
+                        batch.get("attention_mask"),
+                    )
+            # As transformers' causal-LM forward adds it to its own loss.
+            loss = loss + self.aux_coef * aux.to(loss.device)
+        return Forward(loss, z, out.logits, aux)
 
     def routing(self, batch: dict[str, torch.Tensor], replay: list[Decision] | None = None):
         """A ``routing.Routing`` for one forward of ``batch``: records the side's routing
@@ -259,6 +326,22 @@ class _Side:
         if self.layout == "packed":
             return t[0]
         return t[batch["attention_mask"].bool()]
+
+
+def _aux_value(aux: torch.Tensor | None) -> float:
+    return float("nan") if aux is None else float(aux.detach())
+
+
+def _values(out: Forward) -> tuple[float, float, float]:
+    """``out``'s loss, z-loss and aux loss as floats (the aux loss NaN where none was returned:
+    a model that trains one and returns none fails every aux check)."""
+    return out.loss.item(), out.z_loss.item(), _aux_value(out.aux_loss)
+
+
+def _load_balancing_loss(model) -> Callable[..., torch.Tensor]:
+    """transformers' ``load_balancing_loss_func`` of ``model``'s own modeling module (the one its
+    causal-LM forward calls)."""
+    return sys.modules[type(model).__module__].load_balancing_loss_func
 
 
 def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -282,13 +365,15 @@ def _yardstick_first(sides: list[_Side], exact: str) -> list[_Side]:
     return sorted(sides, key=lambda s: s.name != exact)
 
 
-def _routed_forward(side: _Side, batch, replay: list[Decision] | None):
-    """``side.forward(batch)`` inside a ``Routing``: (loss, z, logits, decisions)."""
+def _routed_forward(
+    side: _Side, batch, replay: list[Decision] | None
+) -> tuple[Forward, list[Decision]]:
+    """``side.forward(batch)`` inside a ``Routing``: (its ``Forward``, the decisions)."""
     routing = side.routing(batch, replay)
     with routing:
-        loss, z, logits = side.forward(batch)
+        out = side.forward(batch, routing)
     routing.check_replayed()
-    return loss, z, logits, routing.decisions
+    return out, routing.decisions
 
 
 def _routing_summary(decisions: dict[str, list[Decision]], exact: str) -> dict[str, dict[str, Any]]:
@@ -321,14 +406,16 @@ def _eval_check(
         side.model.eval()
         side.zero_grad()
         replay = None if side.name == exact else decisions[exact]
-        loss, z, logits, decisions[side.name] = _routed_forward(side, batch, replay)
+        out, decisions[side.name] = _routed_forward(side, batch, replay)
+        logits = out.logits
         if logits is None:
             raise RuntimeError(f"{side.name}: the eval forward returned no logits")
         logits.retain_grad()
-        loss.backward()
+        out.loss.backward()
         captured[side.name] = {
-            "loss": loss.item(),
-            "z_loss": z.item(),
+            "loss": out.loss.item(),
+            "z_loss": out.z_loss.item(),
+            "aux_loss": _aux_value(out.aux_loss),
             "logits": side.real_tokens(logits.detach(), batch),
             "logits_grad": side.real_tokens(logits.grad, batch),
             "hidden_grad": side.real_tokens(side.hidden.grad, batch),
@@ -337,13 +424,13 @@ def _eval_check(
         side.zero_grad()
         side.model.train()
     results = {}
+    z_on, aux_on = sides[0].variant.z_loss_scale, sides[0].aux_coef is not None
     for a, b in pairs:
         x, r = captured[a], captured[b]
         results[f"{a}~{b}"] = {
             "loss": _rel_scalar(x["loss"], r["loss"]),
-            "z_loss": _rel_scalar(x["z_loss"], r["z_loss"])
-            if sides[0].variant.z_loss_scale
-            else 0.0,
+            "z_loss": _rel_scalar(x["z_loss"], r["z_loss"]) if z_on else 0.0,
+            "aux_loss": _rel_scalar(x["aux_loss"], r["aux_loss"]) if aux_on else 0.0,
             "logits": rel_err(x["logits"], r["logits"]),
             "logits_grad": rel_err(x["logits_grad"], r["logits_grad"]),
             "hidden_grad": rel_err(x["hidden_grad"], r["hidden_grad"]),
@@ -354,9 +441,10 @@ def _eval_check(
 
 def _append_step(m: dict[str, list[float]], sa: _Side, sb: _Side, ba, bb, la, lb, z_on) -> None:
     """One step's METRICS of side ``sa`` against ``sb`` (their batches ``ba``, ``bb`` and their
-    (loss, z-loss) ``la``, ``lb``), from the gradients they hold now."""
+    (loss, z-loss, aux loss) ``la``, ``lb``), from the gradients they hold now."""
     m["loss"].append(_rel_scalar(la[0], lb[0]))
     m["z_loss"].append(_rel_scalar(la[1], lb[1]) if z_on else 0.0)
+    m["aux_loss"].append(_rel_scalar(la[2], lb[2]) if sb.aux_coef is not None else 0.0)
     m["hidden_grad"].append(
         rel_err(sa.real_tokens(sa.hidden.grad, ba), sb.real_tokens(sb.hidden.grad, bb))
     )
@@ -391,12 +479,8 @@ def train_and_compare(
     def side(name, layout, patched, model_dtype=dtype, mask=True, probe=False):
         model = copy.deepcopy(base).to(model_dtype)
         if ARCHITECTURES[cfg.model].router_aux_loss:
-            # The router's load-balancing loss is one statistic of the whole batch: packed and
-            # padded layouts of the same documents give different ones, in transformers too, so
-            # the sides (compared across layouts) train the language-model loss alone. The aux
-            # loss is compared with transformers' on the same batch in tests/models.
-            # TODO(#14): an unpatched reference per layout, to train and compare the aux loss here.
-            model.config.output_router_logits = False
+            # Trained and compared (module docstring), with the mini config's coefficient.
+            model.config.output_router_logits = True
         if model_dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
             # transformers' default experts implementation (grouped_mm) has no fp64 kernel; its
             # reference loop computes the same experts (Gemma 4's mixture has no aux loss).
@@ -432,8 +516,12 @@ def train_and_compare(
     # one whose effect bf16's rounding hides (2^-9 per element, where a 1% error in a 1e-4
     # z-loss is 1e-6 of the gradient), is held to fp32's same-weights limits in a bf16 run too.
     partner = ref if cfg.dtype == "fp32" else sides[-1]
+    # The probes get the attention mask as their partner does, except where the router aux loss
+    # reads it (the patched forward counts the tokens of the mask it is given): the partner
+    # without one counts the real tokens all the same (_Side.forward).
+    probe_mask = partner.mask or partner.aux_coef is not None
     probes = [
-        side(f"probe-{layout}", layout, True, torch.float32, mask=partner.mask, probe=True)
+        side(f"probe-{layout}", layout, True, torch.float32, mask=probe_mask, probe=True)
         for layout in cfg.layouts
     ]
     # Which pairs are compared: every patched side against the reference, every side against
@@ -464,44 +552,41 @@ def train_and_compare(
             for s in _yardstick_first(sides, exact_name):
                 s.zero_grad()
                 replay = None if s.name == exact_name else decisions[exact_name]
-                loss, z, _, decisions[s.name] = _routed_forward(s, batches[s.name], replay)
-                loss.backward()
-                losses[s.name] = (loss.item(), z.item())
+                out, decisions[s.name] = _routed_forward(s, batches[s.name], replay)
+                out.loss.backward()
+                losses[s.name] = _values(out)
             for a, b in pairs:
                 _append_step(step_metrics[f"{a}~{b}"], by_name[a], by_name[b], batches[a],
                              batches[b], losses[a], losses[b], v.z_loss_scale)  # fmt: skip
             routing["step0"] = _routing_summary(decisions, exact_name)
             measured = probe_pairs
         partner_routing = None
+        recorded = {}
         for s in sides:
             s.zero_grad()
             if routed and s is partner:
                 # The probes route as their partner did (they compare the patch alone).
-                loss, z, logits, partner_routing = _routed_forward(s, batches[s.name], None)
+                out, partner_routing = _routed_forward(s, batches[s.name], None)
             else:
-                loss, z, logits = s.forward(batches[s.name])
-            loss.backward()
-            if s.patched and logits is not None:
+                out = s.forward(batches[s.name])
+            out.loss.backward()
+            if s.patched and out.logits is not None:
                 logits_materialised.append(s.name)
-            s.losses.append(loss.item())
-            s.z_losses.append(z.item())
+            recorded[s.name] = s.record(out)
         for p in probes:
             with torch.no_grad():
                 for mine, theirs in zip(p.params.values(), partner.params.values()):
                     mine.copy_(theirs)
             p.zero_grad()
             if routed:
-                loss, z, _, _ = _routed_forward(p, batches[p.name], partner_routing)
+                out, _ = _routed_forward(p, batches[p.name], partner_routing)
             else:
-                loss, z, _ = p.forward(batches[p.name])
-            loss.backward()
-            p.losses.append(loss.item())
-            p.z_losses.append(z.item())
+                out = p.forward(batches[p.name])
+            out.loss.backward()
+            recorded[p.name] = p.record(out)
         for a, b in measured:
-            sa, sb = by_name[a], by_name[b]
-            _append_step(step_metrics[f"{a}~{b}"], sa, sb, batches[a], batches[b],
-                         (sa.losses[-1], sa.z_losses[-1]), (sb.losses[-1], sb.z_losses[-1]),
-                         v.z_loss_scale)  # fmt: skip
+            _append_step(step_metrics[f"{a}~{b}"], by_name[a], by_name[b], batches[a], batches[b],
+                         recorded[a], recorded[b], v.z_loss_scale)  # fmt: skip
         del batches
         for s in sides:
             s.step()
@@ -541,6 +626,8 @@ def train_and_compare(
                 "patched": s.patched,
                 "loss": s.losses,
                 "z_loss": s.z_losses,
+                # Only where the model trains a router aux loss (compare checks it where present).
+                **({"aux_loss": s.aux_losses} if s.aux_coef is not None else {}),
             }
             for s in sides
         },
@@ -550,6 +637,7 @@ def train_and_compare(
                 "partner": partner.name,
                 "loss": p.losses,
                 "z_loss": p.z_losses,
+                **({"aux_loss": p.aux_losses} if p.aux_coef is not None else {}),
             }
             for p in probes
         },

@@ -4,6 +4,8 @@ layouts; the flip rule; and a bf16 mixture, whose routing ties flip between runs
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -66,6 +68,51 @@ def test_mixtures_route_through_topk_and_dense_models_do_not(name, overrides):
         assert len(decisions) >= experts
         n = sum(len(d) for d in EVAL_DOCS)
         assert all(d.scores.shape[0] == n for d in decisions)
+
+
+AUX_MIXTURES = [name for name, spec in ARCHITECTURES.items() if spec.router_aux_loss]
+
+
+@pytest.mark.parametrize("name", AUX_MIXTURES)
+def test_aux_loss_ranks_after_the_routers_alike_patched_and_unpatched(name):
+    """With ``output_router_logits`` (the sides train the router aux loss), transformers'
+    ``load_balancing_loss_func`` ranks each layer's router probabilities once more, after the
+    decoder, in the unpatched causal-LM forward and in surgery's alike: the same topk calls in the
+    same order (the routers', then one per MoE layer, fp32: the routers' picks), so the patched
+    model replays the unpatched one's on padded and packed rows and gets its aux loss. The side
+    without the attention mask (the yardstick) counts the real tokens too, with its own topk
+    calls kept out of what is recorded and replayed (``Routing.paused``)."""
+    import surgery
+
+    model = build_model(name, overrides={"use_cache": False, "output_router_logits": True})
+    model.train()
+    patched = surgery.patch(copy.deepcopy(model), rope=True, fused_linear_cross_entropy=True)
+    n = _experts_modules(model)
+
+    def run(side, layout, replay=None):
+        batch = collate(EVAL_DOCS, layout)
+        routing = side.routing(batch, replay)
+        with torch.no_grad(), routing:
+            out = side.forward(batch, routing)
+        routing.check_replayed()
+        return out, routing.decisions
+
+    ref, decisions = run(_Side("ref", model, "padded", False, Variant(), RunConfig(), probe=True),
+                         "padded")  # fmt: skip
+    assert ref.aux_loss is not None and len(decisions) == 2 * n
+    for router, aux in zip(decisions[:n], decisions[n:]):
+        assert torch.equal(router.indices, aux.indices)
+    shapes = [(d.scores.shape, d.k, d.largest) for d in decisions]
+    for layout in ("padded", "packed"):
+        side = _Side(layout, patched, layout, True, Variant(), RunConfig(), probe=True)
+        out, mine = run(side, layout, decisions)
+        assert [(d.scores.shape, d.k, d.largest) for d in mine] == shapes, layout
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-6)
+    unmasked = _Side("yardstick", model, "padded", False, Variant(), RunConfig(), mask=False,
+                     probe=True)  # fmt: skip
+    out, mine = run(unmasked, "padded")
+    assert len(mine) == 2 * n
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=1e-7)
 
 
 def _experts_picked(out) -> torch.Tensor:

@@ -39,6 +39,15 @@ def test_patched_trains_like_original(name):
     assert {"loss", "z_loss", "grad@0", "grad@0:accuracy", "eval_logits", "params:drift"} <= names
     assert {"final_eval_loss", "final_eval_logits:drift", "no_logits_in_training"} <= names
     assert record["sides"]["patched-packed"]["loss"][0] > 0
+    if ARCHITECTURES[name].router_aux_loss:
+        # The router aux loss is trained and compared like the loss (packed rows against the
+        # padded reference: the statistic of the same real tokens).
+        assert {"aux_loss", "aux_loss@0", "eval_aux_loss", "final_eval_aux_loss"} <= names
+        assert "probe_aux_loss" in names
+        aux = record["sides"]["reference"]["aux_loss"]
+        assert len(aux) == cfg.steps and all(a > 0 for a in aux)
+    else:
+        assert not any("aux" in n for n in names)
 
 
 @pytest.mark.parametrize(
