@@ -291,9 +291,11 @@ def apply_contender(model, contender: str) -> dict[str, Any]:
         model_type = model.config.model_type
         if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
             raise Unavailable(f"Liger has no patch for {model_type}")
-        kwargs: dict[str, Any] = {"rope": True, "fused_linear_cross_entropy": True}
+        # Liger's own defaults otherwise: its RoPE is off by default where Liger does not support
+        # it (Qwen3.5's hybrid attention raises NotImplementedError when asked for).
+        kwargs: dict[str, Any] = {"fused_linear_cross_entropy": True}
         if contender == "liger_rope_flce":
-            kwargs.update(rms_norm=False, swiglu=False, geglu=False)
+            kwargs.update(rope=True, rms_norm=False, swiglu=False, geglu=False)
         params = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
         on = {k: kwargs.get(k, p.default) for k, p in params.items() if isinstance(p.default, bool)}
         _apply_liger_kernel_to_instance(model=model, **kwargs)
@@ -542,6 +544,19 @@ def profile_step(model, step, device, vocab, seq, job) -> None:
     )
     out.write_text(header + "\n\n".join(sections) + "\n")
     print(f"wrote {out}", flush=True)
+    if job.get("profile_trace"):
+        # The step's timeline (chrome://tracing, Perfetto), gzipped: where the GPU waits.
+        import gzip
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(raw)
+            trace = out.with_suffix(".trace.json.gz")
+            with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+                dst.write(src.read())
+        print(f"wrote {trace}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -849,6 +864,9 @@ def parse_args(argv=None):
         help="comma list of contenders to profile (e.g. surgery,surgery_compiled)",
     )
     p.add_argument("--profile-scenario", choices=["padded", "packed"], default="padded")
+    p.add_argument(
+        "--profile-trace", action="store_true", help="with the tables, the gzipped chrome trace"
+    )
     p.add_argument("--worker-timeout-s", type=float, default=240.0)
     p.add_argument(
         "--compiled-worker-timeout-s",
@@ -977,7 +995,8 @@ def main(argv=None) -> int:
             label = f"{m}/{c} profile ({args.profile_scenario})"
             print(f"[{label}] starting", flush=True)
             job = {**base_job, "model": m, "contender": c, "profile": True,
-                   "profile_scenario": args.profile_scenario}  # fmt: skip
+                   "profile_scenario": args.profile_scenario,
+                   "profile_trace": args.profile_trace}  # fmt: skip
             res = run_worker(job, worker_timeout(args, c), label)
             doc["profile"].append({k: v for k, v in res.items() if k != "scenarios"})
             write_json(json_path, doc)

@@ -18,6 +18,11 @@ with 0.5 (1 + tanh(t)) = sigmoid(2 t): the same function, without tanh's cancell
 negative g. The forward saves g and u only; the backward recomputes act(g). Against transformers'
 eager ``act_fn(gate) * up`` in bf16 (two roundings, and act(g) saved for backward) the result is
 rounded once and one (…, I) tensor fewer is kept for backward.
+
+``gated_activation_merged`` is the same map on one merged (…, 2 I) tensor holding gate then up
+(a merged gate/up projection: transformers' experts keep ``gate_up_proj`` so). It reads both
+halves in place and writes both gradients into one (…, 2 I) tensor: no copy of the halves is made
+or kept, where ``gated_activation`` on two views of it would copy each.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ __all__ = [
     "gated_activation",
     "gated_activation_bwd",
     "gated_activation_fwd",
+    "gated_activation_merged",
+    "gated_activation_merged_bwd",
+    "gated_activation_merged_fwd",
     "gated_activation_reference",
 ]
 
@@ -117,6 +125,66 @@ if triton is not None:
         tl.store(dg_ptr + offs, round_to(dout * u * da, dg_ptr.dtype.element_ty, INTERPRETED),
                  mask=mask)  # fmt: skip
         tl.store(du_ptr + offs, round_to(dout * a, du_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask)  # fmt: skip
+
+
+if triton is not None:
+
+    @triton.jit
+    def gated_activation_merged_fwd_kernel(
+        gate_up_ptr,
+        out_ptr,
+        rows,
+        width,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ACTIVATION: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        """out[r, c] = act(gate_up[r, c]) * gate_up[r, width + c]; one program per
+        BLOCK_M x BLOCK_N tile of out (rows x width), gate_up rows 2 * width apart."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rm < rows)[:, None] & (rn < width)[None, :]
+        row = rm.to(tl.int64)[:, None]
+        g_offs = row * (2 * width) + rn[None, :]
+        g = tl.load(gate_up_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + g_offs + width, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _act_and_gate(g, ACTIVATION)
+        out = round_to(a * u, out_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(out_ptr + row * width + rn[None, :], out, mask=mask)
+
+    @triton.jit
+    def gated_activation_merged_bwd_kernel(
+        dout_ptr,
+        gate_up_ptr,
+        dgate_up_ptr,
+        rows,
+        width,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ACTIVATION: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        """dgate_up (rows x 2 width: dgate then dup) from dout (rows x width), recomputing
+        act(gate); one program per BLOCK_M x BLOCK_N tile of dout."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rm < rows)[:, None] & (rn < width)[None, :]
+        row = rm.to(tl.int64)[:, None]
+        g_offs = row * (2 * width) + rn[None, :]
+        dout = tl.load(dout_ptr + row * width + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_up_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + g_offs + width, mask=mask, other=0.0).to(tl.float32)
+        a, s = _act_and_gate(g, ACTIVATION)
+        if ACTIVATION == 0:
+            da = s * (1.0 + g * (1.0 - s))
+        else:
+            dt = 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+            da = s + 2.0 * a * (1.0 - s) * dt
+        out_ty = dgate_up_ptr.dtype.element_ty
+        tl.store(dgate_up_ptr + g_offs, round_to(dout * u * da, out_ty, INTERPRETED), mask=mask)
+        tl.store(dgate_up_ptr + g_offs + width, round_to(dout * a, out_ty, INTERPRETED),
                  mask=mask)  # fmt: skip
 
 
@@ -245,6 +313,116 @@ def gated_activation_bwd(
     return dg, du
 
 
+# Merged layout: ``gate_up`` is a contiguous (rows, 2 * width) tensor, gate in its first ``width``
+# columns and up in the others; ``out`` and ``dout`` are contiguous (rows, width).
+
+
+def _merged_tiles(launch: GatedActivationLaunch, rows: int, width: int) -> tuple[int, int]:
+    # (BLOCK_M, BLOCK_N): about ``launch.block`` elements per program, a row split into column
+    # tiles of at most block / 8 (256 on a GPU: an expert width of 768 is three whole tiles).
+    block_n = min(next_power_of_2(width), max(16, launch.block // 8))
+    block_m = min(max(1, launch.block // block_n), next_power_of_2(rows))
+    return block_m, block_n
+
+
+def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    width = gate_up.shape[-1] // 2
+    return gate_up[..., :width], gate_up[..., width:]
+
+
+def _merged_fwd_torch(gate_up, out, activation):
+    g, u = _halves(gate_up.view(-1, gate_up.shape[-1]))
+    o = out.view(-1, out.shape[-1])
+    step = max(1, FALLBACK_ELEMS // max(1, o.shape[1]))
+    for i in range(0, o.shape[0], step):
+        sl = slice(i, i + step)
+        o[sl] = (_act_torch(g[sl].float(), activation) * u[sl].float()).to(o.dtype)
+
+
+def _merged_bwd_torch(dout, gate_up, dgate_up, activation):
+    g, u = _halves(gate_up.view(-1, gate_up.shape[-1]))
+    dg, du = _halves(dgate_up.view(-1, dgate_up.shape[-1]))
+    d = dout.reshape(-1, dout.shape[-1])
+    step = max(1, FALLBACK_ELEMS // max(1, d.shape[1]))
+    for i in range(0, d.shape[0], step):
+        sl = slice(i, i + step)
+        gf, df = g[sl].float(), d[sl].float()
+        dg[sl] = _act_backward_torch(df * u[sl].float(), gf, activation).to(dg.dtype)
+        du[sl] = (df * _act_torch(gf, activation)).to(du.dtype)
+
+
+def gated_activation_merged_fwd(
+    gate_up: torch.Tensor,
+    activation: str,
+    launch: GatedActivationLaunch | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(gate) * up`` of a contiguous merged (..., 2 I) ``gate_up`` (as validated by
+    ``gated_activation_merged``; no checks here): a new contiguous (..., I) tensor, or ``out``
+    (contiguous) when given."""
+    width = gate_up.shape[-1] // 2
+    if out is None:
+        out = gate_up.new_empty((*gate_up.shape[:-1], width))
+    if out.numel() == 0:
+        return out
+    if not use_triton(gate_up):
+        _merged_fwd_torch(gate_up, out, activation)
+        return out
+    launch = _launch(launch, gate_up)
+    rows = out.numel() // width
+    block_m, block_n = _merged_tiles(launch, rows, width)
+    with on_device(gate_up):
+        gated_activation_merged_fwd_kernel[(cdiv(rows, block_m), cdiv(width, block_n))](
+            gate_up,
+            out,
+            rows,
+            width,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            ACTIVATION=ACTIVATIONS[activation],
+            INTERPRETED=interpreter_enabled(),
+            num_warps=launch.num_warps,
+        )
+    return out
+
+
+def gated_activation_merged_bwd(
+    dout: torch.Tensor,
+    gate_up: torch.Tensor,
+    activation: str,
+    launch: GatedActivationLaunch | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient of ``gate_up`` (dgate then dup, one new contiguous tensor of its shape, or
+    ``out``) given the contiguous output gradient ``dout`` (..., I)."""
+    dgate_up = out
+    if dgate_up is None:
+        dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    if dout.numel() == 0:
+        return dgate_up
+    if not use_triton(gate_up):
+        _merged_bwd_torch(dout, gate_up, dgate_up, activation)
+        return dgate_up
+    launch = _launch(launch, gate_up)
+    width = gate_up.shape[-1] // 2
+    rows = dout.numel() // width
+    block_m, block_n = _merged_tiles(launch, rows, width)
+    with on_device(gate_up):
+        gated_activation_merged_bwd_kernel[(cdiv(rows, block_m), cdiv(width, block_n))](
+            dout,
+            gate_up,
+            dgate_up,
+            rows,
+            width,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            ACTIVATION=ACTIVATIONS[activation],
+            INTERPRETED=interpreter_enabled(),
+            num_warps=launch.num_warps,
+        )
+    return dgate_up
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library ops: opaque to torch.compile, so a model using them traces with fullgraph=True.
 
@@ -302,6 +480,43 @@ class _GatedActivationFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dg, du = gated_activation_bwd(dout.contiguous(), gate, up, ctx.activation)
         return dg, du, None
+
+
+# The merged layout has this op alone for its autograd (one path, eager and compiled alike).
+
+
+@torch.library.custom_op("surgery::gated_activation_merged_fwd", mutates_args=())
+def _merged_fwd_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_activation_merged_fwd(gate_up, activation)
+
+
+@_merged_fwd_op.register_fake
+def _(gate_up, activation):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("surgery::gated_activation_merged_bwd", mutates_args=())
+def _merged_bwd_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_activation_merged_bwd(dout, gate_up, activation)
+
+
+@_merged_bwd_op.register_fake
+def _(dout, gate_up, activation):
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+
+
+def _save_merged(ctx, inputs, output):
+    gate_up, activation = inputs
+    ctx.save_for_backward(gate_up)
+    ctx.activation = activation
+
+
+def _merged_op_backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return _merged_bwd_op(dout.contiguous(), gate_up, ctx.activation), None
+
+
+_merged_fwd_op.register_autograd(_merged_op_backward, setup_context=_save_merged)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +578,47 @@ def gated_activation(
     if torch.compiler.is_compiling():
         return _gated_fwd_op(gate, up, activation)
     return _GatedActivationFunction.apply(gate, up, activation)
+
+
+def gated_activation_merged(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` with gate and up the two halves of one merged tensor, as a merged gate/up
+    projection (transformers' experts' ``gate_up_proj``, ``gate, up = gate_up.chunk(2, -1)``)
+    produces them: fused, neither half copied.
+
+    Args:
+        gate_up: (..., 2 I), gate in ``[..., :I]`` and up in ``[..., I:]``; float32, bfloat16 or
+            float16. Made contiguous if it is not (a matrix product's output already is).
+        activation: ``"silu"`` or ``"gelu_tanh"``, as in ``gated_activation``.
+
+    Returns:
+        A new contiguous (..., I) tensor of gate_up's dtype, computed in fp32 and rounded once:
+        ``gated_activation(*gate_up.chunk(2, -1), activation)``, bit for bit on the Triton path
+        (the PyTorch path's vectorised fp32 ops may differ by an ulp on the strided halves).
+
+    Differentiable in gate_up; the forward saves gate_up alone (the tensor itself, no copy), the
+    backward recomputes act(gate) and writes dgate and dup into one (..., 2 I) tensor. Runs as
+    ``torch.ops.surgery.gated_activation_merged_fwd`` eager and under ``torch.compile`` alike;
+    dispatch (Triton on CUDA and under ``TRITON_INTERPRET=1``, else a PyTorch path) and autocast as
+    ``gated_activation``: elementwise, nothing is cast.
+    """
+    if not isinstance(gate_up, torch.Tensor):
+        raise TypeError(f"gated_activation_merged: gate_up must be a tensor, got {type(gate_up)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"gated_activation_merged: activation must be one of {tuple(ACTIVATIONS)}, got "
+            f"{activation!r}"
+        )
+    if gate_up.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"gated_activation_merged: gate_up must be float32, bfloat16 or float16; got "
+            f"{gate_up.dtype}"
+        )
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"gated_activation_merged: gate_up {tuple(gate_up.shape)} must have an even last "
+            "dimension (gate then up)"
+        )
+    return _merged_fwd_op(gate_up.contiguous(), activation)
 
 
 def gated_activation_reference(

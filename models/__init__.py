@@ -2,10 +2,29 @@
 
 from .gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4
 from .llama import LLAMA, LLAMA4
-from .mini import MiniConfig, MiniSize, alternating_layer_types, from_size
+from .mini import (
+    MiniConfig,
+    MiniMultimodalConfig,
+    MiniSize,
+    alternating_layer_types,
+    from_size,
+    text_hidden_size,
+)
 from .mistral import MINISTRAL, MINISTRAL3, MISTRAL, MISTRAL4, MIXTRAL
-from .qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT
-from .spec import ArchitectureSpec, RMSNormStyle
+from .qwen import (
+    QWEN2,
+    QWEN2_5_VL,
+    QWEN2_MOE,
+    QWEN2_VL,
+    QWEN3,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    QWEN3_MOE,
+    QWEN3_NEXT,
+    QWEN3_VL,
+    QWEN3_VL_MOE,
+)
+from .spec import ArchitectureSpec, MultimodalWrapper, RMSNormStyle
 
 # The one list of supported architectures: surgery.supported(), the apply_<name> functions, the
 # tests' tiny models and the convergence suite's models are all derived from it.
@@ -31,6 +50,11 @@ SPECS: tuple[ArchitectureSpec, ...] = (
     GEMMA3N,
 )
 
+# Text architectures without a causal LM of their own, patched only as the language model of their
+# multimodal wrappers (``ArchitectureSpec.multimodal``): not in SPECS, whose every entry is a causal
+# LM (surgery.supported(), apply_<name>, the tests' and the convergence suite's models).
+MULTIMODAL_ONLY_SPECS: tuple[ArchitectureSpec, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE)
+
 __all__ = [
     "GEMMA",
     "GEMMA2",
@@ -44,18 +68,26 @@ __all__ = [
     "MISTRAL",
     "MISTRAL4",
     "MIXTRAL",
+    "MULTIMODAL_ONLY_SPECS",
     "QWEN2",
+    "QWEN2_5_VL",
     "QWEN2_MOE",
+    "QWEN2_VL",
     "QWEN3",
     "QWEN3_5",
     "QWEN3_5_MOE",
     "QWEN3_MOE",
     "QWEN3_NEXT",
+    "QWEN3_VL",
+    "QWEN3_VL_MOE",
     "SPECS",
     "ArchitectureSpec",
     "MiniConfig",
+    "MiniMultimodalConfig",
     "MiniSize",
+    "MultimodalWrapper",
     "RMSNormStyle",
     "alternating_layer_types",
     "from_size",
+    "text_hidden_size",
 ]

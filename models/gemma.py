@@ -9,8 +9,66 @@ AltUp and Laurel blocks and its MLPs with activation sparsity, Gemma 4's experts
 
 import dataclasses
 
-from .mini import MiniConfig, MiniSize, alternating_layer_types, from_size
-from .spec import GEMMA_RMS_NORM, ArchitectureSpec, RMSNormStyle
+from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, alternating_layer_types, from_size
+from .spec import GEMMA_RMS_NORM, ArchitectureSpec, MultimodalWrapper, RMSNormStyle
+
+# A tiny vision tower: one layer, two heads.
+_MINI_VISION = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+# Gemma 3: a SigLIP tower; the images' tokens attend to each other in both directions
+# (``token_type_ids``). Its wrapper does not apply the text config's final softcap. Mini: 16 x 16
+# images in 4 x 4 patches, pooled to four tokens each.
+GEMMA3_MULTIMODAL = MultimodalWrapper(
+    model_type="gemma3",
+    module="transformers.models.gemma3.modeling_gemma3",
+    wrapper="Gemma3ForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Gemma3Config",
+        "SiglipVisionConfig",
+        {**_MINI_VISION, "image_size": 16, "patch_size": 4},
+        special_tokens=("image_token_index", "boi_token_index", "eoi_token_index"),
+        arguments={"mm_tokens_per_image": 4},
+    ),
+    bidirectional_tokens="token_type_ids",
+)
+
+# Gemma 4: its own vision tower (patches with 2-D positions, pooled), an audio tower (None in the
+# mini model); image tokens attend both ways where the text config's use_bidirectional_attention
+# is "vision" (``mm_token_type_ids``). Mini: 4 x 4 patches of 4 x 4 pixels, pooled 2 x 2: four
+# tokens per image.
+GEMMA4_MULTIMODAL = MultimodalWrapper(
+    model_type="gemma4",
+    module="transformers.models.gemma4.modeling_gemma4",
+    wrapper="Gemma4ForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Gemma4Config",
+        "Gemma4VisionConfig",
+        {
+            **_MINI_VISION,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "patch_size": 4,
+            "pooling_kernel_size": 2,
+            "position_embedding_size": 64,
+        },
+        special_tokens=(
+            "image_token_id",
+            "boi_token_id",
+            "eoi_token_id",
+            "video_token_id",
+            "audio_token_id",
+            "boa_token_id",
+            "eoa_token_index",
+        ),
+    ),
+    logit_softcap=True,
+    bidirectional_tokens="mm_token_type_ids",
+)
 
 GEMMA = ArchitectureSpec(
     model_type="gemma",
@@ -83,6 +141,7 @@ GEMMA3 = ArchitectureSpec(
     attention_kwargs=(("sliding_window", "sliding_window"),),
     logit_softcap="final_logit_softcapping",
     tied_lm_head=True,
+    multimodal=(GEMMA3_MULTIMODAL,),
 )
 
 
@@ -216,4 +275,5 @@ GEMMA4 = ArchitectureSpec(
     attention_kwargs=(("sliding_window", "sliding_window"),),
     logit_softcap="final_logit_softcapping",
     tied_lm_head=True,
+    multimodal=(GEMMA4_MULTIMODAL,),
 )

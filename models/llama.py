@@ -7,8 +7,8 @@ form). Its MoE blocks (a shared gated expert beside top-1 sigmoid-routed experts
 loss) keep transformers' experts; the shared expert and the dense layers' MLPs are plain gated.
 """
 
-from .mini import MiniConfig, from_size
-from .spec import ArchitectureSpec, RMSNormStyle
+from .mini import MiniConfig, MiniMultimodalConfig, from_size
+from .spec import ArchitectureSpec, MultimodalWrapper, RMSNormStyle
 
 LLAMA = ArchitectureSpec(
     model_type="llama",
@@ -22,6 +22,31 @@ LLAMA = ArchitectureSpec(
     ),
     rms_norm="LlamaRMSNorm",
     mlp="LlamaMLP",
+)
+
+# Llama 4's multimodal model holds the text causal LM itself (``language_model``, with lm_head).
+# Mini: 16 x 16 images in 4 x 4 patches, pixel-shuffled by half: four tokens each.
+LLAMA4_MULTIMODAL = MultimodalWrapper(
+    model_type="llama4",
+    module="transformers.models.llama4.modeling_llama4",
+    wrapper="Llama4ForConditionalGeneration",
+    language_model="language_model",
+    mini_config=MiniMultimodalConfig(
+        "Llama4Config",
+        "Llama4VisionConfig",
+        {
+            "hidden_size": 16,
+            "intermediate_size": 64,  # the pixel shuffle's output: 16 / 0.5**2
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 16,
+            "patch_size": 4,
+            "vision_output_dim": 32,
+            "projector_input_dim": 32,
+            "projector_output_dim": 32,
+        },
+        special_tokens=("image_token_index", "boi_token_index", "eoi_token_index"),
+    ),
 )
 
 # Llama4TextRMSNorm: (x.float() * rsqrt(mean(x^2) + eps)).type_as(x) * weight, Llama's casting.
@@ -68,4 +93,5 @@ LLAMA4 = ArchitectureSpec(
     chunked_attention=True,
     positions_to_attention=True,
     eager_softmax_fp32=False,
+    multimodal=(LLAMA4_MULTIMODAL,),
 )

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["MiniConfig", "MiniSize", "alternating_layer_types", "from_size"]
+__all__ = [
+    "MiniConfig",
+    "MiniMultimodalConfig",
+    "MiniSize",
+    "alternating_layer_types",
+    "from_size",
+    "text_hidden_size",
+]
 
 
 @dataclass(frozen=True)
@@ -101,3 +108,56 @@ class MiniConfig:
             kwargs[name] = value(size) if callable(value) else copy.deepcopy(value)
         kwargs.update(copy.deepcopy(overrides))
         return getattr(transformers, self.config_class)(**kwargs)
+
+
+@dataclass(frozen=True)
+class MiniMultimodalConfig:
+    """How to build the config of a multimodal wrapper's mini model around a text mini config: a
+    vision tower of its own tiny size, and the special tokens (image, begin/end of image, ...) at
+    the end of the text vocabulary, so that the rest of the vocabulary is text."""
+
+    config_class: str
+    """transformers' config class of the wrapper (``Gemma3Config``)."""
+    vision_config_class: str
+    vision_arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """The vision config's arguments: a tiny tower (one layer, a few patches per image). A
+    callable value (a module-level function, as in ``MiniConfig``) is called with the text
+    config (``text_hidden_size``)."""
+    special_tokens: tuple[str, ...] = ()
+    """Config arguments naming special token ids, the image token's first: given the last ids of
+    the text vocabulary, in this order (``vocab_size - 1`` first)."""
+    arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Any other argument of the wrapper's config (how many tokens an image becomes, ...);
+    callables as in ``vision_arguments``."""
+    text_arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Arguments the text mini config takes inside this wrapper, on top of its own (Qwen's
+    multimodal RoPE sections, sized to the mini head): the caller builds the text config with
+    them (``tests/models/test_multimodal.py``)."""
+
+    def text_vocabulary(self, text_config: PretrainedConfig) -> int:
+        """Token ids below this are text: the special tokens take the rest."""
+        return text_config.vocab_size - len(self.special_tokens)
+
+    def build(self, text_config: PretrainedConfig, **overrides: Any) -> PretrainedConfig:
+        """A new config around ``text_config`` (copied); ``overrides`` replace any argument."""
+        import transformers
+
+        def values(arguments: Mapping[str, Any]) -> dict[str, Any]:
+            return {
+                name: value(text_config) if callable(value) else copy.deepcopy(value)
+                for name, value in arguments.items()
+            }
+
+        vision = getattr(transformers, self.vision_config_class)(**values(self.vision_arguments))
+        tokens = {
+            name: text_config.vocab_size - 1 - i for i, name in enumerate(self.special_tokens)
+        }
+        kwargs = {**tokens, **values(self.arguments), **copy.deepcopy(overrides)}
+        return getattr(transformers, self.config_class)(
+            text_config=copy.deepcopy(text_config), vision_config=vision, **kwargs
+        )
+
+
+def text_hidden_size(text_config: PretrainedConfig) -> int:
+    """A vision argument: the text model's hidden size (a tower that projects into it)."""
+    return text_config.hidden_size

@@ -5,8 +5,31 @@ position (llama-4 style, ``position_query_scale``). Mistral 4: multi-head latent
 (``latent_attention``, ``surgery.mla``) with Ministral 3's query scale, and MoE layers (a shared
 expert, no router aux loss) after its first dense ones."""
 
-from .mini import MiniConfig, MiniSize, alternating_layer_types, from_size
-from .spec import ArchitectureSpec
+from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, alternating_layer_types, from_size
+from .spec import ArchitectureSpec, MultimodalWrapper
+
+# Mistral 3 (Mistral Small 3.x, Ministral 3): a Pixtral vision tower around a Mistral or a
+# Ministral 3 text model. Mini: 32 x 32 images in 8 x 8 patches, merged 2 x 2: four tokens each.
+MISTRAL3_MULTIMODAL = MultimodalWrapper(
+    model_type="mistral3",
+    module="transformers.models.mistral3.modeling_mistral3",
+    wrapper="Mistral3ForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Mistral3Config",
+        "PixtralVisionConfig",
+        {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        special_tokens=("image_token_index",),
+        arguments={"spatial_merge_size": 2},
+    ),
+)
 
 MISTRAL = ArchitectureSpec(
     model_type="mistral",
@@ -17,6 +40,7 @@ MISTRAL = ArchitectureSpec(
     rms_norm="MistralRMSNorm",
     mlp="MistralMLP",
     attention_kwargs=(("sliding_window", "config.sliding_window"),),
+    multimodal=(MISTRAL3_MULTIMODAL,),
 )
 
 MINISTRAL = ArchitectureSpec(
@@ -70,6 +94,7 @@ MINISTRAL3 = ArchitectureSpec(
     mlp="Ministral3MLP",
     attention_kwargs=(("sliding_window", "config.sliding_window"),),
     position_query_scale=True,
+    multimodal=(MISTRAL3_MULTIMODAL,),
 )
 
 

@@ -10,8 +10,8 @@ everywhere but inside the linear attention. Their MoE blocks add a sigmoid-gated
 
 from __future__ import annotations
 
-from .mini import MiniConfig, MiniSize, from_size
-from .spec import GEMMA_RMS_NORM, ArchitectureSpec
+from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, from_size, text_hidden_size
+from .spec import GEMMA_RMS_NORM, ArchitectureSpec, MultimodalWrapper
 
 # The layers from max_window_layers on slide: full and sliding layers in one model.
 _MINI_ARGUMENTS = {
@@ -141,8 +141,65 @@ QWEN3_NEXT = ArchitectureSpec(
     linear_attention="Qwen3NextGatedDeltaNet",
 )
 
-# Qwen3.5's rotary module has multimodal (3-D) sections; over text positions, which are the same
-# in every section, it is plain RoPE from the decoder layers' text position ids.
+# Qwen's vision towers in small: one block, patches of 4 x 4 pixels over 2 frames, merged 2 x 2:
+# a 1 x 4 x 4 grid of patches is four tokens.
+_MINI_QWEN_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": text_hidden_size,
+    "num_position_embeddings": 16,
+}
+_QWEN_VISION_TOKENS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+# Four rotary frequencies over the mini head (the real models rotate a slice: the text mini
+# config tests that), two temporal, one height, one width: the contiguous and interleaved layouts
+# of the sections differ ([t, t, h, w] against [t, h, w, t]).
+_MINI_QWEN3_5_ROPE = {
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1_000_000.0,
+        "partial_rotary_factor": 1.0,
+        "mrope_section": [2, 1, 1],
+    }
+}
+
+QWEN3_5_MULTIMODAL = MultimodalWrapper(
+    model_type="qwen3_5",
+    module="transformers.models.qwen3_5.modeling_qwen3_5",
+    wrapper="Qwen3_5ForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Qwen3_5Config",
+        "Qwen3_5VisionConfig",
+        _MINI_QWEN_VISION,
+        special_tokens=_QWEN_VISION_TOKENS,
+        text_arguments=_MINI_QWEN3_5_ROPE,
+    ),
+)
+
+QWEN3_5_MOE_MULTIMODAL = MultimodalWrapper(
+    model_type="qwen3_5_moe",
+    module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    wrapper="Qwen3_5MoeForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeVisionConfig",
+        _MINI_QWEN_VISION,
+        special_tokens=_QWEN_VISION_TOKENS,
+        text_arguments=_MINI_QWEN3_5_ROPE,
+    ),
+)
+
+# Qwen3.5's rotary module has multimodal (3-D) sections (interleaved); over text positions, which
+# are the same in every section, it is plain RoPE.
 QWEN3_5 = ArchitectureSpec(
     model_type="qwen3_5_text",
     module="transformers.models.qwen3_5.modeling_qwen3_5",
@@ -155,6 +212,8 @@ QWEN3_5 = ArchitectureSpec(
     qk_norm=True,
     attention_output_gate=True,
     linear_attention="Qwen3_5GatedDeltaNet",
+    mrope=True,
+    multimodal=(QWEN3_5_MULTIMODAL,),
 )
 
 QWEN3_5_MOE = ArchitectureSpec(
@@ -170,4 +229,149 @@ QWEN3_5_MOE = ArchitectureSpec(
     router_aux_loss=True,
     attention_output_gate=True,
     linear_attention="Qwen3_5MoeGatedDeltaNet",
+    mrope=True,
+    multimodal=(QWEN3_5_MOE_MULTIMODAL,),
+)
+
+
+# Text architectures that exist only as the language model of a multimodal model (Qwen2-VL,
+# Qwen2.5-VL, Qwen3-VL and its MoE: no causal LM class of their own, ``causal_lm`` None): reached
+# through their wrapper (``surgery.multimodal``), listed in ``MULTIMODAL_ONLY_SPECS``. Their text
+# mini configs rotate four frequencies in [2, 1, 1] sections (see _MINI_QWEN3_5_ROPE).
+def _mrope_parameters(section: list[int]) -> dict:
+    return {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section}
+
+
+QWEN2_VL_MULTIMODAL = MultimodalWrapper(
+    model_type="qwen2_vl",
+    module="transformers.models.qwen2_vl.modeling_qwen2_vl",
+    wrapper="Qwen2VLForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Qwen2VLConfig",
+        "Qwen2VLVisionConfig",
+        {
+            "depth": 1,
+            "embed_dim": 16,
+            "hidden_size": text_hidden_size,
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "patch_size": 4,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+        },
+        special_tokens=_QWEN_VISION_TOKENS,
+    ),
+)
+
+QWEN2_VL = ArchitectureSpec(
+    model_type="qwen2_vl_text",
+    module="transformers.models.qwen2_vl.modeling_qwen2_vl",
+    causal_lm=None,
+    attention="Qwen2VLAttention",
+    mini_config=MiniConfig(
+        "Qwen2VLTextConfig",
+        {**_MINI_ARGUMENTS, "rope_parameters": _mrope_parameters([2, 1, 1])},
+    ),
+    rms_norm="Qwen2VLRMSNorm",
+    mlp="Qwen2MLP",
+    attention_kwargs=(("sliding_window", "sliding_window"),),
+    mrope=True,
+    multimodal=(QWEN2_VL_MULTIMODAL,),
+)
+
+QWEN2_5_VL_MULTIMODAL = MultimodalWrapper(
+    model_type="qwen2_5_vl",
+    module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+    wrapper="Qwen2_5_VLForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLVisionConfig",
+        {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": text_hidden_size,
+            "patch_size": 4,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "window_size": 8,  # 2 x 2 patches after merging: windows inside a 4 x 4 image
+            "fullatt_block_indexes": [],
+        },
+        special_tokens=_QWEN_VISION_TOKENS,
+    ),
+)
+
+QWEN2_5_VL = ArchitectureSpec(
+    model_type="qwen2_5_vl_text",
+    module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+    causal_lm=None,
+    attention="Qwen2_5_VLAttention",
+    mini_config=MiniConfig(
+        "Qwen2_5_VLTextConfig",
+        {**_MINI_ARGUMENTS, "rope_parameters": _mrope_parameters([2, 1, 1])},
+    ),
+    # The vision blocks' norms are of this class too: surgery patches the language model only.
+    rms_norm="Qwen2_5_VLRMSNorm",
+    mlp="Qwen2MLP",
+    attention_kwargs=(("sliding_window", "sliding_window"),),
+    mrope=True,
+    multimodal=(QWEN2_5_VL_MULTIMODAL,),
+)
+
+# Qwen3-VL's tower also feeds its first text layers (deepstack, left to transformers).
+_MINI_QWEN3_VL_VISION = {**_MINI_QWEN_VISION, "deepstack_visual_indexes": [0]}
+
+QWEN3_VL_MULTIMODAL = MultimodalWrapper(
+    model_type="qwen3_vl",
+    module="transformers.models.qwen3_vl.modeling_qwen3_vl",
+    wrapper="Qwen3VLForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Qwen3VLConfig",
+        "Qwen3VLVisionConfig",
+        _MINI_QWEN3_VL_VISION,
+        special_tokens=_QWEN_VISION_TOKENS,
+    ),
+)
+
+QWEN3_VL = ArchitectureSpec(
+    model_type="qwen3_vl_text",
+    module="transformers.models.qwen3_vl.modeling_qwen3_vl",
+    causal_lm=None,
+    attention="Qwen3VLTextAttention",
+    mini_config=MiniConfig("Qwen3VLTextConfig", {"rope_parameters": _mrope_parameters([2, 1, 1])}),
+    rms_norm="Qwen3VLTextRMSNorm",
+    mlp="Qwen3VLTextMLP",
+    qk_norm=True,
+    mrope=True,
+    multimodal=(QWEN3_VL_MULTIMODAL,),
+)
+
+QWEN3_VL_MOE_MULTIMODAL = MultimodalWrapper(
+    model_type="qwen3_vl_moe",
+    module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+    wrapper="Qwen3VLMoeForConditionalGeneration",
+    mini_config=MiniMultimodalConfig(
+        "Qwen3VLMoeConfig",
+        "Qwen3VLMoeVisionConfig",
+        _MINI_QWEN3_VL_VISION,
+        special_tokens=_QWEN_VISION_TOKENS,
+    ),
+)
+
+QWEN3_VL_MOE = ArchitectureSpec(
+    model_type="qwen3_vl_moe_text",
+    module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+    causal_lm=None,
+    attention="Qwen3VLMoeTextAttention",
+    mini_config=MiniConfig(
+        "Qwen3VLMoeTextConfig",
+        {**_MINI_MOE, "mlp_only_layers": [1], "rope_parameters": _mrope_parameters([2, 1, 1])},
+    ),
+    rms_norm="Qwen3VLMoeTextRMSNorm",
+    mlp="Qwen3VLMoeTextMLP",  # the layers in mlp_only_layers
+    qk_norm=True,
+    router_aux_loss=True,
+    mrope=True,
+    multimodal=(QWEN3_VL_MOE_MULTIMODAL,),
 )

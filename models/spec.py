@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .mini import MiniConfig
+from .mini import MiniConfig, MiniMultimodalConfig
 
 __all__ = [
     "GATED_ACTIVATIONS",
     "GEMMA_RMS_NORM",
     "LLAMA_RMS_NORM",
     "ArchitectureSpec",
+    "MultimodalWrapper",
     "RMSNormStyle",
 ]
 
@@ -44,6 +45,56 @@ LLAMA_RMS_NORM = RMSNormStyle(eps_attr="variance_epsilon", offset=0.0, casting="
 GEMMA_RMS_NORM = RMSNormStyle(eps_attr="eps", offset=1.0, casting="gemma")
 
 
+def _is_instance_of(module: object, defined_in: str, name: str) -> bool:
+    return any(
+        cls.__module__ == defined_in and cls.__qualname__ == name for cls in type(module).__mro__
+    )
+
+
+@dataclass(frozen=True)
+class MultimodalWrapper:
+    """A transformers multimodal model (``...ForConditionalGeneration``: vision tower, projector,
+    language model, lm_head) whose language model is the text model of the spec that lists it
+    (``ArchitectureSpec.multimodal``; matched at patch time by its ``config.text_config``'s
+    ``model_type``). The language model is patched as that spec says, the vision tower and the
+    projector are left to transformers, and the wrapper's forward gets the fused loss with the
+    wrapper's own output class (``surgery.multimodal``)."""
+
+    model_type: str
+    """``config.model_type`` of the wrapper (``gemma3``)."""
+    module: str
+    """The transformers module defining ``wrapper``."""
+    wrapper: str
+    """The multimodal class (``Gemma3ForConditionalGeneration``)."""
+    mini_config: MiniMultimodalConfig
+    """How to build its mini models around a text spec's mini config (the tests')."""
+    language_model: str = "model.language_model"
+    """Dotted path from the wrapper to its language model: a text base model (the wrapper holds
+    lm_head, and its forward runs ``self.model`` then lm_head), or the text spec's causal LM
+    holding lm_head itself (Llama 4's ``language_model``: the wrapper's forward hands it the
+    labels)."""
+    logit_softcap: bool = False
+    """The wrapper caps its logits with the text config's ``ArchitectureSpec.logit_softcap``
+    (Gemma 4's does; Gemma 3's wrapper does not, whatever its text config says)."""
+    bidirectional_tokens: str | None = None
+    """The wrapper's forward argument whose nonzero entries mark tokens (images) that transformers
+    may let attend to each other in both directions (Gemma 3's ``token_type_ids``, Gemma 4's
+    ``mm_token_type_ids``): when a batch has any, the attention runs the mask transformers built,
+    never one of surgery's causal shortcuts (``causal_right_padding``, ``varlen_attention``)."""
+
+    @property
+    def name(self) -> str:
+        return self.model_type
+
+    def is_instance(self, module: object) -> bool:
+        """Whether ``module`` is an instance of transformers' ``wrapper`` (see
+        ``ArchitectureSpec.is_instance``)."""
+        return _is_instance_of(module, self.module, self.wrapper)
+
+    def wrapper_class(self) -> type:
+        return getattr(importlib.import_module(self.module), self.wrapper)
+
+
 @dataclass(frozen=True)
 class ArchitectureSpec:
     """One causal-LM architecture of transformers 5.x.
@@ -56,8 +107,10 @@ class ArchitectureSpec:
     """``config.model_type`` of the causal LM (the key of ``surgery.supported()``)."""
     module: str
     """The transformers module defining the classes below (and its ``eager_attention_forward``)."""
-    causal_lm: str
-    """Class whose instances get the generic causal-LM forward."""
+    causal_lm: str | None
+    """Class whose instances get the generic causal-LM forward; None for a text architecture
+    that exists only as the language model of multimodal models (``multimodal``; Qwen2-VL's: its
+    spec is in ``MULTIMODAL_ONLY_SPECS``, not ``SPECS``)."""
     attention: str
     """Class whose instances get the generic attention forward (RoPE through ``apply_rope``)."""
     mini_config: MiniConfig
@@ -143,7 +196,7 @@ class ArchitectureSpec:
     positions_to_attention: bool = False
     """The decoder layers do not pass ``position_ids`` on to the attention (Llama 4): the base
     model's forward is wrapped to hand them to it under a keyword of surgery's own
-    (``surgery.chunked_attention``)."""
+    (``surgery.base_model``)."""
     eager_softmax_fp32: bool = True
     """transformers' eager attention of ``module`` takes its softmax in fp32, as
     ``lean_eager_attention`` does; False (Llama 4: in the scores' dtype): the eager
@@ -158,6 +211,16 @@ class ArchitectureSpec:
     """The attention is multi-head latent attention (Mistral 4's MLA: low-rank query, one
     compressed key/value latent per token, a rotary key part shared by all heads): its instances
     get ``surgery.mla.mla_attention_forward`` in place of the generic attention forward."""
+    mrope: bool = False
+    """Multimodal RoPE (Qwen2-VL and later): the rotary module takes (3, batch, seq) temporal,
+    height and width positions and gives each frequency the angle of one of them (its
+    ``mrope_section``). The base model hands the attention the positions its rotary module takes
+    (``surgery.base_model``), and ``apply_rope`` rotates with the sections, their layout
+    (contiguous or interleaved) read from the rotary module's own ``recomposition_frequencies``
+    at patch time (``surgery.attention.mrope_layout``)."""
+    multimodal: tuple[MultimodalWrapper, ...] = ()
+    """The multimodal models whose language model can be this architecture's text model (Gemma
+    3's ``Gemma3ForConditionalGeneration``; Mistral 3's wraps a Mistral or a Ministral 3)."""
 
     @property
     def name(self) -> str:
@@ -178,10 +241,15 @@ class ArchitectureSpec:
         (or of a subclass), matched by where the class was defined, not by what the module-level
         name points to now: other libraries rebind those names (Liger-Kernel's class-level
         patches put their own classes there)."""
-        return any(
-            cls.__module__ == self.module and cls.__qualname__ == name
-            for cls in type(module).__mro__
-        )
+        return _is_instance_of(module, self.module, name)
+
+    def wrapper_of(self, module: object) -> MultimodalWrapper | None:
+        """The ``multimodal`` wrapper ``module`` is an instance of, when its text config is this
+        architecture's; else None."""
+        text = getattr(getattr(module, "config", None), "text_config", None)
+        if getattr(text, "model_type", None) != self.model_type:
+            return None
+        return next((w for w in self.multimodal if w.is_instance(module)), None)
 
     def rebound_functions(self) -> dict[str, object]:
         """transformers' functions the generic forwards call (``apply_rotary_pos_emb``,

@@ -25,8 +25,15 @@ from torch import nn
 
 from surgery.models import SPECS, ArchitectureSpec
 
-from .attention import BINDING_ATTR, AttentionBinding, attention_forward_for
-from .chunked_attention import POSITIONS_ATTR, positions_model_forward
+from .attention import (
+    BINDING_ATTR,
+    AttentionBinding,
+    attention_forward,
+    attention_forward_for,
+    mrope_layout,
+)
+from .base_model import BASE_MODEL_ATTR, BaseModelNeeds, base_model_forward_for, base_model_needs
+from .experts import install_experts, restore_experts
 from .fallback import (
     FALLBACK_ATTR,
     FALLBACKS,
@@ -42,6 +49,7 @@ from .forward import (
     STATE_ATTR,
     PatchState,
     causal_lm_forward,
+    delegating_forward,
     head_linears,
     lm_head_forward,
     moe_causal_lm_forward,
@@ -52,16 +60,13 @@ from .layers import (
     gated_mlp_forward_for,
     rms_norm_forward_for,
 )
-from .linear_attention import (
-    DOCUMENTS_ATTR,
-    LINEAR_ATTENTION_ATTR,
-    documents_model_forward,
-    linear_attention_forward,
-)
+from .linear_attention import LINEAR_ATTENTION_ATTR, linear_attention_forward
 from .mla import mla_attention_forward
+from .multimodal import language_model, text_model
 from .options import PatchOptions
 from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
+from .signature import in_signature_of
 from .swap import Swap, apply_swaps, plan_swap, restore_swap
 
 # and apply_<name> for every spec in surgery.models.SPECS (the end of this file)
@@ -77,7 +82,6 @@ __all__ = [
 M = TypeVar("M", bound=nn.Module)
 
 ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
-EXPERTS_ATTR = "_surgery_experts_implementation"  # the implementation before patch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,14 +98,14 @@ def _recompute_plan(spec: ArchitectureSpec, options: PatchOptions) -> RecomputeP
     return plan if plan.norm_output or plan.mlp_product else None
 
 
-def _feeds_projections(lm: nn.Module, norm: nn.Module) -> bool:
+def _feeds_projections(text: nn.Module, norm: nn.Module) -> bool:
     """A decoder layer's norm over the hidden size (its output goes into projections), not the
-    final norm (into the loss) nor a q/k norm (into RoPE)."""
+    final norm (into the loss) nor a q/k norm (into RoPE). ``text``: the text base model."""
     weight = getattr(norm, "weight", None)
     return (
-        norm is not getattr(lm.model, "norm", None)
+        norm is not getattr(text, "norm", None)
         and weight is not None
-        and weight.shape[-1] == lm.config.hidden_size
+        and weight.shape[-1] == text.config.hidden_size
     )
 
 
@@ -136,44 +140,53 @@ def _sparse_mlp(spec: ArchitectureSpec, mlp: nn.Module) -> bool:
 
 
 def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[Swap]:
-    """Every swap ``options`` asks for on ``lm``, checked; nothing is changed yet."""
+    """Every swap ``options`` asks for on ``lm`` (a causal LM, a multimodal wrapper or a text
+    model: ``surgery.multimodal``), checked; nothing is changed yet."""
     _check_not_foreign(lm, spec)
+    wrapper = spec.wrapper_of(lm)
+    if wrapper is not None and spec.is_instance(language_model(lm, wrapper), spec.causal_lm):
+        # Llama 4: the language model is the causal LM, patched in full; the wrapper's own
+        # forward runs, and hands it the labels.
+        state = {STATE_ATTR: PatchState(spec=spec, options=options, wrapper=wrapper)}
+        forward = in_signature_of(delegating_forward, type(lm).forward)
+        swaps = _plan_lm(language_model(lm, wrapper), spec, options)
+        swap = plan_swap(lm, forward, state, "")
+        return swaps if swap is None else [*swaps, swap]
+    text, text_name = text_model(lm, spec)
     plan = _recompute_plan(spec, options)
     norm_plan = {RECOMPUTE_ATTR: plan} if plan is not None and plan.norm_output else {}
-    modules = list(lm.named_modules())
+    prefix = text_name + "." if text_name else ""
+    modules = [(prefix + name if name else text_name, m) for name, m in text.named_modules()]
     wanted: list[tuple[str, nn.Module, Callable, dict[str, Any]]] = []
     if options.rope:
         binding = AttentionBinding(
             spec=spec,
-            rotary=getattr(lm.model, spec.rotary_attr),
+            rotary=getattr(text, spec.rotary_attr),
             eager_attention=spec.eager_attention(),
             fallback_rope=spec.rotary_pos_emb(),
             share_mask=options.share_attention_mask,
             lean_eager=options.eager_attention_recompute and spec.eager_softmax_fp32,
+            mrope=mrope_layout(getattr(text, spec.rotary_attr)) if spec.mrope else None,
         )
         for name, module in modules:
             if spec.is_instance(module, spec.attention):
                 extra = {BINDING_ATTR: binding, **norm_plan}
-                forward = attention_forward_for(module)
-                if spec.latent_attention:
-                    forward = mla_attention_forward
-                wanted.append((name, module, forward, extra))
-        if spec.positions_to_attention:  # Llama 4: its decoder layers pass no position ids
-            wanted.append(("model", lm.model, positions_model_forward, {POSITIONS_ATTR: True}))
+                generic = mla_attention_forward if spec.latent_attention else attention_forward
+                wanted.append((name, module, attention_forward_for(module, generic), extra))
     if options.rms_norm and spec.rms_norm is not None:
         for name, module in modules:
             if spec.is_instance(module, spec.rms_norm):
                 extra = {NORM_ATTR: spec.rms_norm_style}
-                if _feeds_projections(lm, module):
+                if _feeds_projections(text, module):
                     extra.update(norm_plan)
                 wanted.append((name, module, rms_norm_forward_for(module), extra))
     if options.gated_mlp and spec.mlp is not None:
-        activation = spec.gated_activation(lm.config)
+        activation = spec.gated_activation(text.config)
         if activation is None:
             warnings.warn(
                 f"surgery: no fused kernel for the MLP activation "
-                f"{getattr(lm.config, spec.mlp_activation_attr, None)!r}; the MLPs keep their own "
-                "forward",
+                f"{getattr(text.config, spec.mlp_activation_attr, None)!r}; the MLPs keep their "
+                "own forward",
                 stacklevel=4,
             )
         else:
@@ -189,31 +202,42 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
             if spec.is_instance(module, spec.linear_attention):
                 extra = {LINEAR_ATTENTION_ATTR: True}
                 wanted.append((name, module, linear_attention_forward, extra))
-        wanted.append(("model", lm.model, documents_model_forward, {DOCUMENTS_ATTR: True}))
-    if options.fused_linear_cross_entropy:
-        names = {id(m): n for n, m in modules}
+    needs = base_model_needs(spec, options)
+    state = {STATE_ATTR: PatchState(spec=spec, options=options, wrapper=wrapper)}
+    if text is lm:  # a text model on its own: no head; its forward carries the state
+        extra = {BASE_MODEL_ATTR: needs or BaseModelNeeds(False, False, False), **state}
+        wanted.append(("", lm, base_model_forward_for(lm), extra))
+    elif needs is not None:  # Llama 4's position ids, a hybrid's documents
+        base = base_model_forward_for(text)
+        wanted.append((text_name, text, base, {BASE_MODEL_ATTR: needs}))
+    if options.fused_linear_cross_entropy and text is not lm:
+        names = {id(m): n for n, m in lm.named_modules()}
         for head in head_linears(lm):
             wanted.append((names[id(head)], head, lm_head_forward, {LM_HEAD_ATTR: True}))
-    state = {STATE_ATTR: PatchState(spec=spec, options=options)}
-    forward = moe_causal_lm_forward if spec.router_aux_loss else causal_lm_forward
-    wanted.append(("", lm, forward, state))
+    if text is not lm:
+        forward = moe_causal_lm_forward if spec.router_aux_loss else causal_lm_forward
+        if wrapper is not None:  # the wrapper's arguments, in its order
+            forward = in_signature_of(forward, type(lm).forward)
+        wanted.append(("", lm, forward, state))
     swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
     return [swap for swap in swaps if swap is not None]
 
 
-def _install(lm: nn.Module, swaps: list[Swap], options: PatchOptions) -> None:
-    """Install the planned ``swaps`` on ``lm`` (registry or fallback), all or nothing."""
-    experts = options.experts_implementation
-    if experts is not None:
-        if not hasattr(lm, "set_experts_implementation"):
-            raise ValueError(
-                f"experts_implementation={experts!r}: {type(lm).__name__} has no experts "
-                "implementations to choose from (not a mixture-of-experts model of transformers 5)"
-            )
-        previous = lm.config._experts_implementation
-        lm.set_experts_implementation(experts)  # raises on a name transformers does not know
-        lm.__dict__.setdefault(EXPERTS_ATTR, previous)
-    apply_swaps(swaps)
+def _install(
+    lm: nn.Module,
+    swaps: list[Swap],
+    options: PatchOptions,
+    spec: ArchitectureSpec | None = None,
+) -> None:
+    """Install the planned ``swaps`` on ``lm`` (registry, or fallback: ``spec`` None), all or
+    nothing."""
+    experts_changed = install_experts(lm, spec, options)  # see surgery.experts
+    try:
+        apply_swaps(swaps)
+    except BaseException:
+        if experts_changed:
+            restore_experts(lm)
+        raise
     if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
         # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
         # use it. With accepts_loss_kwargs False the HF Trainer passes none and divides each
@@ -228,8 +252,7 @@ def _install(lm: nn.Module, swaps: list[Swap], options: PatchOptions) -> None:
 def _unpatch_lm(lm: nn.Module) -> None:
     for module in lm.modules():
         restore_swap(module)
-    if EXPERTS_ATTR in lm.__dict__:
-        lm.set_experts_implementation(lm.__dict__.pop(EXPERTS_ATTR))
+    restore_experts(lm)
     if ACCEPTS_ATTR in lm.__dict__:
         had, value = lm.__dict__.pop(ACCEPTS_ATTR)
         if had:
@@ -257,7 +280,7 @@ def patch(
     causal_right_padding: bool = True,
     eager_attention_recompute: bool = True,
     varlen_attention: bool = True,
-    experts_implementation: str | None = None,
+    experts_implementation: str | None = "auto",
     fallback: str | None = None,
     strict: bool = True,
 ) -> M:
@@ -301,6 +324,7 @@ def patch(
         lm, spec = find_causal_lm(model)
         plan = functools.partial(_plan_lm, lm, spec)
     except UnsupportedModelError as err:
+        spec = None
         try:
             if fallback is None:
                 raise UnsupportedModelError(
@@ -317,12 +341,12 @@ def patch(
     if state is not None and state.options != options:
         _unpatch_lm(lm)
         try:
-            _install(lm, plan(options), options)
+            _install(lm, plan(options), options, spec)
         except BaseException:
-            _install(lm, plan(state.options), state.options)  # as it was: all or nothing
+            _install(lm, plan(state.options), state.options, spec)  # as it was: all or nothing
             raise
     else:
-        _install(lm, plan(options), options)
+        _install(lm, plan(options), options, spec)
     return model
 
 

@@ -61,6 +61,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from surgery.kernels import apply_rope
 from surgery.kernels.reduction import host_cu_seqlens
+from surgery.kernels.rope import mrope_rows
 from surgery.models import ArchitectureSpec
 
 from . import recompute
@@ -68,6 +69,7 @@ from .chunked_attention import POSITIONS_KWARG, after_rope, chunked_layer_mask, 
 from .compiling import host_read
 from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
+from .signature import in_signature_of
 
 __all__ = [
     "AttentionBinding",
@@ -76,11 +78,11 @@ __all__ = [
     "attention_forward",
     "attention_forward_for",
     "attention_interface",
+    "flash_head_size",
     "lean_eager_attention",
+    "mrope_layout",
     "packed_sequences",
-    "position_ids_first_attention_forward",
     "position_query_scale",
-    "shared_kv_first_attention_forward",
     "shared_sdpa_mask",
     "varlen_attention",
 ]
@@ -101,6 +103,10 @@ class AttentionBinding:
     ``ArchitectureSpec.positions_to_attention``)."""
     share_mask: bool = True
     """Hand sdpa one additive mask shared by all layers instead of the boolean one."""
+    mrope: tuple[tuple[int, int, int], bool] | None = None
+    """Multimodal RoPE (``ArchitectureSpec.mrope``): ``apply_rope``'s ``mrope_section`` and
+    ``mrope_interleaved``, read from the rotary module (``mrope_layout``); None: plain RoPE, or
+    (an ``mrope`` spec whose rotary module's layout was not recognised) transformers' cos/sin."""
     lean_eager: bool = True
     """Run the eager implementation through ``lean_eager_attention``."""
 
@@ -110,6 +116,10 @@ SHARED_MASK_ATTR = "_surgery_shared_mask"
 PACKED_KWARG = "surgery_packed_sequences"
 """The keyword argument that carries ``PackedSequences`` from the causal-LM forward through the
 base model and its decoder layers (which pass their keyword arguments on) to the attention."""
+MROPE_POSITIONS_KWARG = "surgery_mrope_positions"
+"""The keyword argument, passed the same way from the base model (``surgery.base_model``), that
+carries the positions a multimodal-RoPE model's rotary module takes: (3, batch, seq) temporal,
+height and width rows, or (batch, seq) for the same position in all three (text)."""
 CAUSAL_KWARG = "surgery_causal"
 """The keyword argument, passed the same way, saying the causal-LM forward dropped the padding mask
 (``PatchOptions.causal_right_padding``): layers without a sliding window then run sdpa causal and
@@ -134,6 +144,7 @@ def packed_sequences(
     shape: tuple[int, int],
     device: torch.device,
     read_on_host: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> PackedSequences | None:
     """``PackedSequences`` of a (batch, seq) batch on ``device`` from its position ids, or None
     when every row holds one document (causal attention over the row is then already exact) or
@@ -150,6 +161,9 @@ def packed_sequences(
     ``read_on_host`` (graph breaks allowed): on the host, as one graph break, their count a dynamic
     size of the rest of the forward; otherwise from an op at run time (their count an unbacked
     size) and every row is taken as packed (varlen over rows of one document each is exact too).
+
+    ``cu_seqlens``: the batch's ``host_cu_seqlens``, where the caller has read them already for
+    another use (a hybrid model's documents): not read again. Eager only.
     """
     kernel = varlen_kernel(device)
     if kernel is None:
@@ -160,7 +174,8 @@ def packed_sequences(
             return None if cu_seqlens is None else PackedSequences(cu_seqlens, shape[1], kernel)
         cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
         return PackedSequences(cu_seqlens, shape[1], kernel)
-    cu_seqlens = host_cu_seqlens(position_ids, shape)
+    if cu_seqlens is None:
+        cu_seqlens = host_cu_seqlens(position_ids, shape)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
     max_length = int(cu_seqlens.diff().max())
@@ -228,6 +243,30 @@ def _varlen_attn() -> Callable | None:
 _VARLEN_ATTN = _varlen_attn()
 
 
+def flash_head_size(*tensors: torch.Tensor) -> bool:
+    """Whether flash attention's varlen kernel takes heads of these tensors' last size: whole
+    16-byte vectors (8 bf16/fp16 channels). Callers take the masked path otherwise."""
+    return all(x.shape[-1] * x.element_size() % 16 == 0 for x in tensors)
+
+
+def _flash_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where flash attention would read it at a misaligned address:
+    its kernels load 16-byte vectors, so besides the head size every stride but the last (which
+    must be 1) and the start must be whole vectors. Projections' views always are; a slice such
+    as MLA's values (a part of ``kv_b_proj``'s output) may not be (on the H100: "misaligned
+    address" on a tiny Mistral 4)."""
+    if torch.compiler.is_compiling():
+        # The start is not traceable (``storage_offset``); a copy only where not contiguous.
+        return x.contiguous()
+    vector = 16 // x.element_size()
+    aligned = (
+        x.stride(-1) == 1
+        and all(s % vector == 0 for s in x.stride()[:-1])
+        and x.storage_offset() % vector == 0
+    )
+    return x if aligned else x.contiguous()
+
+
 def varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -244,7 +283,9 @@ def varlen_attention(
     """
     B, H, T, D = query.shape
     # (B, H, T, D) views of (B, T, H, D) projections: these reshapes are free.
-    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))
+    q, k, v = (
+        _flash_layout(x.transpose(1, 2).reshape(B * T, x.shape[1], D)) for x in (query, key, value)
+    )
     window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
     cu, n = packed.cu_seqlens, packed.max_length
     out = packed.kernel(q, k, v, cu, cu, n, n, scale=scaling, window_size=window)
@@ -387,6 +428,28 @@ def lean_eager_attention(
     return output, probs
 
 
+def mrope_layout(rotary: nn.Module) -> tuple[tuple[int, int, int], bool] | None:
+    """The multimodal-RoPE sections of a transformers rotary module, as ``apply_rope`` takes them
+    (``mrope_section``, ``mrope_interleaved``): which position row (temporal, height, width) each
+    frequency reads, found by running the module's own ``recomposition_frequencies`` (the step
+    that picks each frequency's row when it builds cos/sin) on rows holding 0, 1 and 2, so that
+    the layout is the rotary class's, whatever its config says. None when the module has no
+    such step or its layout is neither of ``apply_rope``'s (contiguous, interleaved)."""
+    half = rotary.inv_freq.shape[-1]
+    probe = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).repeat(1, 1, 1, half)
+    try:
+        with torch.no_grad():
+            rows = rotary.recomposition_frequencies(probe)[..., :half].reshape(-1)
+    except (AttributeError, RuntimeError, IndexError, ValueError):
+        return None
+    rows = [int(r) for r in rows.round().tolist()]
+    section = (rows.count(0), rows.count(1), rows.count(2))
+    for interleaved in (False, True):
+        if list(mrope_rows(half, section, interleaved)) == rows:
+            return section, interleaved
+    return None
+
+
 def rope_frequencies(module: nn.Module, binding: AttentionBinding) -> tuple[torch.Tensor, float]:
     rotary = binding.rotary
     if binding.spec.rope_per_layer_type:
@@ -498,23 +561,33 @@ def attention_forward(
     # positions_to_attention); on its layers without RoPE nothing is rotated.
     position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
     rotated = spec.rope_layer_attr is None or bool(getattr(self, spec.rope_layer_attr))
-    if position_ids is not None and rotated:
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
+    # Multimodal RoPE: the positions of the rotary module (3-D over images), not the text ones
+    # the decoder layers pass (or None where only 3-D ones exist).
+    rope_positions = kwargs.pop(MROPE_POSITIONS_KWARG, None)
+    if not spec.mrope:
+        rope_positions = position_ids
+    elif binding.mrope is None:  # a layout apply_rope does not know: transformers' cos/sin
+        rope_positions = None
+    if rope_positions is not None and rotated:
+        if rope_positions.dim() == 1:
+            rope_positions = rope_positions.unsqueeze(0)
         inv_freq, scaling = rope_frequencies(self, binding)
         if inv_freq.device != query.device:
             # A device map (accelerate's hooks) put the rotary module on another GPU than this
             # layer; unpatched, its cos/sin would be moved here with the layer's inputs.
             inv_freq = inv_freq.to(query.device)
         rotary_dim = 2 * inv_freq.shape[-1]
+        section, interleaved = binding.mrope if binding.mrope is not None else (None, False)
         query, key = apply_rope(
             query,
             key,
-            position_ids,
+            rope_positions,
             inv_freq,
             attention_scaling=scaling,
             rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
             layout=spec.rope_layout,
+            mrope_section=section,
+            mrope_interleaved=interleaved,
         )
     elif rotated:
         cos, sin = position_embeddings
@@ -548,6 +621,7 @@ def attention_forward(
         and not dropout
         and extra.get("softcap") is None
         and self.head_dim <= 256
+        and flash_head_size(query, value)
         and past_key_values is None
     ):
         attn_output = varlen_attention(
@@ -571,45 +645,9 @@ def attention_forward(
     return output, attn_weights
 
 
-def shared_kv_first_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    shared_kv_states=None,
-    past_key_values=None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``attention_forward`` with Gemma 4's argument order (``shared_kv_states`` before
-    ``past_key_values``), so that a positional call means what it means to transformers."""
-    return attention_forward(self, hidden_states, position_embeddings, attention_mask,
-                             past_key_values, shared_kv_states, **kwargs)  # fmt: skip
-
-
-def position_ids_first_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    past_key_values=None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``attention_forward`` with Ministral 3's argument order (``position_ids`` before
-    ``past_key_values``), so that a positional call means what it means to transformers."""
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    return attention_forward(self, hidden_states, position_embeddings, attention_mask,
-                             past_key_values, **kwargs)  # fmt: skip
-
-
-def attention_forward_for(module: nn.Module) -> Callable:
-    """The attention forward whose arguments come in the order of ``module``'s class forward (the
-    patch checks that they do): ``attention_forward``, or its Gemma 4 or Ministral 3 order."""
-    params = inspect.signature(type(module).forward).parameters
-    if "position_ids" in params:
-        return position_ids_first_attention_forward
-    order = [name for name in params if name in ("shared_kv_states", "past_key_values")]
-    if order == ["shared_kv_states", "past_key_values"]:
-        return shared_kv_first_attention_forward
-    return attention_forward
+def attention_forward_for(module: nn.Module, generic: Callable = attention_forward) -> Callable:
+    """``generic`` (``attention_forward``, or another generic attention forward) taking its
+    arguments in the order of ``module``'s class forward (``surgery.signature.in_signature_of``:
+    Gemma 4 takes ``shared_kv_states`` before ``past_key_values``, Ministral 3 ``position_ids``
+    between ``attention_mask`` and ``past_key_values``)."""
+    return in_signature_of(generic, type(module).forward)

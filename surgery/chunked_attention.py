@@ -1,6 +1,5 @@
 """What Llama 4's attention does beyond RoPE, from the position ids: chunked attention, the query
-temperature of the layers without RoPE, the q/k norm after RoPE, and the base-model forward that
-hands the attention its position ids.
+temperature of the layers without RoPE and the q/k norm after RoPE.
 
 Llama 4 interleaves layers with RoPE, whose attention is chunked (a query attends causally to the
 keys of its own chunk of ``config.attention_chunk_size`` positions), with global layers without
@@ -12,8 +11,8 @@ as the documents alone:
 - chunks follow each document's own positions. transformers builds the chunked layers' mask from
   the token's index in its row, so that in a packed row a later document's chunks start where
   the earlier documents leave off (5.17; 5.23 remaps its packed mask to the position ids). On a
-  packed batch the base-model forward here (``positions_model_forward``) builds that mask itself
-  (``chunked_document_mask``: causal within the document and within the chunk of the query's
+  packed batch the base-model forward (``surgery.base_model``) builds that mask itself
+  (``packed_chunked_mask``: causal within the document and within the chunk of the query's
   position), once per forward, and the chunked layers take it in place of transformers'.
   Batches with an attention mask or a KV cache keep transformers' mask: a padded row's chunks
   start at its first real token there, as transformers counts them, and a cached step's keys are
@@ -43,7 +42,7 @@ __all__ = [
     "chunked_document_mask",
     "chunked_layer_mask",
     "is_chunked_layer",
-    "positions_model_forward",
+    "packed_chunked_mask",
     "temperature_scaled_query",
 ]
 
@@ -52,8 +51,6 @@ POSITIONS_KWARG = "surgery_position_ids"
 (which pass their keyword arguments on) to the attention."""
 CHUNKED_MASK_KWARG = "surgery_chunked_mask"
 """The keyword argument carrying a packed batch's chunked-attention mask the same way."""
-POSITIONS_ATTR = "_surgery_positions"
-"""Instance attribute of a base model whose forward passes the position ids on (True)."""
 
 _CHUNKED = "chunked_attention"
 
@@ -76,53 +73,24 @@ def chunked_document_mask(position_ids: torch.Tensor, batch: int, chunk_size: in
     return allowed[:, None]
 
 
-def positions_model_forward(
-    self: nn.Module,
-    input_ids: torch.LongTensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
-    inputs_embeds: torch.Tensor | None = None,
-    use_cache: bool | None = None,
-    **kwargs,
-):
-    """transformers' base-model forward, passing the attention its position ids and, on a packed
-    batch (position ids, no attention mask, no KV cache yet) of a model with chunked layers, their
-    mask (see the module docstring). Everything else goes to transformers as given."""
-    tokens = input_ids if input_ids is not None else inputs_embeds
-    batch, seq = tokens.shape[:2]
-    positions = position_ids
-    if positions is None:  # the base model's own default
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        positions = torch.arange(seq, device=tokens.device)[None] + past
-    elif positions.dim() == 1:
-        positions = positions[None]
-    kwargs[POSITIONS_KWARG] = positions
-    config = self.config
+def packed_chunked_mask(
+    model: nn.Module, positions: torch.Tensor, batch: int, embeddings_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The mask the chunked layers of base model ``model`` attend with on a packed batch (position
+    ids, no attention mask, no KV cache yet), from its (batch, seq) or (1, seq) ``positions``:
+    ``chunked_document_mask``, boolean for sdpa, additive in ``embeddings_dtype`` for eager (as
+    transformers' eager masks). None when the model has no chunked layers or attends with another
+    implementation (flash attention reads the documents from the position ids itself)."""
+    config = model.config
     implementation = config._attn_implementation
-    if (
-        position_ids is not None
-        and attention_mask is None
-        and past_key_values is None
-        and _CHUNKED in (getattr(config, "layer_types", None) or ())
-        and implementation in ("sdpa", "eager")
-    ):
-        allowed = chunked_document_mask(positions, batch, config.attention_chunk_size)
-        if implementation == "eager":  # additive, in the embeddings' dtype, as transformers'
-            dtype = tokens.dtype if input_ids is None else self.get_input_embeddings().weight.dtype
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            allowed = mask.masked_fill_(allowed.logical_not(), torch.finfo(dtype).min)
-        kwargs[CHUNKED_MASK_KWARG] = allowed
-    return type(self).forward(
-        self,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
+    chunked = _CHUNKED in (getattr(config, "layer_types", None) or ())
+    if not chunked or implementation not in ("sdpa", "eager"):
+        return None
+    allowed = chunked_document_mask(positions, batch, config.attention_chunk_size)
+    if implementation == "sdpa":
+        return allowed
+    mask = torch.zeros(allowed.shape, dtype=embeddings_dtype, device=allowed.device)
+    return mask.masked_fill_(allowed.logical_not(), torch.finfo(embeddings_dtype).min)
 
 
 def is_chunked_layer(module: nn.Module, spec: ArchitectureSpec) -> bool:
@@ -136,7 +104,7 @@ def is_chunked_layer(module: nn.Module, spec: ArchitectureSpec) -> bool:
 def chunked_layer_mask(
     chunked: bool, attention_mask: torch.Tensor | None, past_key_values, kwargs: dict
 ) -> torch.Tensor | None:
-    """The mask a layer attends with: a chunked layer's mask from ``positions_model_forward`` when
+    """The mask a layer attends with: a chunked layer's mask from ``packed_chunked_mask`` when
     there is one (a packed batch) and no KV cache exists (with one, transformers' mask treats the
     row as one sequence in every layer, and so must this one), else ``attention_mask``. Takes the
     mask's keyword argument out of ``kwargs`` in every layer."""

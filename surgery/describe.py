@@ -17,9 +17,11 @@ from torch import nn
 from surgery.models import ArchitectureSpec
 
 from .attention import BINDING_ATTR
+from .experts import describe_experts
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, head_takes_loss
 from .layers import MLP_ATTR, NORM_ATTR
+from .multimodal import text_model
 from .options import PatchOptions
 from .recompute import RECOMPUTE_ATTR
 from .registry import UnsupportedModelError, find_causal_lm
@@ -82,8 +84,15 @@ def _installed(module: nn.Module, state: PatchState) -> str:
     attrs = module.__dict__
     plan = attrs.get(RECOMPUTE_ATTR)
     if STATE_ATTR in attrs:
+        own: PatchState = attrs[STATE_ATTR]
+        if own.wrapper is not None and not hasattr(module, "lm_head"):  # Llama 4's
+            return "multimodal forward: transformers' own, labels passed to the language model"
+        if not hasattr(module, "lm_head"):
+            return "text model on its own (no head, no loss): carries the patch state"
         what = "causal-LM forward: fused loss in training with labels, else logits"
-        if state.spec.logit_softcap:
+        if own.wrapper is not None:
+            what = "multimodal forward: the wrapper's model, then the fused loss"
+        if state.spec.logit_softcap and (own.wrapper is None or own.wrapper.logit_softcap):
             what += f"; softcap config.{state.spec.logit_softcap} in the kernel"
         if state.spec.router_aux_loss:
             what += "; router aux loss kept"
@@ -121,6 +130,8 @@ def _left_alone_because(
         return "loss-only fallback: transformers' own forward"
     spec: ArchitectureSpec = state.spec
     options = state.options
+    if not any(module is m for m in text_model(lm, spec)[0].modules()):
+        return "outside the language model (vision, projector): transformers' own forward"
     if spec.is_instance(module, spec.attention):
         return "rope=False"
     if spec.rms_norm is not None and spec.is_instance(module, spec.rms_norm):
@@ -154,11 +165,17 @@ def describe(model: nn.Module) -> PatchReport:
     proof: LossFallback | None = lm.__dict__.get(FALLBACK_ATTR)
     fallback = proof is not None
 
-    under_head = {id(m) for m in lm.lm_head.modules()}
+    head = getattr(lm, "lm_head", None)  # none on a text model patched on its own
+    under_head = set() if head is None else {id(m) for m in head.modules()}
     patched, left = [], []
     for module in lm.modules():
+        # Experts run through transformers' dispatch, not a swapped forward.
+        experts = None if fallback else describe_experts(module, spec)
         if is_swapped(module):
             patched.append((type(module).__name__, _installed(module, state)))
+        elif experts is not None:
+            fused, what = experts
+            (patched if fused else left).append((type(module).__name__, what))
         elif type(module).forward is not nn.Module.forward:  # containers have no forward
             why = _left_alone_because(module, lm, under_head, state, fallback)
             left.append((type(module).__name__, why))
@@ -174,7 +191,8 @@ def describe(model: nn.Module) -> PatchReport:
             "their recomputation, the attention options and causal_right_padding"
         )
     else:
-        notes.append(f"architecture {spec.model_type} ({spec.causal_lm}) from the registry")
+        what = spec.causal_lm if state.wrapper is None else f"in {state.wrapper.wrapper}"
+        notes.append(f"architecture {spec.model_type} ({what}) from the registry")
     if state.options.loss_reduction == "sequence":
         notes.append("accepts_loss_kwargs is False: the Trainer passes no num_items_in_batch")
     return PatchReport(

@@ -13,24 +13,41 @@ The causal-LM forward runs the base model (``self.model``), then either the fuse
 Either way the final hidden states are first cut to ``logits_to_keep`` by transformers' own
 ``slice_logits_to_keep`` (an int, a 1-D tensor of positions, a 2-D tensor of positions per row or a
 boolean mask), so the kept positions are the ones the unpatched model keeps.
+
+It returns the causal LM's own output class (``causal_lm_output_class``: Gemma 4's
+``Gemma4CausalLMOutputWithPast``, Llama 4's ``MoeCausalLMOutputWithPast`` in 5.23, ...) plus a
+``z_loss`` field, every field filled as transformers fills it: the loss (with a router aux loss,
+``aux_loss`` too) computed here, every other field the base model's output field of that name
+(``router_logits``, ``shared_kv_states``, ...), as transformers' causal LMs copy them. The one
+difference: ``logits`` is None where the loss is fused.
+
+A multimodal wrapper holding lm_head (``surgery.multimodal``) runs the same forward: ``self.model``
+is its multimodal model (the wrapper's own arguments, pixel values and the like, go to it as
+given), its ``config.text_config`` says what the text model does, and the output is the wrapper's
+class. One whose language model is the causal LM (Llama 4) runs ``delegating_forward``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
+import typing
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-from transformers.utils.generic import can_return_tuple
+from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from surgery.kernels import cross_entropy, linear_cross_entropy
-from surgery.models import ArchitectureSpec
+from surgery.kernels.reduction import host_cu_seqlens
+from surgery.models import ArchitectureSpec, MultimodalWrapper
 
 from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .compiling import graph_break_allowed, host_read
+from .linear_attention import DOCUMENTS_KWARG, documents_of
 from .options import PatchOptions
 from .swap import apply_swaps, is_swapped, plan_swap
 
@@ -54,6 +71,7 @@ __all__ = [
     "MoeCausalLMOutputWithZLoss",
     "PatchState",
     "causal_lm_forward",
+    "causal_lm_output_class",
     "lm_head_forward",
     "moe_causal_lm_forward",
     "padding_only_behind",
@@ -79,12 +97,96 @@ class MoeCausalLMOutputWithZLoss(MoeCausalLMOutputWithPast):
     z_loss: torch.Tensor | None = None
 
 
+_Z_LOSS_OUTPUTS: dict[type, type] = {
+    CausalLMOutputWithPast: CausalLMOutputWithZLoss,
+    MoeCausalLMOutputWithPast: MoeCausalLMOutputWithZLoss,
+}
+# Fields of the output that the causal-LM forward computes; transformers' causal LMs copy every
+# other field from their base model's output.
+_COMPUTED_FIELDS = ("loss", "logits", "aux_loss", "z_loss")
+
+
+def _with_z_loss(output: type) -> type:
+    """``output`` (a ``ModelOutput`` dataclass) plus ``z_loss``: ``CausalLMOutputWithZLoss`` and
+    ``MoeCausalLMOutputWithZLoss`` for transformers' two common classes, else a subclass made once
+    (``Gemma4CausalLMOutputWithPast`` -> ``Gemma4CausalLMOutputWithZLoss``)."""
+    found = _Z_LOSS_OUTPUTS.get(output)
+    if found is None:
+        name = output.__name__.removesuffix("WithPast") + "WithZLoss"
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"transformers' ``{output.__name__}`` plus ``z_loss``, as in "
+            "``CausalLMOutputWithZLoss``.",
+            "__annotations__": {"z_loss": "torch.Tensor | None"},
+            "z_loss": None,
+        }
+        found = _Z_LOSS_OUTPUTS[output] = dataclass(type(name, (output,), namespace))
+        globals().setdefault(name, found)  # found by name, as pickle looks it up
+    return found
+
+
+def causal_lm_output_class(
+    spec: ArchitectureSpec, wrapper: MultimodalWrapper | None = None
+) -> type:
+    """The output class of ``spec``'s causal LM (or of its multimodal ``wrapper``): the
+    ``ModelOutput`` its forward's return annotation names (``Llama4ForCausalLM``: ``tuple |
+    MoeCausalLMOutputWithPast`` in 5.23, ``tuple | CausalLMOutputWithPast`` in 5.17;
+    ``Gemma3ForConditionalGeneration``: ``Gemma3CausalLMOutputWithPast``), else transformers'
+    ``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for a router aux loss (also where
+    the annotated class has no ``aux_loss``)."""
+    moe = spec.router_aux_loss
+    default = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+    try:
+        cls = spec.causal_lm_class() if wrapper is None else wrapper.wrapper_class()
+        annotation = typing.get_type_hints(cls.forward).get("return")
+    except (AttributeError, ImportError, NameError, TypeError):  # unresolvable annotations
+        return default
+    found = [
+        t
+        for t in typing.get_args(annotation) or (annotation,)
+        if isinstance(t, type) and issubclass(t, ModelOutput)
+    ]
+    if len(found) != 1:
+        return default
+    if moe and "aux_loss" not in {field.name for field in dataclasses.fields(found[0])}:
+        return default
+    return found[0]
+
+
 @dataclass(frozen=True)
 class PatchState:
     """Kept in the patched causal LM's ``__dict__``; the forward reads it at call time."""
 
     spec: ArchitectureSpec
     options: PatchOptions
+    wrapper: MultimodalWrapper | None = None
+    """The multimodal wrapper whose forward this is (``surgery.multimodal``), or None: the causal
+    LM's (or, on a text model patched on its own, no forward's)."""
+    output: type = dataclasses.field(init=False, compare=False, repr=False)
+    """The class the forward returns: the causal LM's own (``causal_lm_output_class``) plus
+    ``z_loss``. Found once, when the state is made (at patch time)."""
+    base_fields: tuple[str, ...] = dataclasses.field(init=False, compare=False, repr=False)
+    """The fields of ``output`` the forward copies from the base model's output, as transformers'
+    causal LM does (every field but ``_COMPUTED_FIELDS``: past_key_values, hidden_states,
+    attentions, router_logits, Gemma 4's shared_kv_states, ...); one the base model's output
+    lacks is None."""
+
+    router_logits_by_default: bool = dataclasses.field(init=False, compare=False, repr=False)
+    """A MoE forward called without ``output_router_logits`` takes the config's: the causal LM's
+    does, and a wrapper's that names the argument (transformers 5.23); a wrapper's that only
+    reads it from its keyword arguments (5.17's Qwen3-VL-MoE, Qwen3.5-MoE) leaves the router
+    logits and the aux loss out."""
+
+    def __post_init__(self):
+        default = self.wrapper is None or "output_router_logits" in (
+            inspect.signature(self.wrapper.wrapper_class().forward).parameters
+        )
+        object.__setattr__(self, "router_logits_by_default", default)
+        output = _with_z_loss(causal_lm_output_class(self.spec, self.wrapper))
+        base = tuple(f.name for f in dataclasses.fields(output) if f.name not in _COMPUTED_FIELDS)
+        object.__setattr__(self, "output", output)
+        object.__setattr__(self, "base_fields", base)
 
 
 def lm_head_forward(
@@ -118,8 +220,9 @@ def _is_plain_linear(module: nn.Module) -> bool:
 def head_linears(lm: nn.Module) -> list[nn.Linear]:
     """The vocabulary projections under ``lm.lm_head``: the head itself (sharded by FSDP2 or not),
     or the copies inside a PEFT ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer
-    (whose own A/B projections have other shapes and are left alone)."""
-    config = lm.config
+    (whose own A/B projections have other shapes and are left alone). A multimodal wrapper's head
+    projects onto its text config's vocabulary."""
+    config = lm.config.get_text_config()
     return [
         m
         for m in lm.lm_head.modules()
@@ -204,6 +307,43 @@ def padding_only_behind(
 _padding_only_behind = host_read(padding_only_behind)
 
 
+@host_read
+def _read_packed_layout(
+    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device, varlen: bool
+) -> dict:
+    # One device-to-host copy of the position ids for both: the linear-attention layers'
+    # documents (None: every row is one document) and, with varlen, the attention's.
+    cu_seqlens = host_cu_seqlens(position_ids, shape)
+    layout = {DOCUMENTS_KWARG: documents_of(cu_seqlens, shape, device)}
+    if varlen:
+        packed = packed_sequences(position_ids, shape, device, cu_seqlens=cu_seqlens)
+        if packed is not None:
+            layout[PACKED_KWARG] = packed
+    return layout
+
+
+def _packed_layout(
+    spec: ArchitectureSpec,
+    position_ids: torch.Tensor,
+    tokens: torch.Tensor,
+    varlen: bool,
+    host_reads: bool,
+) -> dict:
+    """The keyword arguments that give the base model a packed step's documents: for the varlen
+    attention (``varlen``, see ``PatchOptions.varlen_attention``) and a hybrid model's
+    linear-attention layers, both from one read of the position ids on the host. Under
+    ``torch.compile`` without graph breaks (``host_reads`` False) the varlen attention reads them
+    from an op at run time, and a hybrid's base model finds its documents itself (where
+    ``fullgraph=True`` refuses the read)."""
+    shape, device = tuple(tokens.shape[:2]), tokens.device
+    if spec.linear_attention is not None and position_ids.dim() <= 2 and host_reads:
+        # Each layout of documents compiles anew anyway: under torch.compile the read is one
+        # graph break, and the varlen attention's lengths may be exact.
+        return _read_packed_layout(position_ids, shape, device, varlen)
+    packed = packed_sequences(position_ids, shape, device, host_reads) if varlen else None
+    return {} if packed is None else {PACKED_KWARG: packed}
+
+
 def _load_balancing_loss(spec: ArchitectureSpec):
     # The model's module is imported (its classes built the model): read the function from
     # sys.modules, which torch.compile traces, rather than through importlib.import_module
@@ -225,7 +365,7 @@ def causal_lm_forward(
     logits_to_keep: int | torch.Tensor = 0,
     per_layer_inputs: torch.Tensor | None = None,
     **kwargs,
-) -> CausalLMOutputWithZLoss:
+) -> ModelOutput:
     """The causal-LM forward of every dense architecture (see the module docstring).
     ``per_layer_inputs`` (Gemma 4's precomputed per-layer input embeddings, where its causal LM
     takes them) goes to the base model like any other keyword argument."""
@@ -248,7 +388,7 @@ def moe_causal_lm_forward(
     output_router_logits: bool | None = None,
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
-) -> MoeCausalLMOutputWithZLoss:
+) -> ModelOutput:
     """The same for a mixture-of-experts architecture (``ArchitectureSpec.router_aux_loss``):
     with ``output_router_logits`` (default: the config's), transformers' load-balancing loss of
     the router logits, over the tokens of the attention mask the caller passed, is returned as
@@ -272,11 +412,18 @@ def _forward(
 ):
     state: PatchState = self.__dict__[STATE_ATTR]
     options = state.options
+    wrapper = state.wrapper
+    # A multimodal wrapper's config holds the text model's as text_config.
+    config = self.config if wrapper is None else self.config.text_config
+    request: LossRequest | None = kwargs.pop(LOSS_REQUEST_KWARG, None)
+    if request is not None:  # the labels of a multimodal wrapper around this causal LM
+        labels = request.labels
     moe = state.spec.router_aux_loss
     if moe:
-        if output_router_logits is None:
-            output_router_logits = self.config.output_router_logits
-        kwargs["output_router_logits"] = output_router_logits
+        if output_router_logits is None and state.router_logits_by_default:
+            output_router_logits = getattr(config, "output_router_logits", False)
+        if output_router_logits is not None:
+            kwargs["output_router_logits"] = output_router_logits
     # The load-balancing loss counts the tokens of the caller's mask, also when the attention
     # runs without it (causal_right_padding).
     router_mask = attention_mask
@@ -290,24 +437,32 @@ def _forward(
     # exists, and with use_cache on it creates one first, so tokens would attend across sequences.
     # A loss call has no use for the cache; without it every sequence sees only itself (flash
     # attention reads the boundaries from position_ids / cu_seq_lens either way).
+    text_positions = document_positions(position_ids)
     packed_step = (
         past_key_values is None
         and attention_mask is None
-        and position_ids is not None
+        and text_positions is not None
         and (labels is not None or self.training)
     )
     if packed_step:
         use_cache = False
-    output_attentions = kwargs.get("output_attentions", self.config.output_attentions)
-    sdpa = self.config._attn_implementation == "sdpa"
+    output_attentions = kwargs.get("output_attentions", config.output_attentions)
+    sdpa = config._attn_implementation == "sdpa"
     # Both shortcuts below read the batch on the host; under torch.compile that is one graph
     # break before the model, taken only where the caller allows breaks (surgery.compiling).
     host_reads = not torch.compiler.is_compiling() or graph_break_allowed()
-    if packed_step and options.varlen_attention and options.rope and sdpa and not output_attentions:
+    # Tokens that transformers lets attend both ways (Gemma 3's images) rule out both shortcuts,
+    # which are causal: the attention then runs the mask the multimodal model built.
+    causal = wrapper is None or not _bidirectional(wrapper, kwargs, host_reads)
+    if packed_step:
         tokens = input_ids if input_ids is not None else inputs_embeds
-        packed = packed_sequences(position_ids, tuple(tokens.shape[:2]), tokens.device, host_reads)
-        if packed is not None:  # see PatchOptions.varlen_attention
-            kwargs[PACKED_KWARG] = packed
+        varlen = (
+            options.varlen_attention and options.rope and sdpa and not output_attentions and causal
+        )
+        # A local, so that nothing is on the stack at the host read's graph break (a bound
+        # ``kwargs.update`` there is guarded on, and the guard fails every step).
+        layout = _packed_layout(state.spec, text_positions, tokens, varlen, host_reads)
+        kwargs.update(layout)
 
     fused = (
         labels is not None
@@ -319,18 +474,22 @@ def _forward(
     if (
         options.causal_right_padding
         and head_fused
+        and causal
         and attention_mask is not None
         and past_key_values is None
         and position_ids is None
         and sdpa
-        and not kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        and not kwargs.get("output_hidden_states", config.output_hidden_states)
         and not output_attentions
         and host_reads
         and _padding_only_behind(
             attention_mask, labels if shift_labels is None else shift_labels, ignore_index
         )
     ):
-        attention_mask = None  # see PatchOptions.causal_right_padding
+        # See PatchOptions.causal_right_padding. A multimodal model keeps the mask, as it may read
+        # it for more than the attention (Qwen2-VL's 3-D positions): the layers drop it.
+        if wrapper is None:
+            attention_mask = None
         kwargs[CAUSAL_KWARG] = True
 
     outputs = self.model(
@@ -343,9 +502,8 @@ def _forward(
         **kwargs,
     )
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-    softcap = (
-        getattr(self.config, state.spec.logit_softcap, None) if state.spec.logit_softcap else None
-    )
+    capped = state.spec.logit_softcap and (wrapper is None or wrapper.logit_softcap)
+    softcap = getattr(config, state.spec.logit_softcap, None) if capped else None
 
     loss = z_loss = logits = None
     if labels is None:
@@ -363,7 +521,7 @@ def _forward(
             # num_items_in_batch counts tokens; a per-sequence mean has no use for it (the model
             # says accepts_loss_kwargs=False instead, see api.patch).
             num_items_in_batch=None if sequence else num_items_in_batch,
-            position_ids=position_ids if whole_rows else None,
+            position_ids=text_positions if whole_rows else None,
             cu_seqlens=kwargs.get("cu_seq_lens_q") if whole_rows else None,
             z_loss_scale=options.z_loss_scale,
             label_smoothing=options.label_smoothing,
@@ -387,29 +545,88 @@ def _forward(
         if options.z_loss_scale > 0:
             z_loss = out.z_loss.detach()
 
-    if not moe:
-        return CausalLMOutputWithZLoss(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            z_loss=z_loss,
+    fields = {name: getattr(outputs, name, None) for name in state.base_fields}
+    if moe:
+        aux_loss = None
+        if output_router_logits:
+            # The causal LM's attributes, or the text config of a wrapper (its forward reads them
+            # there).
+            moe_args = self if wrapper is None else config
+            aux_loss = _load_balancing_loss(state.spec)(
+                outputs.router_logits,
+                moe_args.num_experts,
+                moe_args.num_experts_per_tok,
+                router_mask,
+            )
+            if loss is not None:
+                loss = loss + moe_args.router_aux_loss_coef * aux_loss.to(loss.device)
+        fields["aux_loss"] = aux_loss
+    output = state.output(loss=loss, logits=logits, z_loss=z_loss, **fields)
+    if request is not None:
+        request.output = output
+    return output
+
+
+def document_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The position ids whose restarts mark the documents of a packed row (for the attention,
+    a hybrid's linear attention and the loss's sequence boundaries): (batch, seq) ones as they
+    are; of multimodal (4, batch, seq) ones (Qwen2-VL and later, packed), the first row, the text
+    positions, as transformers builds its packed mask from it: the three rotary rows do not
+    count tokens (the temporal row stands still over an image, height and width jump), so the
+    restart rule would cut a document inside every image. (3, batch, seq) ones carry no text row:
+    None, each row one document, as transformers takes them."""
+    if position_ids is None or position_ids.dim() <= 2:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
+
+
+@host_read
+def _any_nonzero(ids: torch.Tensor) -> bool:
+    return bool(ids.ne(0).any())
+
+
+def _bidirectional(wrapper: MultimodalWrapper, kwargs: dict, host_reads: bool) -> bool:
+    """Whether the batch has tokens that may attend both ways (``bidirectional_tokens``). Without
+    host reads (``torch.compile(fullgraph=True)``), whenever the token types are given."""
+    if wrapper.bidirectional_tokens is None:
+        return False
+    ids = kwargs.get(wrapper.bidirectional_tokens)
+    return ids is not None and (not host_reads or _any_nonzero(ids))
+
+
+@dataclass
+class LossRequest:
+    """The labels a multimodal wrapper whose language model is the causal LM (Llama 4) hands it
+    through its forward's keyword arguments (``LOSS_REQUEST_KWARG``), and the causal LM's output
+    (loss, z_loss, logits), set by the causal LM's patched forward."""
+
+    labels: torch.Tensor
+    output: ModelOutput | None = None
+
+
+LOSS_REQUEST_KWARG = "surgery_loss_request"
+
+
+@can_return_tuple
+def delegating_forward(self, labels: torch.LongTensor | None = None, **kwargs) -> ModelOutput:
+    """The forward of a multimodal wrapper whose language model is a patched causal LM holding
+    lm_head (Llama 4): transformers' own forward of the wrapper (vision tower, projector, merging
+    the image features into the embeddings) runs with no labels of its own, and the labels go
+    down to the causal LM, whose patched forward computes the loss (fused in training) and
+    leaves its output in the request; the wrapper's output (its own class plus ``z_loss``) gets
+    that loss and those logits, every other field as the wrapper filled it."""
+    state: PatchState = self.__dict__[STATE_ATTR]
+    request = None if labels is None else LossRequest(labels)
+    if request is not None:
+        kwargs[LOSS_REQUEST_KWARG] = request
+    out = type(self).forward(self, labels=None, return_dict=True, **kwargs)
+    fields = {name: getattr(out, name, None) for name in state.base_fields}
+    if request is None:
+        return state.output(loss=out.loss, logits=out.logits, **fields)
+    if request.output is None:
+        raise RuntimeError(
+            f"surgery: {type(self).__name__}'s forward did not pass the labels on to its language "
+            "model (a transformers release whose multimodal forward changed?)"
         )
-    aux_loss = None
-    if output_router_logits:
-        aux_loss = _load_balancing_loss(state.spec)(
-            outputs.router_logits, self.num_experts, self.num_experts_per_tok, router_mask
-        )
-        if loss is not None:
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    return MoeCausalLMOutputWithZLoss(
-        loss=loss,
-        aux_loss=aux_loss,
-        logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-        router_logits=outputs.router_logits,
-        z_loss=z_loss,
-    )
+    inner = request.output
+    return state.output(loss=inner.loss, logits=inner.logits, z_loss=inner.z_loss, **fields)

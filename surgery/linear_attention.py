@@ -8,12 +8,14 @@ only: its linear-attention layers run over the whole row, so the convolution win
 recurrent state of one document flow into the next. surgery leaves their math to transformers and
 changes what they are given:
 
-- the base model's forward (``documents_model_forward``) finds the documents of a packed batch
-  from its position ids, once per forward (``packed_documents``: a document starts at each row's
-  first token and wherever the position does not continue, the rule of transformers' packed mask
-  and of the loss), and hands them on under the keyword argument ``DOCUMENTS_KWARG``. The base
-  model passes its keyword arguments to the decoder layers, which pass theirs to the linear
-  attention (and to the attention, which drops this one);
+- the documents of a packed batch are found from its position ids once per forward
+  (``packed_documents``: a document starts at each row's first token and wherever the position
+  does not continue, the rule of transformers' packed mask and of the loss), by the causal-LM
+  forward in a training or loss step (from the one host read that also serves the varlen
+  attention, ``surgery.forward``) or else by the base model's forward (``surgery.base_model``),
+  and handed to the base model under the keyword argument ``DOCUMENTS_KWARG``. The base model
+  passes its keyword arguments to the decoder layers, which pass theirs to the linear attention
+  (and to the attention, which drops this one);
 - each linear-attention module's forward (``linear_attention_forward``) gathers the packed tokens
   into a (documents, longest) right-padded batch, runs transformers' own forward on it with the
   matching 2-D attention mask (the mask transformers builds for a right-padded batch), and
@@ -44,7 +46,7 @@ from surgery.kernels.reduction import host_cu_seqlens
 __all__ = [
     "DOCUMENTS_KWARG",
     "Documents",
-    "documents_model_forward",
+    "documents_of",
     "linear_attention_forward",
     "packed_documents",
 ]
@@ -54,8 +56,6 @@ DOCUMENTS_KWARG = "surgery_documents"
 to the linear-attention layers."""
 LINEAR_ATTENTION_ATTR = "_surgery_linear_attention"
 """Instance attribute of a patched linear-attention module (True)."""
-DOCUMENTS_ATTR = "_surgery_documents"
-"""Instance attribute of a base model whose forward finds the documents (True)."""
 
 # Keyword arguments describing the packed layout for flash attention; the padded batch has none.
 _PACKED_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -94,8 +94,16 @@ def packed_documents(
 ) -> Documents | None:
     """``Documents`` of a (batch, seq) batch from its (batch, seq) or (seq,) position ids, or None
     when every row holds one document. One device-to-host copy of the position ids."""
+    return documents_of(host_cu_seqlens(position_ids, shape), shape, device)
+
+
+def documents_of(
+    cu_seqlens: torch.Tensor, shape: tuple[int, int], device: torch.device
+) -> Documents | None:
+    """``Documents`` of a (batch, seq) batch on ``device`` from its ``host_cu_seqlens`` (read on
+    the host already: this reads nothing from the device), or None when every row holds one
+    document."""
     batch, seq = shape
-    cu_seqlens = host_cu_seqlens(position_ids, shape)
     first, tokens = cu_seqlens[:-1], batch * seq
     if first.numel() == batch:
         return None
@@ -108,41 +116,6 @@ def packed_documents(
     gather[scatter] = torch.arange(tokens)
     mask = (gather != tokens).long().view(first.numel(), longest)
     return Documents(gather.to(device), scatter.to(device), mask.to(device))
-
-
-def documents_model_forward(
-    self: nn.Module,
-    input_ids: torch.LongTensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
-    inputs_embeds: torch.Tensor | None = None,
-    use_cache: bool | None = None,
-    **kwargs,
-):
-    """transformers' base-model forward, given ``DOCUMENTS_KWARG`` when the batch is packed: 2-D
-    (or 1-D) position ids, no attention mask, no KV cache yet (see the module docstring)."""
-    if (
-        attention_mask is None
-        and past_key_values is None
-        and position_ids is not None
-        and position_ids.dim() <= 2
-        and DOCUMENTS_KWARG not in kwargs
-    ):
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        documents = packed_documents(position_ids, tuple(tokens.shape[:2]), tokens.device)
-        if documents is not None:
-            kwargs[DOCUMENTS_KWARG] = documents
-    return type(self).forward(
-        self,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
 
 
 def linear_attention_forward(

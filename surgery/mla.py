@@ -40,6 +40,7 @@ from .attention import (
     AttentionBinding,
     PackedSequences,
     attention_interface,
+    flash_head_size,
     position_query_scale,
     rope_frequencies,
     varlen_attention,
@@ -132,6 +133,7 @@ def mla_attention_forward(
         and query.dtype in (torch.float16, torch.bfloat16)
         and not dropout
         and self.qk_head_dim == self.v_head_dim <= 256
+        and flash_head_size(query, value)
         and past_key_values is None
     ):
         attn_output = varlen_attention(query, key, value, packed, self.scaling, None)

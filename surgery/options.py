@@ -78,12 +78,26 @@ class PatchOptions:
       ``torch.compile`` that copy is one graph break before the model, or with ``fullgraph=True``
       an op at run time; either way one graph serves any document count).
       fp32 layers, attention dropout and attention-logit softcaps keep the mask.
-    - ``experts_implementation``: mixture-of-experts models only: transformers' experts
-      implementation to run (``model.set_experts_implementation``: ``"grouped_mm"``,
-      ``"batched_mm"``, ``"eager"``, ...), put back by ``unpatch``; None (the default) leaves the
-      model's own, which transformers chooses (``grouped_mm`` where torch and the GPU can run it,
-      else its eager loop). The experts' computation is transformers' either way: surgery fuses
-      nothing inside them.
+    - ``experts_implementation``: mixture-of-experts models whose experts dispatch through
+      transformers' experts implementations (``use_experts_implementation``), which one runs;
+      ``unpatch`` puts the previous one back. ``"auto"`` (the default): surgery's own,
+      ``"surgery_grouped_mm"``, wherever the model runs transformers' ``grouped_mm`` (transformers'
+      default; where torch has no grouped GEMM for the device, its per-expert loop op runs the
+      groups) and has experts it can fuse;
+      any other implementation the model was given (``"eager"``, ``"batched_mm"``, a hub kernel)
+      is kept, as is a model with nothing to fuse. ``"surgery_grouped_mm"``: surgery's everywhere
+      (experts it cannot fuse run transformers' ``grouped_mm``, with a warning). A name of
+      transformers' (``"grouped_mm"``, ``"batched_mm"``, ``"eager"``, ...): that one, as
+      ``model.set_experts_implementation`` sets it, nothing fused. None: the model's own, untouched.
+      ``"surgery_grouped_mm"`` is transformers' ``grouped_mm`` (its grouped GEMMs, its row order and
+      reduction) with ``act(gate) * up`` through the fused ``gated_activation_merged`` on the up
+      GEMM's output (fp32, rounded once; only that output kept for the backward), the product
+      rebuilt for the down GEMM's weight gradient (with ``recompute_mlp_product``) and the rows
+      gathered for the up GEMM gathered again in the backward from the layer's input: per MoE layer
+      (tokens x top_k) x (hidden + 2 x expert width) elements fewer kept. It fuses experts with a
+      concatenated gate/up and no biases, transformers' default gate and an activation with a
+      kernel (SwiGLU, GeGLU tanh), outside expert parallelism; see ``surgery.experts``. Llama 4's
+      experts (no experts implementations in transformers) keep their own forward.
     """
 
     rope: bool = True
@@ -102,7 +116,7 @@ class PatchOptions:
     causal_right_padding: bool = True
     eager_attention_recompute: bool = True
     varlen_attention: bool = True
-    experts_implementation: str | None = None
+    experts_implementation: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:

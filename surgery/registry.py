@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from surgery.models import SPECS, ArchitectureSpec
+from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec
 
 __all__ = ["UnsupportedModelError", "find_causal_lm", "supported"]
 
@@ -19,22 +19,79 @@ def supported() -> dict[str, ArchitectureSpec]:
     return {spec.model_type: spec for spec in SPECS}
 
 
+def _text_specs() -> dict[str, ArchitectureSpec]:
+    """``model_type`` -> spec of every text architecture, those without a causal LM of their own
+    (``MULTIMODAL_ONLY_SPECS``) included."""
+    return {spec.model_type: spec for spec in SPECS + MULTIMODAL_ONLY_SPECS}
+
+
 def _spec_of(module: nn.Module) -> ArchitectureSpec | None:
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    spec = supported().get(model_type)
+    """The spec of a supported causal LM, or of the text model of a supported multimodal wrapper
+    (``ArchitectureSpec.multimodal``)."""
+    config = getattr(module, "config", None)
+    spec = supported().get(getattr(config, "model_type", None))
     if spec is not None and spec.is_instance(module, spec.causal_lm):
+        return spec
+    text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+    spec = _text_specs().get(text_type)
+    if spec is not None and spec.wrapper_of(module) is not None:
         return spec
     return None
 
 
+def is_text_model(module: nn.Module, spec: ArchitectureSpec) -> bool:
+    """Whether ``module`` is the text base model of ``spec`` (what its causal LM holds as
+    ``model``, a multimodal wrapper as its language model): a transformers model of the spec's
+    module and ``model_type`` that is its own base model and holds the rotary module."""
+    config = getattr(module, "config", None)
+    return (
+        getattr(config, "model_type", None) == spec.model_type
+        and type(module).__module__ == spec.module
+        and getattr(module, "base_model", None) is module
+        and hasattr(module, spec.rotary_attr)
+    )
+
+
+def _text_model_spec(model: nn.Module) -> ArchitectureSpec | None:
+    # The outermost transformers model only: a registered text model inside another model
+    # (a classifier, a multimodal wrapper outside the registry) is not patched on its own.
+    from transformers import PreTrainedModel
+
+    outer = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    spec = _text_specs().get(getattr(getattr(outer, "config", None), "model_type", None))
+    return spec if spec is not None and is_text_model(outer, spec) else None
+
+
+def _refuse_bidirectional(lm: nn.Module, spec: ArchitectureSpec) -> None:
+    config = lm.config if spec.wrapper_of(lm) is None else lm.config.text_config
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    # Gemma 4's "vision" makes only image tokens bidirectional, through the multimodal model's
+    # mask (see MultimodalWrapper.bidirectional_tokens); True (Gemma 3) or "all" is every token.
+    if bidirectional and bidirectional != "vision":
+        raise UnsupportedModelError(
+            f"surgery does not support {type(lm).__name__} with use_bidirectional_attention="
+            f"{bidirectional!r} (an encoder: every token attends to every other); surgery's "
+            "attention shortcuts (varlen_attention, causal_right_padding) are causal"
+        )
+
+
 def find_causal_lm(model: nn.Module) -> tuple[nn.Module, ArchitectureSpec]:
     """The outermost supported causal LM in ``model`` (``model`` itself, or the transformers model
-    inside a ``PeftModel``), with its spec. Raises ``UnsupportedModelError`` naming the supported
-    architectures."""
+    inside a ``PeftModel``), or multimodal wrapper of one (``ArchitectureSpec.multimodal``), with
+    its spec; else, when the outermost transformers model in ``model`` is a supported text base
+    model (a wrapper's language model, passed on its own), that model. Raises
+    ``UnsupportedModelError`` naming the supported architectures, or for a text model that
+    attends in both directions (``use_bidirectional_attention``)."""
     for module in model.modules():
         spec = _spec_of(module)
         if spec is not None:
+            _refuse_bidirectional(module, spec)
             return module, spec
+    spec = _text_model_spec(model)
+    if spec is not None:
+        lm = next(m for m in model.modules() if is_text_model(m, spec))
+        _refuse_bidirectional(lm, spec)
+        return lm, spec
     config = getattr(model, "config", None)
     names = ", ".join(f"{s.causal_lm} ({s.model_type})" for s in SPECS)
     raise UnsupportedModelError(

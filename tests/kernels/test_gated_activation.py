@@ -15,10 +15,14 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from surgery.kernels import gated_activation, gated_activation_reference
+from surgery.kernels.dispatch import use_triton
 from surgery.kernels.gated_activation import (
     GatedActivationLaunch,
     gated_activation_bwd,
     gated_activation_fwd,
+    gated_activation_merged,
+    gated_activation_merged_bwd,
+    gated_activation_merged_fwd,
 )
 from tests.models.conftest import _one_cpu_thread  # noqa: F401  (autouse: tiny CPU ops, 1 thread)
 from tests.utils import DEVICE, TOLERANCES, assert_close_budget, poisoned_empty
@@ -328,3 +332,135 @@ def test_gpu_cuda_graph_capture():
     want = gated_activation_fwd(gate, up, "gelu_tanh")
     want_dg, want_du = gated_activation_bwd(dout, gate, up, "gelu_tanh")
     assert torch.equal(out, want) and torch.equal(dg, want_dg) and torch.equal(du, want_du)
+
+
+# ---------------------------------------------------------------------------------------------
+# The merged layout (gate then up in one (..., 2 I) tensor, transformers' experts' gate_up_proj):
+# against the same references, through views of the merged tensor.
+
+MERGED_SHAPES = [(37, 67), (3, 5, 40), (1, 1)]
+
+
+def make_merged(shape, dtype, device=DEVICE):
+    *lead, width = shape
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(*lead, width, generator=g) * 3
+    up = torch.randn(*lead, width, generator=g)
+    return torch.cat([gate, up], -1).to(device=device, dtype=dtype).requires_grad_()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get
+)
+@pytest.mark.parametrize("shape", MERGED_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("activation", list(HF_ACTIVATIONS))
+def test_merged_matches_transformers_activation(activation, shape, dtype):
+    gate_up = make_merged(shape, dtype)
+    dout = torch.randn(shape, device=DEVICE)
+
+    def merged(fn):
+        return lambda gu: fn(*gu.chunk(2, -1))
+
+    def run(fn, leaf, d):
+        out = fn(leaf)
+        (grad,) = torch.autograd.grad(out, leaf, d.to(out.dtype))
+        return out, grad
+
+    got = run(lambda gu: gated_activation_merged(gu, activation), gate_up, dout)
+    hf = run(merged(hf_eager(activation)), gate_up, dout)
+    leaf64 = gate_up.detach().double().requires_grad_()
+    ref = run(
+        merged(lambda g, u: gated_activation_reference(g, u, activation)), leaf64, dout.double()
+    )
+    assert got[0].dtype == dtype and got[0].shape == shape and got[0].is_contiguous()
+    assert got[1].shape == gate_up.shape
+    for what, x, r, h in zip(("out", "dgate_up"), got, ref, hf):
+        assert_close_budget(x, r, h, dtype, f"{activation} merged {what}")
+
+
+@pytest.mark.parametrize("activation", list(HF_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_NAMES.get)
+def test_merged_poisoned_outputs_and_ragged_tiles(dtype, activation):
+    """Several row and column tiles, both ragged, every element written (NaN-poisoned outputs);
+    the same bits as ``gated_activation`` on the two halves (the Triton path: one formula)."""
+    gate_up = make_merged((37, 67), dtype).detach()
+    dout = torch.randn(37, 67, device=DEVICE).to(dtype)
+    launch = GatedActivationLaunch(block=256)  # tiles of 8 rows x 32 columns
+    out = gated_activation_merged_fwd(
+        gate_up, activation, launch, out=poisoned_empty(37, 67, dtype=dtype)
+    )
+    dgate_up = gated_activation_merged_bwd(
+        dout, gate_up, activation, launch, out=poisoned_empty(37, 134, dtype=dtype)
+    )
+    assert torch.equal(out, gated_activation_merged_fwd(gate_up, activation))
+    assert torch.equal(dgate_up, gated_activation_merged_bwd(dout, gate_up, activation))
+    if use_triton(gate_up):
+        gate, up = (t.contiguous() for t in gate_up.chunk(2, -1))
+        assert torch.equal(out, gated_activation_fwd(gate, up, activation))
+        dg, du = gated_activation_bwd(dout, gate, up, activation)
+        assert torch.equal(dgate_up, torch.cat([dg, du], -1))
+
+
+def test_merged_keeps_only_its_input_for_backward():
+    """The op saves gate_up itself (no copy of either half) and nothing else."""
+    gate_up = make_merged((5, 24), torch.float32)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gated_activation_merged(gate_up, "silu")
+    assert len(saved) == 1 and saved[0].data_ptr() == gate_up.data_ptr()
+    out.sum().backward()
+    assert gate_up.grad.shape == gate_up.shape
+
+
+def test_merged_empty_and_bad_input():
+    empty = make_merged((0, 16), torch.float32)
+    out = gated_activation_merged(empty)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert empty.grad.shape == (0, 32)
+    with pytest.raises(ValueError, match="even"):
+        gated_activation_merged(torch.randn(4, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="activation"):
+        gated_activation_merged(torch.randn(4, 8, device=DEVICE), "relu")
+    with pytest.raises(TypeError):
+        gated_activation_merged(torch.randn(4, 8, device=DEVICE).double())
+
+
+def test_merged_ops_pass_opcheck_and_trace_with_fullgraph():
+    gate_up = make_merged((5, 24), torch.float32)
+    ops = torch.ops.surgery
+    torch.library.opcheck(ops.gated_activation_merged_fwd.default, (gate_up, "silu"))
+    quick = ("test_schema", "test_autograd_registration", "test_faketensor")
+    dout = torch.randn(5, 24, device=DEVICE)
+    bwd_args = (dout, gate_up.detach(), "gelu_tanh")
+    torch.library.opcheck(ops.gated_activation_merged_bwd.default, bwd_args, test_utils=quick)
+    fn = torch.compile(
+        lambda gu: gated_activation_merged(gu, "gelu_tanh"), fullgraph=True, backend="aot_eager"
+    )
+    got, want = fn(gate_up), gated_activation_merged(gate_up, "gelu_tanh")
+    assert torch.equal(got, want)
+    (g_c,) = torch.autograd.grad(got, gate_up, dout)
+    (g_e,) = torch.autograd.grad(want, gate_up, dout)
+    assert torch.equal(g_c, g_e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", list(HF_ACTIVATIONS))
+def test_gpu_merged_expert_sizes_match_transformers(activation):
+    """A MoE layer's rows (8192 tokens x top 8) at an expert width of 768, bf16."""
+    shape = (65536, 768)
+    gate_up = make_merged(shape, torch.bfloat16)
+    dout = torch.randn(shape, device=DEVICE)
+    out = gated_activation_merged(gate_up, activation)
+    (grad,) = torch.autograd.grad(out, gate_up, dout.to(out.dtype))
+    gate, up = (t.detach().requires_grad_() for t in gate_up.chunk(2, -1))
+    hf = output_and_grads(hf_eager(activation), gate, up, dout)
+    ref = ground_truth(gate, up, activation, dout)
+    assert_close_budget(out, ref[0], hf[0], torch.bfloat16, f"{activation} out")
+    ref_grad, hf_grad = torch.cat(ref[1:], -1), torch.cat(hf[1:], -1)
+    assert_close_budget(grad, ref_grad, hf_grad, torch.bfloat16, f"{activation} dgate_up")

@@ -6,12 +6,17 @@ layout the layers are given, the KV-cache path (generation) and ``unpatch``."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import surgery
+from surgery import attention
+from surgery.kernels import reduction
 from surgery.linear_attention import packed_documents
 from surgery.swap import ORIGINAL_ATTR
+from tests.surgery.test_compile import dense_varlen
 from tests.utils import TOLERANCES
 
 from .tiny import (
@@ -97,6 +102,38 @@ def test_packed_rows(arch):
         for row, docs in enumerate(rows):
             want = torch.cat([reference(input_ids=s[None]).logits[0] for s in docs])
             torch.testing.assert_close(got[row], want, **TOL)
+
+
+def test_packed_step_reads_position_ids_once(monkeypatch):
+    """A packed bf16 training step on sdpa with the varlen attention (a dense stand-in for its
+    kernel on CPU): the attention layers and the linear-attention layers get their documents
+    from one host read of the position ids (``host_cu_seqlens``), and the loss is the one without
+    the varlen attention."""
+    real = reduction.host_cu_seqlens
+    reads, varlen_calls = [], []
+
+    def counted_read(*args, **kwargs):
+        reads.append(args)
+        return real(*args, **kwargs)
+
+    def counted_varlen(*args, **kwargs):
+        varlen_calls.append(1)
+        return dense_varlen(*args, **kwargs)
+
+    for module in list(sys.modules.values()):  # wherever surgery imported it
+        name = getattr(module, "__name__", "")
+        if name.startswith("surgery") and getattr(module, "host_cu_seqlens", None) is real:
+            monkeypatch.setattr(module, "host_cu_seqlens", counted_read)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device: counted_varlen)
+    model = tiny_model("qwen3_5_text", dtype=torch.bfloat16).train()
+    reference = surgery.patch(twin(model), varlen_attention=False)
+    surgery.patch(model)
+    batch = packed_batch(sequences(LENGTHS)).kwargs()
+    with torch.no_grad():
+        loss = model(**batch).loss
+        assert len(reads) == 1 and varlen_calls
+        want = reference(**batch).loss
+    torch.testing.assert_close(loss, want, **{k: TOLERANCES[torch.bfloat16][k] for k in TOL})
 
 
 def test_documents_layout():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import surgery
-from surgery.attention import _read_path
+from surgery.attention import _read_path, mrope_layout
 from surgery.convergence.configs import ARCHITECTURES, FALLBACK_SPECS, SIZES, make_config
 from surgery.models import SPECS
 
@@ -87,6 +87,8 @@ def test_every_registered_model_is_tested(spec):
         assert rope["llama_4_scaling_beta"] and rope["original_max_position_embeddings"] < 7
     if spec.latent_attention:  # both query paths are transformers' own; the low-rank one here
         assert all(m.q_lora_rank is not None for m in attentions)
+    if spec.mrope:  # sections apply_rope takes, read from the rotary module
+        assert mrope_layout(getattr(model.model, spec.rotary_attr)) is not None
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.model_type)

@@ -1,4 +1,5 @@
-"""PEFT: patching before or after get_peft_model, LoRA on attention and MLP, modules_to_save on
+"""PEFT: patching before or after get_peft_model, LoRA on attention and MLP, LoRA on attention and
+a mixture's experts (3-D parameters, through peft's ``target_parameters``), modules_to_save on
 lm_head (fused through the trained copy), LoRA on lm_head (trained from its logits, never
 dropped)."""
 
@@ -8,15 +9,19 @@ import pytest
 import torch
 
 import surgery
+import surgery.experts
 from surgery import forward as surgery_forward
 from tests.models.tiny import (
+    ARCHS,
     assert_grads_close,
+    attention_modules,
     loss_and_grads,
     packed_batch,
     padded_batch,
     sequences,
     tiny_model,
 )
+from tests.surgery.routing_helpers import is_mixture
 from tests.utils import TOLERANCES
 
 peft = pytest.importorskip("peft")
@@ -73,6 +78,74 @@ def test_lora_attention_mlp(arch, order, lce_calls):
     assert_grads_close(grads, want, **TOL)
     surgery.unpatch(model)
     assert not surgery.is_patched(model)
+
+
+MIXTURES = [arch for arch in ARCHS if is_mixture(tiny_model(arch))]
+
+
+def attention_and_experts(arch) -> dict:
+    """LoRA targets of ``arch``: the projections of the attention modules its spec patches (Mistral
+    4's latent attention has its own) and its experts' 3-D parameters (``gate_up_proj``,
+    ``down_proj``), which peft adapts through ``target_parameters`` (``ParamWrapper``)."""
+    model = tiny_model(arch)
+    attention = {
+        name
+        for module in attention_modules(model, arch)
+        for name, child in module.named_children()
+        if isinstance(child, torch.nn.Linear)
+    }
+    experts = {
+        f"experts.{name}"
+        for module in model.modules()
+        if type(module).__name__.endswith("Experts")
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    return dict(target_modules=sorted(attention), target_parameters=sorted(experts))
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("arch", MIXTURES)
+def test_lora_attention_and_experts(arch, order, lce_calls, monkeypatch):
+    """LoRA on the attention projections and on every expert's weights, patched against
+    unpatched in fp32: the same loss (the router's aux loss included) and LoRA gradients; the
+    experts surgery fuses ran its fused forward on the adapted weights (peft swaps them in for
+    the call); and unpatching gives transformers' step back, bit for bit."""
+    products = []
+    fused_product = surgery.experts.gated_activation_merged
+
+    def counting(*args, **kwargs):
+        products.append(args[0].shape)
+        return fused_product(*args, **kwargs)
+
+    monkeypatch.setattr(surgery.experts, "gated_activation_merged", counting)
+    lora = attention_and_experts(arch)
+    model = peft_model(arch, order, **lora)
+    reference = peft_model(arch, "never", **lora)
+    batch = padded_batch(sequences([7, 5, 3])).kwargs()
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want = loss_and_grads(reference, **batch)
+    assert len(lce_calls) == 1
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    fused = [m for m in experts if surgery.experts.EXPERTS_PLAN_ATTR in m.__dict__]
+    assert len(products) == len(fused)  # one fused product per fused experts forward
+    adapted = {n for n in grads if ".experts." in n and "lora_" in n}
+    # an A and a B per 3-D parameter of every experts module
+    assert len(adapted) == 2 * len(lora["target_parameters"]) * len(experts), sorted(adapted)
+    assert all(grads[n].abs().sum() > 0 for n in adapted)
+    assert any("lora_A" in n and ".experts." not in n for n in grads)  # the attention's
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want, **TOL)
+
+    surgery.unpatch(model)
+    assert not surgery.is_patched(model)
+    assert not any(surgery.experts.EXPERTS_PLAN_ATTR in m.__dict__ for m in model.modules())
+    assert model.config._experts_implementation == reference.config._experts_implementation
+    products.clear()
+    loss, grads = loss_and_grads(model, **batch)
+    assert not products
+    assert torch.equal(loss, want_loss)
+    for name, g in want.items():
+        assert torch.equal(grads[name], g), name
 
 
 @pytest.mark.parametrize("order", ["before", "after"])

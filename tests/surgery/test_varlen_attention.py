@@ -20,6 +20,7 @@ from tests.models.tiny import (
     ARCHS,
     attention_modules,
     attn_for,
+    causal_lm_from_config,
     loss_and_grads,
     packed_batch,
     padded_batch,
@@ -33,6 +34,19 @@ from tests.utils import assert_close_budget
 LENGTHS = [9, 6, 3]  # the tiny configs' sliding window is 5: it cuts into the first two
 
 
+def flash_layout(x: torch.Tensor) -> bool:
+    """What flash attention's kernels read without a misaligned address (an H100 stopped with one
+    on a tiny Mistral 4, whose values are a slice of kv_b_proj's output): a head size of whole
+    16-byte vectors, unit last stride, and every other stride and the start on 16 bytes."""
+    vector = 16 // x.element_size()
+    return (
+        x.shape[-1] % vector == 0
+        and x.stride(-1) == 1
+        and all(s % vector == 0 for s in x.stride()[:-1])
+        and x.storage_offset() % vector == 0
+    )
+
+
 class ReferenceVarlen:
     """``varlen_attn``'s signature, computed document by document in fp32; records its calls."""
 
@@ -42,6 +56,8 @@ class ReferenceVarlen:
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
         assert cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
         assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == cu_q[-1]
+        for x in (q, k, v):
+            assert flash_layout(x), (x.shape, x.stride(), x.storage_offset())
         left, right = window_size
         self.calls.append(dict(cu=cu_q.tolist(), max=max_q, scale=scale, window=window_size))
         groups = q.shape[1] // k.shape[1]
@@ -153,6 +169,19 @@ def test_not_taken_without_packing(reference_kernel):
     assert attn_for("gemma2") == "eager"
     surgery.patch(gemma2)(**packed)
     assert reference_kernel.calls == []
+
+
+def test_head_size_flash_cannot_read_takes_the_masked_path(reference_kernel):
+    """Heads of 12 bf16 channels (24 bytes, not whole 16-byte vectors): flash attention's varlen
+    kernel cannot take them; the masked path runs, as with the option off."""
+    config = tiny_config("llama", head_dim=12)
+    torch.manual_seed(0)
+    model = causal_lm_from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    batch = packed_batch(sequences(LENGTHS)).kwargs()
+    want, _ = loss_and_grads(surgery.patch(twin(model).train(), varlen_attention=False), **batch)
+    got, _ = loss_and_grads(surgery.patch(model.train()), **batch)
+    assert reference_kernel.calls == []
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_packed_sequences_from_position_ids(monkeypatch):

@@ -1,0 +1,443 @@
+"""A mixture of experts' routed experts: transformers' grouped GEMMs with the gated activation fused
+between them, as one more of transformers' experts implementations.
+
+transformers 5 keeps a MoE layer's experts as 3-D parameters (``gate_up_proj`` (E, 2 I, H) holding
+gate then up, ``down_proj`` (E, H, I)) in a class decorated with ``use_experts_implementation``,
+whose forward dispatches through ``ExpertsInterface`` on ``config._experts_implementation``
+(``"grouped_mm"``, transformers' default wherever torch can run it; ``"batched_mm"``; ``"eager"``,
+the class's own loop; ...). surgery registers one more name there, ``SURGERY_EXPERTS``
+(``"surgery_grouped_mm"``), so that ``set_experts_implementation`` and the model's own dispatch stay
+in charge; ``surgery.patch`` selects it (``PatchOptions.experts_implementation``) and marks each
+experts module it may fuse with an ``ExpertsPlan`` (a plain instance attribute).
+
+``fused_grouped_mm_experts_forward`` computes what transformers' ``grouped_mm_experts_forward``
+computes, with its grouped GEMMs (``_grouped_linear``: ``torch.nn.functional.grouped_mm`` where
+torch can run it, transformers' own per-expert loop op elsewhere, CPU included): rows sorted by
+expert, one grouped GEMM up, ``act(gate) * up``, one grouped GEMM down, the routing weights, the
+rows put back and summed per token in transformers' order. Four things differ; the first changes
+roundings only (one instead of two), the second is the one place where surgery's experts round in
+another order than transformers', the others change nothing:
+
+- ``act(gate) * up`` is ``gated_activation_merged`` on the GEMM's (rows, 2 I) output: computed in
+  fp32 and rounded once (transformers rounds act(gate) and the product), and only that output is
+  kept for the backward (transformers keeps it and act(gate));
+- the down GEMM and the routing weights are one autograd step, ``y = (h @ W_e^T) * w`` (h the
+  product, W_e the row's expert's ``down_proj``, w its routing weight), whose backward needs only
+  h, W and w, never the GEMM's (rows, hidden) output that autograd keeps for transformers'
+  ``out * w``: with g = dy @ W_e (the grouped GEMM the backward runs anyway), dw = <g, h> per row,
+  dh = g * w and dW_e = sum over the expert's rows of (dy * w)^T h. The same GEMMs as
+  transformers; the same math, rounded in another order: transformers scales dy by w before the
+  GEMM for dh (``(dy * w) @ W_e``) and takes dw as <dy, out>;
+- the product, kept for the down GEMM's weight gradient and for dw, is rebuilt in the backward
+  from the gated activation's kept input with the same kernel, bit for bit (``surgery.recompute``;
+  ``recompute_mlp_product``);
+- the token rows gathered for the up GEMM (rows = tokens x top_k, hidden wide), kept for its
+  weight gradient, are gathered again in the backward from the layer's input, which the router
+  keeps anyway (``surgery.recompute``; always, it is a copy).
+
+Per layer that is (rows x 2 (hidden + I)) elements less kept for the backward. A module surgery has
+not marked, or one that is expert-parallel or in a dtype without a kernel, runs transformers'
+``grouped_mm_experts_forward`` itself. What is never fused: experts with biases, without a gate,
+with an interleaved gate/up layout, a ``_apply_gate`` of their own (GPT-OSS's clamped gate) or a
+norm after each expert, and activations without a kernel (``unfusable_reason``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from surgery.kernels.gated_activation import gated_activation_merged, gated_activation_merged_fwd
+
+from . import recompute
+
+if TYPE_CHECKING:
+    from surgery.models import ArchitectureSpec
+
+    from .options import PatchOptions
+
+try:
+    from transformers.integrations import moe as transformers_moe
+    from transformers.integrations.moe import (
+        ALL_EXPERTS_FUNCTIONS,
+        ExpertsInterface,
+        grouped_mm_experts_forward,
+    )
+except ImportError:  # pragma: no cover - transformers before experts implementations
+    ALL_EXPERTS_FUNCTIONS = ExpertsInterface = grouped_mm_experts_forward = None
+
+__all__ = [
+    "EXPERTS_AUTO",
+    "EXPERTS_PLAN_ATTR",
+    "SURGERY_EXPERTS",
+    "ExpertsPlan",
+    "describe_experts",
+    "experts_modules",
+    "fused_grouped_mm_experts_forward",
+    "install_experts",
+    "restore_experts",
+    "unfusable_reason",
+]
+
+SURGERY_EXPERTS = "surgery_grouped_mm"
+"""surgery's name in transformers' ``ExpertsInterface``."""
+EXPERTS_AUTO = "auto"
+"""``experts_implementation`` default: ``SURGERY_EXPERTS`` where the model runs ``grouped_mm``."""
+EXPERTS_PLAN_ATTR = "_surgery_experts"
+"""Instance attribute of an experts module surgery fuses: its ``ExpertsPlan``."""
+PREVIOUS_ATTR = "_surgery_experts_implementation"
+"""Instance attribute of the patched causal LM: the experts implementation before ``patch``."""
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _private_grouped_linear():
+    """transformers' ``_grouped_linear(input, weight, offs, bias=None, is_transposed=False)``, the
+    grouped GEMM (with its device and compile dispatch) its ``grouped_mm`` experts run; None when
+    this transformers has no function of that signature, or no ``_can_use_grouped_mm(input,
+    weight, offs)``, that dispatch's choice between torch's grouped GEMM and transformers'
+    per-expert loop, which the backward's weight-gradient GEMM follows (then nothing is fused).
+    Private in transformers: checked here, compared with the public ``grouped_mm`` implementation
+    in tests/surgery/test_experts.py (CPU and GPU), and ``experts_implementation="grouped_mm"``
+    turns them off."""
+    try:
+        from transformers.integrations.moe import _can_use_grouped_mm, _grouped_linear
+    except ImportError:
+        return None
+    signatures = (
+        list(inspect.signature(_grouped_linear).parameters),
+        list(inspect.signature(_can_use_grouped_mm).parameters),
+    )
+    expected = (["input", "weight", "offs", "bias", "is_transposed"], ["input", "weight", "offs"])
+    return _grouped_linear if signatures == expected else None
+
+
+_grouped_linear = _private_grouped_linear()
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """What ``fused_grouped_mm_experts_forward`` does on one experts module."""
+
+    activation: str
+    """The ``gated_activation`` name of the experts' activation."""
+    recompute_product: bool
+    """Rebuild ``act(gate) * up`` in the backward instead of keeping it
+    (``recompute_mlp_product``)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the experts implementation
+
+
+def _expert_offsets(expert_ids_sorted: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """End row of each expert's group, as transformers computes it for ``grouped_mm``: ``histc``
+    rather than ``bincount`` (CUDA graphs), on float ids on CPU and MPS, where histc takes no
+    integers, and int ids elsewhere (deterministic mode's CUDA kernel takes no floats)."""
+    device_type = expert_ids_sorted.device.type
+    ids = expert_ids_sorted.float() if device_type in ("cpu", "mps") else expert_ids_sorted.int()
+    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def _gather_rows(hidden_states: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype):
+    return hidden_states[rows].to(dtype)
+
+
+def _gathered(hidden_states, rows, dtype: torch.dtype, top_k: int, record: bool):
+    """``hidden_states[rows]`` in the weights' dtype, registered (``record``) to be gathered again
+    in the backward where holding ``hidden_states`` instead never costs more (top_k rows per
+    token)."""
+    if recompute.compiling_with_grad():
+        return recompute.compiled_recompute(
+            functools.partial(_gather_rows, dtype=dtype), hidden_states, rows
+        )
+    x = _gather_rows(hidden_states, rows, dtype)
+    if record and hidden_states.element_size() <= top_k * x.element_size():
+        recompute.register(x, functools.partial(_gather_rows, dtype=dtype), hidden_states, rows)
+    return x
+
+
+def _gated(gate_up: torch.Tensor, plan: ExpertsPlan, record: bool) -> torch.Tensor:
+    if not plan.recompute_product:
+        return gated_activation_merged(gate_up, plan.activation)
+    if recompute.compiling_with_grad():
+        return recompute.compiled_recompute(gated_activation_merged, gate_up, plan.activation)
+    product = gated_activation_merged(gate_up, plan.activation)
+    if record and gate_up.is_contiguous():  # the kernel kept gate_up itself
+        rebuild = functools.partial(gated_activation_merged_fwd, activation=plan.activation)
+        recompute.register(product, rebuild, gate_up)
+    return product
+
+
+@torch.library.custom_op("surgery::grouped_weight_grad_loop", mutates_args=())
+def _grouped_weight_grad_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # One op, opaque to torch.compile, as transformers' own per-expert fallback: one host sync for
+    # the offsets, and a loop inductor could not improve on (data-dependent group sizes).
+    out = torch.zeros(offs.size(0), a.size(1), b.size(1), device=a.device, dtype=a.dtype)
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end].t(), b[start:end], out=out[group])
+        start = end
+    return out
+
+
+@_grouped_weight_grad_loop.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offs.size(0), a.size(1), b.size(1))
+
+
+def _grouped_weight_grad(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """(groups, a's columns, b's columns): group g's rows of ``a`` transposed times its rows of
+    ``b`` (a grouped GEMM's weight gradient), in ``weight``'s dtype; torch's grouped GEMM (groups
+    along the reduction) wherever transformers' dispatch runs it for ``weight``, else a loop."""
+    a, b = a.to(weight.dtype), b.to(weight.dtype)
+    # Looked up on each call, as ``_grouped_linear`` looks it up: one decision for both.
+    if transformers_moe._can_use_grouped_mm(b, weight, offs):
+        grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return grouped_mm(a.t(), b, offs=offs)
+    return _grouped_weight_grad_loop(a, b, offs)
+
+
+class _WeightedDownProjection(torch.autograd.Function):
+    """``_grouped_linear(product, weight, offsets) * row_weights[:, None]`` whose backward keeps
+    only its inputs (not the GEMM's output, which ``out * w`` would keep for dw); the module
+    docstring gives the math and its one difference in rounding from transformers'."""
+
+    @staticmethod
+    def forward(ctx, product, weight, offsets, row_weights, is_transposed: bool):
+        out = _grouped_linear(product, weight, offsets, is_transposed=is_transposed)
+        # Saved inside the caller's recompute scope: the product is kept as a reference to what
+        # rebuilds it.
+        ctx.save_for_backward(product, weight, offsets, row_weights)
+        ctx.is_transposed = is_transposed
+        return out * row_weights.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        product, weight, offsets, row_weights = ctx.saved_tensors
+        needs_product, needs_weight, _, needs_row_weights, _ = ctx.needs_input_grad
+        grad_product = grad_weight = grad_row_weights = None
+        scale = row_weights.unsqueeze(-1)
+        if needs_weight:
+            scaled = grad_output * scale
+            if ctx.is_transposed:  # weight (experts, I, hidden)
+                grad_weight = _grouped_weight_grad(product, scaled, offsets, weight)
+            else:  # weight (experts, hidden, I)
+                grad_weight = _grouped_weight_grad(scaled, product, offsets, weight)
+            del scaled
+        if needs_product or needs_row_weights:
+            grad = _grouped_linear(
+                grad_output, weight, offsets, is_transposed=not ctx.is_transposed
+            )
+            if needs_row_weights:
+                dot = (grad * product).sum(-1, dtype=torch.float32)
+                grad_row_weights = dot.to(row_weights.dtype)
+            if needs_product:
+                grad_product = grad.mul_(scale).to(product.dtype)  # the GEMM's output: ours
+        return grad_product, grad_weight, None, grad_row_weights, None
+
+
+def fused_grouped_mm_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts with ``act(gate) * up`` fused between the grouped GEMMs,
+    the down GEMM's output not kept for the routing weights' gradient, and the gathered rows and
+    product rebuilt in the backward (the module docstring); the signature and result of
+    transformers' experts forwards: ``hidden_states`` (tokens, hidden), ``top_k_index`` and
+    ``top_k_weights`` (tokens, top_k), returns (tokens, hidden) in ``hidden_states``' dtype."""
+    plan: ExpertsPlan | None = self.__dict__.get(EXPERTS_PLAN_ATTR)
+    weight = self.gate_up_proj
+    if (
+        plan is None
+        or _grouped_linear is None
+        or getattr(self, "_is_expert_parallel", False)  # rows routed to other ranks: transformers'
+        or weight.dtype not in _KERNEL_DTYPES
+    ):
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
+    top_k = top_k_index.size(-1)
+    # Rows (token, slot) sorted by expert, each expert's rows one group of the grouped GEMMs.
+    expert_ids_sorted, perm = torch.sort(top_k_index.reshape(-1))
+    offsets = _expert_offsets(expert_ids_sorted, self.num_experts)
+    weights_sorted = top_k_weights.reshape(-1)[perm]
+    record = recompute.recording()  # read before the scope, whose hooks it would count
+    with recompute.saved_tensor_scope(record):
+        x = _gathered(hidden_states, perm // top_k, weight.dtype, top_k, record)
+        gate_up = _grouped_linear(x, weight, offsets, is_transposed=self.is_transposed)
+        product = _gated(gate_up, plan, record)
+        weighted = _WeightedDownProjection.apply(
+            product, self.down_proj, offsets, weights_sorted, self.is_transposed
+        )
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    # transformers' reduction: the top_k rows of a token summed in slot order (deterministic).
+    per_token = weighted[inverse].view(num_tokens, top_k, hidden_dim).sum(dim=1)
+    return per_token.to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# which modules, and patch / unpatch
+
+
+def _register() -> None:
+    if ALL_EXPERTS_FUNCTIONS.get(SURGERY_EXPERTS) is not fused_grouped_mm_experts_forward:
+        # A new name in transformers' registry (its public ``register``): no existing name changes.
+        ExpertsInterface.register(SURGERY_EXPERTS, fused_grouped_mm_experts_forward)
+
+
+def experts_modules(lm: nn.Module) -> list[nn.Module]:
+    """The experts modules of ``lm`` that dispatch through transformers' experts implementations
+    (their class decorated with ``use_experts_implementation``, which sets these attributes)."""
+    return [
+        m
+        for m in lm.modules()
+        if "has_gate" in m.__dict__ and "is_concatenated" in m.__dict__ and hasattr(m, "config")
+    ]
+
+
+def _is_default_gate(module: nn.Module) -> bool:
+    gate = getattr(type(module), "_apply_gate", None)
+    return (
+        getattr(gate, "__module__", None) == "transformers.integrations.moe"
+        and getattr(gate, "__qualname__", None) == "_default_apply_gate"
+    )
+
+
+def unfusable_reason(module: nn.Module, spec: ArchitectureSpec | None) -> str | None:
+    """Why ``fused_grouped_mm_experts_forward`` cannot fuse ``module``'s activation (None: it can).
+    Fused exactly: gate and up concatenated in ``gate_up_proj`` without biases, transformers'
+    default gate ``act_fn(gate) * up``, no norm after the experts, an activation with a kernel."""
+    if spec is None:
+        return "outside the registry"
+    if _grouped_linear is None:
+        return (
+            "this transformers has no _grouped_linear(input, weight, offs, bias, is_transposed) "
+            "and _can_use_grouped_mm(input, weight, offs)"
+        )
+    if not module.__dict__.get("has_gate", False):
+        return "experts without a gate"
+    if module.__dict__.get("has_bias", False):
+        return "experts with biases"
+    if not module.__dict__.get("is_concatenated", True):
+        return "interleaved gate/up layout"
+    if module.__dict__.get("has_post_expert_norm", False):
+        return "a norm after each expert"
+    if not _is_default_gate(module):
+        return "a gate function of its own (_apply_gate)"
+    name = getattr(module.config, spec.mlp_activation_attr, None)
+    activation = spec.gated_activation(module.config)
+    if activation is None:
+        return f"no gated_activation kernel for {name!r}"
+    from transformers.activations import ACT2FN
+
+    if type(getattr(module, "act_fn", None)) is not type(ACT2FN[name]):
+        return f"act_fn is not transformers' {name!r}"
+    return None
+
+
+def _expert_parallel(lm: nn.Module) -> bool:
+    distributed = getattr(lm.config, "distributed_config", None)
+    return bool(getattr(distributed, "enable_expert_parallel", False))
+
+
+def _current(lm: nn.Module) -> dict[str, str | None]:
+    get = getattr(lm, "get_experts_implementation", None)
+    return get() if get is not None else {"": lm.config._experts_implementation}
+
+
+def install_experts(lm: nn.Module, spec: ArchitectureSpec | None, options: PatchOptions) -> bool:
+    """Set the experts implementation ``options.experts_implementation`` asks for on ``lm`` and mark
+    the modules ``SURGERY_EXPERTS`` fuses; the previous implementation is kept for
+    ``restore_experts``. Returns whether this call changed an unchanged model (what
+    ``restore_experts`` would undo). Raises (nothing changed) for a name transformers does not
+    know, or ``SURGERY_EXPERTS`` asked of a model without experts implementations."""
+    requested = options.experts_implementation
+    fresh = PREVIOUS_ATTR not in lm.__dict__
+    if requested is None:
+        return False
+    experts = experts_modules(lm) if ExpertsInterface is not None else []
+    if not experts:
+        if requested == EXPERTS_AUTO:
+            return False
+        if not hasattr(lm, "set_experts_implementation") or requested == SURGERY_EXPERTS:
+            raise ValueError(
+                f"experts_implementation={requested!r}: {type(lm).__name__} has no experts "
+                "implementations to choose from (not a mixture-of-experts model of transformers 5 "
+                "whose experts dispatch through them)"
+            )
+    previous = lm.__dict__.get(PREVIOUS_ATTR) or _current(lm)
+    plans = {}
+    if requested in (EXPERTS_AUTO, SURGERY_EXPERTS) and not _expert_parallel(lm):
+        for module in experts:
+            if unfusable_reason(module, spec) is None:
+                activation = spec.gated_activation(module.config)
+                plans[module] = ExpertsPlan(activation, options.recompute_mlp_product)
+    if requested == EXPERTS_AUTO:
+        # Every (sub)model running grouped_mm gets surgery's; any other choice is kept.
+        target: str | dict = {
+            key: SURGERY_EXPERTS if value == "grouped_mm" else value
+            for key, value in previous.items()
+        }
+        if not plans or SURGERY_EXPERTS not in target.values():
+            return False  # nothing to fuse: the model's own implementation
+    else:
+        target = requested
+    if SURGERY_EXPERTS in (target.values() if isinstance(target, dict) else (target,)):
+        _register()
+        if not plans:
+            reasons = sorted({unfusable_reason(m, spec) or "expert parallel" for m in experts})
+            warnings.warn(
+                f"surgery: experts_implementation={SURGERY_EXPERTS!r} fuses none of "
+                f"{type(lm).__name__}'s experts ({'; '.join(reasons)}): they run transformers' "
+                "grouped_mm",
+                stacklevel=4,
+            )
+    lm.set_experts_implementation(target)  # raises on a name transformers does not know
+    lm.__dict__[PREVIOUS_ATTR] = previous
+    for module, plan in plans.items():
+        if module.config._experts_implementation == SURGERY_EXPERTS:
+            module.__dict__[EXPERTS_PLAN_ATTR] = plan
+    return fresh
+
+
+def restore_experts(lm: nn.Module) -> None:
+    """Undo ``install_experts``: the previous implementation, no marks."""
+    for module in lm.modules():
+        module.__dict__.pop(EXPERTS_PLAN_ATTR, None)
+    previous = lm.__dict__.pop(PREVIOUS_ATTR, None)
+    if previous is not None:
+        lm.set_experts_implementation(previous)
+
+
+def describe_experts(module: nn.Module, spec: ArchitectureSpec | None) -> tuple[bool, str] | None:
+    """For ``surgery.describe``: (fused?, what runs) for an experts module, None for others."""
+    if "has_gate" not in module.__dict__ or not hasattr(module, "config"):
+        return None
+    implementation = module.config._experts_implementation
+    plan: ExpertsPlan | None = module.__dict__.get(EXPERTS_PLAN_ATTR)
+    if implementation == SURGERY_EXPERTS and plan is not None:
+        what = (
+            f"experts {SURGERY_EXPERTS!r}: transformers' grouped GEMMs, gated_activation_merged "
+            f"({plan.activation}) between them; gathered rows"
+            + (" and product" if plan.recompute_product else "")
+            + " recomputed in the backward; the down GEMM's output not kept"
+        )
+        return True, what
+    reason = unfusable_reason(module, spec)
+    why = f"; not fusable: {reason}" if reason else ""
+    if implementation == SURGERY_EXPERTS:
+        return False, f"experts {SURGERY_EXPERTS!r} unfused: transformers' grouped_mm{why}"
+    return False, f"experts implementation {implementation!r}: transformers' own{why}"

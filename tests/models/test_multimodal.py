@@ -1,0 +1,298 @@
+"""Multimodal wrappers (``ArchitectureSpec.multimodal``): a tiny vision tower around each registered
+text architecture's mini model, fed deterministic pixel patterns. Patched against unpatched
+transformers in fp32: the loss, every gradient (vision tower and projector included) and every
+output field (``logits`` None where the loss is fused); patched on the wrapper, on the language
+model alone, and inside PEFT; ``unpatch`` restores. Gemma 3's images attend both ways
+(``token_type_ids``): no causal shortcut may run over them."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import surgery
+from surgery import forward as surgery_forward
+from surgery.attention import mrope_layout
+from surgery.models import MULTIMODAL_ONLY_SPECS
+from surgery.multimodal import language_model
+from surgery.swap import ORIGINAL_ATTR
+from tests.utils import TOLERANCES
+
+from .test_outputs import assert_same_value
+from .tiny import SPECS, TINY, tiny_config
+
+FP32 = TOLERANCES[torch.float32]
+TOL = {k: FP32[k] for k in ("rtol", "atol")}
+SEQ = 12
+TOKENS_PER_IMAGE = 4  # every mini wrapper's images (see their MiniMultimodalConfig)
+
+# (text spec, wrapper), in the registry's order.
+PAIRS = {
+    f"{spec.model_type}-{wrapper.model_type}": (spec, wrapper)
+    for spec in (*SPECS.values(), *MULTIMODAL_ONLY_SPECS)
+    for wrapper in spec.multimodal
+}
+
+
+def pattern(*shape: int, phase: float) -> torch.Tensor:
+    """Deterministic pixel values in [0, 1): crossed sine waves, one phase per image."""
+    index = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    return 0.5 + 0.5 * torch.sin(0.37 * index + phase) * torch.cos(0.11 * index)
+
+
+def image_inputs(model_type: str, images: int, is_image: torch.Tensor) -> dict:
+    """The inputs of ``images`` images of each mini wrapper (``TOKENS_PER_IMAGE`` tokens each), as
+    its processor would give them; ``is_image``: where the image tokens are."""
+    if model_type.startswith("qwen"):  # 1 x 4 x 4 patches of 2 x 4 x 4 x 3 pixels
+        return {
+            "pixel_values": torch.cat([pattern(16, 96, phase=i) for i in range(images)]),
+            "image_grid_thw": torch.tensor([[1, 4, 4]] * images),
+            "mm_token_type_ids": is_image.long(),
+        }
+    if model_type in ("mistral3", "gemma3", "llama4"):
+        side = 32 if model_type == "mistral3" else 16
+        pixels = torch.stack([pattern(3, side, side, phase=i) for i in range(images)])
+        if model_type == "mistral3":
+            return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]] * images)}
+        return {"pixel_values": pixels}
+    if model_type == "gemma4":  # 16 patches of 4 x 4 x 3 pixels, at their (x, y) positions
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
+        return {
+            "pixel_values": torch.stack([pattern(16, 48, phase=i) for i in range(images)]),
+            "image_position_ids": grid.reshape(1, 16, 2).expand(images, -1, -1),
+        }
+    raise KeyError(f"no image inputs for {model_type}: add them here")
+
+
+def text_config(spec, wrapper, **overrides):
+    """The text mini config of ``spec`` as ``wrapper`` holds it."""
+    overrides = {"pad_token_id": 0, **wrapper.mini_config.text_arguments, **overrides}
+    return spec.mini_config.build(TINY, **overrides)
+
+
+def tiny_vlm(spec, wrapper, **text_overrides):
+    config = wrapper.mini_config.build(text_config(spec, wrapper, **text_overrides))
+    torch.manual_seed(0)
+    model = wrapper.wrapper_class()._from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # non-trivial norm weights, as the text mini models have
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.train()
+
+
+def image_batch(model, wrapper) -> dict:
+    """Two right-padded rows, each with one image at its own offset. The image tokens are labels
+    too (unlike a chat template's), so that what every image position computes reaches the loss."""
+    config = model.config
+    image = getattr(config, wrapper.mini_config.special_tokens[0])
+    text_vocab = wrapper.mini_config.text_vocabulary(config.text_config)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, text_vocab, (2, SEQ), generator=g)
+    for row, start in enumerate((1, 4)):
+        ids[row, start : start + TOKENS_PER_IMAGE] = image
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - 3 :] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    batch.update(image_inputs(wrapper.model_type, 2, ids == image))
+    if wrapper.bidirectional_tokens is not None:
+        batch[wrapper.bidirectional_tokens] = (ids == image).long()
+    return batch
+
+
+def step(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same_step(got, want) -> None:
+    """Loss within fp32's budget; every gradient within it as a whole (the norm of the error
+    against the norm of the gradient, and fp32's floor): an image projector's gradient sums terms
+    that cancel, so single entries carry the rounding of much larger terms, in transformers' own
+    fp32 runs too."""
+    (out, grads), (ref, ref_grads) = got, want
+    torch.testing.assert_close(out.loss, ref.loss, **TOL)
+    assert grads.keys() == ref_grads.keys()
+    for name, want_grad in ref_grads.items():
+        error = (grads[name] - want_grad).norm()
+        assert error <= FP32["rtol"] * want_grad.norm() + FP32["atol"], name
+
+
+def swapped(model) -> list[str]:
+    return [n for n, m in model.named_modules() if ORIGINAL_ATTR in m.__dict__]
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_wrapper_trains_as_transformers(pair):
+    spec, wrapper = PAIRS[pair]
+    model = tiny_vlm(spec, wrapper)
+    reference = copy.deepcopy(model)
+    assert surgery.patch(model) is model
+    batch = image_batch(model, wrapper)
+    got, want = step(model, batch), step(reference, batch)
+    assert_same_step(got, want)
+    # The wrapper's own output class and fields (image_hidden_states, the cache, the hidden
+    # states); no logits. (Asking for hidden states keeps the padding mask: the cache then holds
+    # the padding positions' keys and values as transformers computes them.)
+    with torch.no_grad():
+        out, ref = (m(**batch, output_hidden_states=True) for m in (model, reference))
+    assert isinstance(out, type(ref)) and out.logits is None
+    assert set(out.keys()) == set(ref.keys()) - {"logits"}
+    for field in ref.keys() - {"loss", "logits"}:
+        assert_same_value(out[field], ref[field], field)
+    # The language model's layers and the head are patched, the vision tower is not.
+    names = swapped(model)
+    text = {id(m) for m in language_model(model, wrapper).modules()}
+    text_names = {n for n, m in model.named_modules() if id(m) in text}
+    assert "" in names and any(".layers." in n for n in names)
+    assert set(names) - {""} <= text_names | {"lm_head"}
+    surgery.unpatch(model)
+    assert swapped(model) == [] and not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("pair", ["gemma3_text-gemma3", "mistral-mistral3"])
+def test_language_model_patched_alone(pair):
+    """``surgery.patch`` on the wrapper's language model, a text base model (Llama 4's is its causal
+    LM, patched as any): its layers are patched, the wrapper's forward and the vision tower are
+    not."""
+    spec, wrapper = PAIRS[pair]
+    model = tiny_vlm(spec, wrapper)
+    reference = copy.deepcopy(model)
+    text = language_model(model, wrapper)
+    surgery.patch(text)
+    assert surgery.is_patched(text) and any("layers." in n for n in swapped(text))
+    assert ORIGINAL_ATTR not in model.__dict__
+    batch = image_batch(model, wrapper)
+    assert_same_step(step(model, batch), step(reference, batch))
+    surgery.unpatch(text)
+    assert swapped(model) == []
+
+
+def test_peft_wrapped_wrapper():
+    peft = pytest.importorskip("peft")
+    spec, wrapper = PAIRS["gemma3_text-gemma3"]
+    models = []
+    for patched in (True, False):
+        model = tiny_vlm(spec, wrapper)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        torch.manual_seed(1)
+        wrapped = peft.get_peft_model(model, config)
+        with torch.no_grad():
+            for name, p in wrapped.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        if patched:
+            assert surgery.patch(wrapped) is wrapped
+            assert ORIGINAL_ATTR in model.__dict__  # the wrapper inside PEFT
+        models.append(wrapped)
+    batch = image_batch(models[1].base_model.model, wrapper)
+    got, want = step(models[0], batch), step(models[1], batch)
+    assert any("lora_A" in n for n in got[1])
+    assert_same_step(got, want)
+    assert got[0].logits is None
+
+
+def test_images_attending_both_ways_take_no_causal_shortcut(monkeypatch):
+    """Gemma 4 with ``use_bidirectional_attention="vision"``: a right-padded batch runs the mask
+    transformers built (tested against it), and a packed one is never handed to varlen."""
+    spec, wrapper = PAIRS["gemma4_text-gemma4"]
+    model = tiny_vlm(spec, wrapper, use_bidirectional_attention="vision")
+    reference = copy.deepcopy(model)
+    surgery.patch(model)
+    batch = image_batch(model, wrapper)
+    assert_same_step(step(model, batch), step(reference, batch))
+
+    varlen = []
+    layout = surgery_forward._packed_layout
+
+    def spy(spec, position_ids, tokens, wants_varlen, host_reads):
+        varlen.append(wants_varlen)
+        return layout(spec, position_ids, tokens, wants_varlen, host_reads)
+
+    monkeypatch.setattr(surgery_forward, "_packed_layout", spy)
+    packed = {k: v for k, v in batch.items() if k != "attention_mask"}
+    packed["position_ids"] = torch.arange(SEQ).remainder(8).expand(2, -1)
+    model(**packed)
+    no_images = {**packed, wrapper.bidirectional_tokens: torch.zeros_like(batch["input_ids"])}
+    model(**no_images)
+    assert varlen == [False, True]
+
+
+@pytest.mark.parametrize(("arch", "bidirectional"), [("gemma3_text", True), ("gemma4_text", "all")])
+def test_bidirectional_text_model_refused(arch, bidirectional):
+    config = tiny_config(arch, use_bidirectional_attention=bidirectional)
+    lm = SPECS[arch].causal_lm_class()._from_config(config)
+    with pytest.raises(surgery.UnsupportedModelError, match="use_bidirectional_attention"):
+        surgery.patch(lm)
+    with pytest.warns(UserWarning, match="use_bidirectional_attention"):
+        surgery.patch(lm, strict=False)
+    assert not surgery.is_patched(lm) and swapped(lm) == []
+
+
+def test_every_wrapper_has_test_inputs():
+    assert PAIRS
+    for spec, wrapper in PAIRS.values():
+        assert image_inputs(wrapper.model_type, 1, torch.zeros(1, SEQ, dtype=torch.bool))
+        config = wrapper.mini_config.build(text_config(spec, wrapper))
+        assert config.model_type == wrapper.model_type
+
+
+@pytest.mark.parametrize("pair", ["qwen3_vl_text-qwen3_vl", "qwen2_vl_text-qwen2_vl"])
+def test_packed_rows_with_multimodal_positions(pair):
+    """Two documents with an image each, packed into one row with (4, 1, seq) position ids: the
+    text positions (restarting per document), then each document's own 3-D rotary positions
+    (transformers' ``get_rope_index``). Documents and loss boundaries follow the text row, as
+    transformers' packed mask does."""
+    spec, wrapper = PAIRS[pair]
+    model = tiny_vlm(spec, wrapper)
+    reference = copy.deepcopy(model)
+    surgery.patch(model)
+    rows = image_batch(model, wrapper)
+    lengths = (SEQ, SEQ - 3)
+    ids, types, positions, labels = [], [], [], []
+    for row, length in enumerate(lengths):
+        doc = rows["input_ids"][row, :length]
+        kind = rows["mm_token_type_ids"][row, :length]
+        rope, _ = model.model.get_rope_index(
+            doc[None],
+            mm_token_type_ids=kind[None],
+            image_grid_thw=rows["image_grid_thw"][row : row + 1],
+        )
+        positions.append(torch.cat([torch.arange(length).view(1, 1, -1), rope]))
+        ids.append(doc)
+        types.append(kind)
+        labels.append(torch.cat([torch.tensor([-100]), doc[1:]]))
+    batch = {
+        "input_ids": torch.cat(ids)[None],
+        "mm_token_type_ids": torch.cat(types)[None],
+        "position_ids": torch.cat(positions, dim=-1),
+        "labels": torch.cat(labels)[None],
+        "pixel_values": rows["pixel_values"],
+        "image_grid_thw": rows["image_grid_thw"],
+    }
+    assert_same_step(step(model, batch), step(reference, {**batch, "use_cache": False}))
+
+
+@pytest.mark.parametrize(
+    ("pair", "interleaved"),
+    [("qwen2_vl_text-qwen2_vl", False), ("qwen2_5_vl_text-qwen2_5_vl", False),
+     ("qwen3_vl_text-qwen3_vl", True), ("qwen3_5_text-qwen3_5", True)],
+)  # fmt: skip
+def test_mrope_layout_read_from_the_rotary_module(pair, interleaved):
+    """Qwen2-VL and Qwen2.5-VL give each section a contiguous run of frequencies, Qwen3-VL and
+    Qwen3.5 interleave them: read from the rotary class itself, the config's [2, 1, 1] alike."""
+    spec, wrapper = PAIRS[pair]
+    text = language_model(tiny_vlm(spec, wrapper), wrapper)
+    assert mrope_layout(getattr(text, spec.rotary_attr)) == ((2, 1, 1), interleaved)
+
+
+def test_multimodal_rope_through_triton(interpreted):
+    """The same step with the kernels in Triton (the interpreter on CPU): the multimodal RoPE
+    kernel with interleaved sections, the fused loss through the wrapper's head."""
+    test_wrapper_trains_as_transformers("qwen3_vl_text-qwen3_vl")
