@@ -8,6 +8,9 @@ z-loss. The full GPU suite is ``--model all --dtype fp32`` and ``--model all --d
 ``--pretrained PATH_OR_HUB_ID [--data FILE]``: the same check on the user's own checkpoint (and
 tokenizer) and data, bf16 by default, the sides one after another (``pretrained``); it prints
 where its rules differ from the mini configs'. Exits 1 when any check fails.
+
+``--multimodal``: the mini multimodal wrappers (``--model qwen2_5_vl``, ``gemma3``, ... or
+``all``) on chat samples with images (``multimodal``); packed only where the family packs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_Z_LOSS = 1e-2
@@ -28,7 +32,19 @@ def _parser() -> argparse.ArgumentParser:
         "same data, same AdamW steps; compare every step's loss, the gradients and the final "
         "weights. Exits 1 when a check fails.",
     )
-    p.add_argument("--model", help="architecture name, or 'all' (default llama)")
+    p.add_argument(
+        "--model",
+        help="architecture name, or 'all' (default llama); with --multimodal a wrapper's "
+        "model_type (qwen2_5_vl, gemma3, qwen2_vl, qwen3_vl, qwen3_5, mistral3) or 'all' "
+        "(default qwen2_5_vl)",
+    )
+    p.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="train the mini multimodal wrapper (vision tower, projector, language model) on "
+        "chat samples with synthetic images, prompts and images masked; padded, and packed "
+        "where the family carries packed multimodal positions (the Qwen-VL family)",
+    )
     p.add_argument(
         "--pretrained",
         metavar="PATH_OR_HUB_ID",
@@ -125,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 1")
     from .data import DATA_KINDS
 
+    if args.multimodal and (args.pretrained or args.controls):
+        parser.error("--multimodal trains the mini wrappers: drop --pretrained and --controls")
     if args.controls and args.pretrained:
         parser.error("--controls runs on the mini models: drop --pretrained")
     if args.pretrained:
@@ -155,10 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     from .train import RunConfig, Variant, train_and_compare
 
     size = args.size or ("full" if device == "cuda" else "tiny")
-    models = list(ARCHITECTURES) if args.model == "all" else [args.model or "llama"]
+    if args.multimodal:
+        from .multimodal import MULTIMODAL as known
+
+        default = "qwen2_5_vl"
+    else:
+        known, default = ARCHITECTURES, "llama"
+    models = list(known) if args.model == "all" else [args.model or default]
     for m in models if not args.pretrained else []:
-        if m not in ARCHITECTURES:
-            print(f"unknown model {m!r}; expected one of {sorted(ARCHITECTURES)} or all")
+        if m not in known:
+            print(f"unknown model {m!r}; expected one of {sorted(known)} or all")
             return 2
     dtype_arg = args.dtype or ("bf16" if args.pretrained else "fp32")
     dtypes = ["fp32", "bf16"] if dtype_arg == "all" else [dtype_arg]
@@ -207,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"models {', '.join(models)} | size {size} | dtype {', '.join(dtypes)} | "
         f"{args.steps} AdamW steps, lr {lr:g} | layouts {'+'.join(layouts)} | "
-        f"losses {', '.join(v.name for v in variants)} | data {args.data}",
+        f"losses {', '.join(v.name for v in variants)} | "
+        + ("data chat samples with images" if args.multimodal else f"data {args.data}"),
         flush=True,
     )
     records, checks = [], []
@@ -225,7 +250,16 @@ def main(argv: list[str] | None = None) -> int:
                     data=args.data,
                     lr=lr,
                     seed=args.seed,
+                    multimodal=args.multimodal,
                 )
+                if args.multimodal:
+                    from .multimodal import PACKED
+
+                    if model not in PACKED:  # padded only (see convergence.multimodal)
+                        cfg = replace(cfg, layouts=tuple(x for x in layouts if x != "packed"))
+                    if not cfg.layouts:
+                        print(f"{cfg.name}: skipped, no packed multimodal rows for {model}")
+                        continue
                 record = train_and_compare(cfg, progress=say)
                 run_checks = evaluate(record)
                 records.append(record)
@@ -237,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
-    return _report(args, records, checks, f"{args.model or 'llama'}-{dtype_arg}-{size}", t0)
+    stem = f"{args.model or ('qwen2_5_vl' if args.multimodal else 'llama')}-{dtype_arg}-{size}"
+    return _report(args, records, checks, stem + ("-multimodal" if args.multimodal else ""), t0)
 
 
 def _run_pretrained(args, device, dtypes, variants, layouts, lr, say):

@@ -202,6 +202,9 @@ def _worst(values: list[float]) -> tuple[float, int]:
 
 
 GRADS = ("grad", "hidden_grad", "lm_head_grad")
+# A multimodal wrapper's vision tower and projector: their gradients on their own, held to the
+# same limits as every parameter's (inside ``grad`` they are a small part of the norm).
+VISION_GRAD = "vision_grad"
 EVAL_TENSORS = ("logits", "logits_grad", "hidden_grad", "grad")
 
 
@@ -250,6 +253,7 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
     aux_on = "aux_loss" in record["sides"]["reference"]
     steps, final = record["steps"], record["final"]
     ref_exact = steps[f"reference~{exact}"]
+    grads = GRADS + ((VISION_GRAD,) if ref_exact.get(VISION_GRAD) else ())
     checks: list[Check] = []
     for side, info in record["sides"].items():
         if not info["patched"]:
@@ -280,7 +284,7 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
             add(key, direct[key][at], limits[at],
                 f"step {at}; unpatched vs {exact} up to {envelope[at]:.1e} by then")  # fmt: skip
             add(f"{key}@0", direct[key][0], tol.same_weights_loss)
-        for key in GRADS:
+        for key in grads:
             add(f"{key}@0", direct[key][0], tol.grad_step0)
         ev = record["eval_init"][f"{side}~reference"]
         add("eval_loss", ev["loss"], tol.same_weights_loss)
@@ -299,7 +303,7 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
             fp32 = TOLERANCES["fp32"]
             pm = steps[f"{probe}~{record['probes'][probe]['partner']}"]
             limits = dict.fromkeys(("loss", "z_loss", "aux_loss"), fp32.same_weights_loss)
-            limits.update(dict.fromkeys(GRADS, PROBE_GRAD), z_grad=Z_GRAD)
+            limits.update(dict.fromkeys(grads, PROBE_GRAD), z_grad=Z_GRAD)
             for key, limit in limits.items():
                 if key.startswith("z_") and not (z_on and pm[key]):
                     continue
@@ -308,7 +312,7 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
                 value, at = _worst(pm[key])
                 add(f"probe_{key}", value, limit, f"step {at}, fp32, same weights")
         # 2. Accuracy with the same weights (step 0, eval batch) against the run one precision up.
-        for key in GRADS:
+        for key in grads:
             budget(
                 f"{key}@0:accuracy",
                 vs_exact[key][0],

@@ -76,7 +76,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EXACT = {"fp32": ("fp64-reference", torch.float64), "bf16": ("fp32-reference", torch.float32)}
 LAYOUTS = ("padded", "packed")
 # What each step records for a pair of sides (see compare for the checks).
-METRICS = ("loss", "z_loss", "aux_loss", "grad", "hidden_grad", "lm_head_grad", "z_grad")
+# ``vision_grad``: the gradients of a multimodal wrapper's vision tower and projector, as one
+# vector (empty for a text model).
+METRICS = (
+    "loss",
+    "z_loss",
+    "aux_loss",
+    "grad",
+    "hidden_grad",
+    "lm_head_grad",
+    "z_grad",
+    "vision_grad",
+)
 
 
 @dataclass(frozen=True)
@@ -113,10 +124,14 @@ class RunConfig:
     # Config attributes to override in the mini model, as a JSON object (hashable; the negative
     # controls use it to give a model a RoPE that is not shift-invariant).
     config_overrides: str = ""
+    # ``model`` names a multimodal wrapper (``multimodal.MULTIMODAL``: qwen2_5_vl, gemma3, ...)
+    # trained on chat samples with images (``data`` is then unused).
+    multimodal: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.model}/{self.size}/{self.dtype}/{self.variant.name}"
+        model = f"{self.model}+images" if self.multimodal else self.model
+        return f"{model}/{self.size}/{self.dtype}/{self.variant.name}"
 
 
 def rel_err(x: torch.Tensor | None, ref: torch.Tensor | None) -> float:
@@ -195,7 +210,9 @@ class _Side:
     """One model in the lockstep run, with its optimizer (none for a probe) and a hook on the
     final norm."""
 
-    def __init__(self, name, model, layout, patched, variant, cfg, mask=True, probe=False):
+    def __init__(
+        self, name, model, layout, patched, variant, cfg, mask=True, probe=False, vision=()
+    ):
         self.name = name
         self.mask = mask
         self.model = model
@@ -203,6 +220,8 @@ class _Side:
         self.patched = patched
         self.variant = variant
         self.params = dict(model.named_parameters())
+        # A multimodal wrapper's vision tower and projector (compared on their own as well).
+        self.vision = [self.params[n] for n in vision]
         # bf16 runs train the bf16 weights themselves (as Liger's convergence tests do): the
         # kernels see bf16 inputs. fp32 master weights were tried: the runs drift no less.
         self.optimizer = None
@@ -215,9 +234,7 @@ class _Side:
         # not also the input embedding (see _z_grad).
         self.untied = self.lm_head is not model.get_input_embeddings().weight
         self.hidden: torch.Tensor | None = None
-        # The base model (get_decoder() returns Llama 4's causal LM itself: its base_model_prefix
-        # names no attribute).
-        model.model.norm.register_forward_hook(self._keep_hidden)
+        _final_norm(model).register_forward_hook(self._keep_hidden)
         # The router aux loss's coefficient where the model trains one (None: no aux loss).
         self.aux_coef = model.router_aux_loss_coef if router_aux_loss_trained(model) else None
         self.losses: list[float] = []
@@ -241,8 +258,9 @@ class _Side:
         if self.optimizer is not None:
             self.optimizer.step()
 
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
+    def grads(self, params=None) -> list[torch.Tensor]:
+        params = self.params.values() if params is None else params
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
     def _keep_hidden(self, module, args, output):
         if output.requires_grad:
@@ -266,7 +284,9 @@ class _Side:
             batch["shift_labels"] = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
             batch["labels"] = batch["input_ids"]
         else:
-            starts = batch["position_ids"] == 0
+            positions = batch["position_ids"]
+            # Multimodal (4, batch, seq) ids: the text row counts the documents' tokens.
+            starts = (positions[0] if positions.dim() == 3 else positions) == 0
             batch["labels"] = torch.where(starts, batch["input_ids"], batch["labels"])
         return batch
 
@@ -328,6 +348,15 @@ class _Side:
         return t[batch["attention_mask"].bool()]
 
 
+def _final_norm(model) -> torch.nn.Module:
+    """The final norm of ``model``'s text base model: a causal LM's ``model.norm``, a multimodal
+    wrapper's language model's (Llama 4's language model is a causal LM: one level more)."""
+    base = model.model
+    base = getattr(base, "language_model", base)
+    base = getattr(base, "model", base)  # Llama 4: the causal LM's base model
+    return base.norm
+
+
 def _aux_value(aux: torch.Tensor | None) -> float:
     return float("nan") if aux is None else float(aux.detach())
 
@@ -349,9 +378,16 @@ def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor
 
 
 @functools.lru_cache(maxsize=1)
-def _initial_model(name: str, size: str, seed: int, overrides: str = ""):
+def _initial_model(name: str, size: str, seed: int, overrides: str = "", multimodal=False):
     """The fp32 CPU model every run of ``name`` starts from; kept while runs of the same model
     follow one another (a full-size model takes seconds to initialise)."""
+    if multimodal:
+        from .multimodal import build_multimodal_model
+
+        model = build_multimodal_model(name, size, seed=seed)
+        for key, value in json.loads(overrides or "{}").items():
+            setattr(model.config, key, value)
+        return model
     return build_model(name, size, seed=seed, overrides=json.loads(overrides or "{}"))
 
 
@@ -389,7 +425,12 @@ def _routing_summary(decisions: dict[str, list[Decision]], exact: str) -> dict[s
 
 
 def _eval_check(
-    sides: list[_Side], pairs: list[tuple[str, str]], docs: list[Document], device, exact: str
+    sides: list[_Side],
+    pairs: list[tuple[str, str]],
+    docs: list[Document],
+    device,
+    exact: str,
+    collate: Callable[[list[Document], str], dict[str, torch.Tensor]] = collate,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
     """Logits, loss and every gradient on one batch, for each pair of sides; and each side's
     routing decisions against the yardstick's (``_routing_summary``).
@@ -450,6 +491,8 @@ def _append_step(m: dict[str, list[float]], sa: _Side, sb: _Side, ba, bb, la, lb
     )
     m["lm_head_grad"].append(rel_err(sa.lm_head.grad, sb.lm_head.grad))
     m["grad"].append(_rel_err_many(sa.grads(), sb.grads()))
+    if sa.vision:
+        m["vision_grad"].append(_rel_err_many(sa.grads(sa.vision), sb.grads(sb.vision)))
     z_grad = _z_grad(sa, sb) if z_on else None
     if z_grad is not None:
         m["z_grad"].append(z_grad)
@@ -469,16 +512,28 @@ def train_and_compare(
     t0 = time.perf_counter()
     patch = patch or _default_patch()
     dtype, device, v = DTYPES[cfg.dtype], torch.device(cfg.device), cfg.variant
-    train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
+    initial = _initial_model(cfg.model, cfg.size, cfg.seed, cfg.config_overrides, cfg.multimodal)
+    vision: list[str] = []
+    if cfg.multimodal:
+        from . import multimodal
 
-    initial = _initial_model(cfg.model, cfg.size, cfg.seed, cfg.config_overrides)
+        spec = multimodal.MULTIMODAL[cfg.model][0]
+        vision = multimodal.vision_parameters(initial, cfg.model)
+        train_docs, eval_docs = multimodal.multimodal_batches(
+            initial, cfg.size, cfg.steps, seed=cfg.seed
+        )
+        collate_fn = functools.partial(multimodal.collate_multimodal, config=initial.config)
+    else:
+        spec = ARCHITECTURES[cfg.model]
+        train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
+        collate_fn = collate
     base = copy.deepcopy(initial).to(device, dtype)
     base.train()
     init = {k: p.detach().clone() for k, p in base.named_parameters()}
 
     def side(name, layout, patched, model_dtype=dtype, mask=True, probe=False):
         model = copy.deepcopy(base).to(model_dtype)
-        if ARCHITECTURES[cfg.model].router_aux_loss:
+        if spec.router_aux_loss:
             # Trained and compared (module docstring), with the mini config's coefficient.
             model.config.output_router_logits = True
         if model_dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
@@ -487,7 +542,7 @@ def train_and_compare(
             model.set_experts_implementation("eager")
         if patched:
             # A model outside the registry gets the fused loss through the fallback.
-            fallback = {"fallback": "loss"} if cfg.model in FALLBACK else {}
+            fallback = {"fallback": "loss"} if cfg.model in FALLBACK and not cfg.multimodal else {}
             model = patch(
                 model,
                 **fallback,
@@ -497,7 +552,7 @@ def train_and_compare(
                 z_loss_scale=v.z_loss_scale,
                 label_smoothing=v.label_smoothing,
             )
-        return _Side(name, model, layout, patched, v, cfg, mask, probe)
+        return _Side(name, model, layout, patched, v, cfg, mask, probe, vision)
 
     exact_name, exact_dtype = EXACT[cfg.dtype]
     sides = [side("reference", "padded", False)]
@@ -531,7 +586,7 @@ def train_and_compare(
     probe_pairs = [(p.name, partner.name) for p in probes]
     by_name = {s.name: s for s in sides + probes}
 
-    eval_init, routing_init = _eval_check(sides, pairs, eval_docs, device, exact_name)
+    eval_init, routing_init = _eval_check(sides, pairs, eval_docs, device, exact_name, collate_fn)
     # A mixture of experts: the yardstick's eval forward made topk calls (a dense model makes
     # none, and runs exactly as before).
     routed = bool(routing_init)
@@ -542,7 +597,7 @@ def train_and_compare(
     }
     logits_materialised = []
     for step, docs in enumerate(train_docs):
-        batches = {s.name: _to_device(collate(docs, s.layout), device) for s in sides + probes}
+        batches = {s.name: _to_device(collate_fn(docs, s.layout), device) for s in sides + probes}
         measured = pairs + probe_pairs
         if step == 0 and routed:
             # Same weights at step 0: the gradient checks compare like with like, every side
@@ -596,7 +651,7 @@ def train_and_compare(
                 + "  ".join(f"{s.name} {s.losses[-1]:.4f}" for s in sides)
             )
 
-    eval_final, routing_final = _eval_check(sides, pairs, eval_docs, device, exact_name)
+    eval_final, routing_final = _eval_check(sides, pairs, eval_docs, device, exact_name, collate_fn)
     if routed:
         routing["eval_final"] = routing_final
     final: dict[str, dict[str, Any]] = {}
@@ -650,4 +705,5 @@ def train_and_compare(
         "tokens_per_step": sum(len(d) for docs in train_docs for d in docs) / len(train_docs),
         "seconds": time.perf_counter() - t0,
         "size": asdict(SIZES[cfg.size]),
+        "vision_parameters": len(vision),
     }

@@ -282,7 +282,8 @@ def test_sequential_run_records_what_the_lockstep_run_does(tmp_path, model):
     for pair, metrics in record["steps"].items():
         assert set(metrics) == set(lockstep["steps"][pair]), pair
         for key, values in metrics.items():
-            assert len(values) == steps
+            # A metric of a part the model lacks (a text model's vision_grad) stays empty on both.
+            assert len(values) == (steps if lockstep["steps"][pair][key] else 0), (pair, key)
             for t, (mine, theirs) in enumerate(zip(values, lockstep["steps"][pair][key])):
                 close(mine, theirs, f"{pair} {key} step {t}")
                 compared += theirs > 0

@@ -1,0 +1,294 @@
+"""The multimodal mode (``--multimodal``): mini multimodal wrappers (``...ForConditionalGeneration``
+of the registry, ``ArchitectureSpec.multimodal``) and chat-like samples with images, for the same
+train-and-compare loop as the text models (``train``).
+
+A model is named by its wrapper's ``model_type`` (``qwen2_5_vl``, ``gemma3``, ``mistral3``): the
+text model is the spec's mini config at the run's size inside the wrapper's mini config
+(``MiniMultimodalConfig``: a tiny vision tower, the special tokens at the end of the vocabulary).
+
+Samples are SFT dialogues whose first user turn holds one or two images:
+``BOS USER [begin] IMAGE x n [end] prompt ASSISTANT response EOS`` and maybe more text turns. The
+image placeholder is expanded to as many tokens as the wrapper's processor would give the image
+(Qwen: its patch grid over the merge size squared, between vision start and end tokens; Gemma 3:
+``mm_tokens_per_image`` between begin and end of image; Mistral 3: the merged Pixtral patches).
+The prompt, images included, is masked (-100); the response starts with a token naming which
+pixel pattern the image shows (so the loss needs the vision tower), then the prompt reversed and
+permuted, as the text dialogues (``data``). Pixel values are deterministic patterns
+(:func:`pattern`) in several sizes where the family takes several (Qwen's grids, Pixtral's image
+sizes; Gemma 3's processor resizes every image to one size).
+
+Layouts: padded for every family; packed (one row, restarting positions) where a packed row can
+carry each document's own multimodal positions: the Qwen-VL family, with transformers' (4, batch,
+seq) position ids (the text row, then each document's ``get_rope_index``). The others are not
+packed here: Gemma 3's images attend both ways through ``token_type_ids`` and transformers builds
+that mask from the padded layout (surgery runs its mask, never varlen, for such a batch); Mistral
+3 and Llama 4 would take 2-D ids, but that path is not yet exercised here (TODO: a packed
+Mistral 3 run once its mask over packed rows is tested in tests/models).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec, MultimodalWrapper
+
+from .configs import SIZES, Size
+from .data import ASSISTANT, BOS, EOS, FIRST_CONTENT, IGNORE_INDEX, USER, Document, SyntheticCorpus
+from .data import collate as collate_text
+
+__all__ = [
+    "MULTIMODAL",
+    "PACKED",
+    "ImageDocument",
+    "build_multimodal_model",
+    "collate_multimodal",
+    "image_inputs",
+    "make_multimodal_config",
+    "multimodal_batches",
+    "pattern",
+    "vision_parameters",
+]
+
+# Every wrapper of the registry, by its model_type: (text spec, wrapper).
+_ALL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
+    wrapper.name: (spec, wrapper)
+    for spec in (*SPECS, *MULTIMODAL_ONLY_SPECS)
+    for wrapper in spec.multimodal
+}
+# The wrappers this mode trains (image inputs below). Not yet: Gemma 4 (patches with 2-D
+# positions, padded per image), Llama 4 (tiles), the MoE wrappers (their aux loss is the
+# wrapper's own). TODO: their image_inputs and a passing tiny run each.
+SUPPORTED = ("qwen2_5_vl", "gemma3", "qwen2_vl", "qwen3_vl", "qwen3_5", "mistral3")
+MULTIMODAL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
+    name: _ALL[name] for name in SUPPORTED if name in _ALL
+}
+# The families whose packed rows carry multimodal positions (module docstring).
+PACKED = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
+
+# Image sizes a sample draws from, as the family's processor gives them: Qwen (t, h, w) patch
+# grids, Pixtral (height, width) pixels; one fixed size elsewhere.
+_QWEN_GRIDS = {"tiny": ((1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 2, 4)),
+               "full": ((1, 8, 8), (1, 8, 12), (1, 12, 8), (1, 16, 16))}  # fmt: skip
+_PIXTRAL_SIZES = {"tiny": ((32, 32), (16, 32), (32, 16)), "full": ((32, 32), (16, 32), (32, 16))}
+# Gemma 3's begin / end of image around its image tokens; Qwen's vision start / end.
+_AROUND = {"gemma3": ("boi_token_index", "eoi_token_index"),
+           "qwen": ("vision_start_token_id", "vision_end_token_id")}  # fmt: skip
+# How many pixel patterns there are (the response's first token names one).
+PATTERNS = 8
+
+
+def pattern(*shape: int, phase: float) -> torch.Tensor:
+    """Deterministic pixel values in [0, 1): crossed sine waves, one phase per pattern."""
+    index = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    return 0.5 + 0.5 * torch.sin(0.37 * index + phase) * torch.cos(0.11 * index)
+
+
+def _family(model_type: str) -> str:
+    return "qwen" if model_type.startswith("qwen") else model_type
+
+
+def image_inputs(config: transformers.PretrainedConfig, size: Sequence[int], phase: float):
+    """One image of pattern ``phase`` at ``size`` as ``config``'s processor gives it: (the image's
+    inputs, each with a leading image or patch dimension, how many tokens it becomes)."""
+    model_type, vision = config.model_type, config.vision_config
+    if _family(model_type) == "qwen":  # (t, h, w) patches of t_patch x p x p x channels pixels
+        t, h, w = size
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        merge = vision.spatial_merge_size
+        return {
+            "pixel_values": pattern(t * h * w, width, phase=phase),
+            "image_grid_thw": torch.tensor([list(size)]),
+        }, t * h * w // merge**2
+    if model_type == "mistral3":  # (height, width) pixels; patches merged spatial_merge_size^2
+        h, w = size
+        merge = vision.patch_size * config.spatial_merge_size
+        pixels = pattern(1, vision.num_channels, h, w, phase=phase)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[h, w]])}, (h // merge) * (
+            w // merge
+        )
+    if model_type in ("gemma3", "llama4"):  # one size: the processor resizes
+        side = vision.image_size
+        pixels = pattern(1, vision.num_channels, side, side, phase=phase)
+        return {"pixel_values": pixels}, config.mm_tokens_per_image
+    raise KeyError(f"no image inputs for {model_type}: add them here")
+
+
+def _image_sizes(config, size: str) -> tuple[tuple[int, ...], ...]:
+    if _family(config.model_type) == "qwen":
+        return _QWEN_GRIDS[size]
+    if config.model_type == "mistral3":
+        return _PIXTRAL_SIZES[size]
+    return ((),)
+
+
+@dataclass(frozen=True)
+class ImageDocument(Document):
+    """A ``Document`` with its images' inputs (``image_inputs``, in order) and, where the family
+    packs (``PACKED``), its own (3, len) multimodal rotary positions."""
+
+    images: tuple[dict[str, torch.Tensor], ...] = ()
+    rope: torch.Tensor | None = None
+
+
+def make_multimodal_config(
+    name: str, size: str | Size = "tiny", *, attention: str = "sdpa"
+) -> transformers.PretrainedConfig:
+    """The config of ``name``'s (a wrapper's model_type) mini model at ``size``."""
+    if name not in MULTIMODAL:
+        raise ValueError(f"unknown multimodal model {name!r}; expected one of {sorted(MULTIMODAL)}")
+    spec, wrapper = MULTIMODAL[name]
+    s = SIZES[size] if isinstance(size, str) else size
+    text_arguments = dict(wrapper.mini_config.text_arguments)
+    text = spec.mini_config.build(
+        s, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, **text_arguments
+    )
+    rope = getattr(text, "rope_parameters", None) or {}
+    if "mrope_section" in rope:
+        # The mini sections (2, 1, 1) are sized for the tests' 4 rotary frequencies: scaled in
+        # proportion to the run's rotary width, as transformers needs them to add up to it.
+        rotary = int(s.head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+        section = rope["mrope_section"]
+        if sum(section) != rotary and rotary % sum(section) == 0:
+            scale = rotary // sum(section)
+            text.rope_parameters = {**rope, "mrope_section": [scale * x for x in section]}
+    config = wrapper.mini_config.build(text)
+    config._attn_implementation = spec.mini_config.attention(attention)
+    return config
+
+
+def build_multimodal_model(
+    name: str, size: str | Size = "tiny", *, seed: int = 0
+) -> transformers.PreTrainedModel:
+    """A freshly initialised fp32 CPU mini wrapper; the same ``seed`` gives the same weights."""
+    wrapper = MULTIMODAL[name][1]
+    config = make_multimodal_config(name, size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = wrapper.wrapper_class()._from_config(
+            config, attn_implementation=config._attn_implementation
+        )
+    return model.train()
+
+
+def vision_parameters(model: torch.nn.Module, name: str) -> list[str]:
+    """The names of ``model``'s parameters outside its language model and lm_head: the vision
+    tower's and the projector's."""
+    _, wrapper = MULTIMODAL[name]
+    text = wrapper.language_model + "."
+    return [n for n, _ in model.named_parameters() if not n.startswith((text, "lm_head."))]
+
+
+class _Corpus(SyntheticCorpus):
+    """Chat samples with images over the text vocabulary of a wrapper's config."""
+
+    def __init__(self, config, size: str, seed: int, rope_model=None):
+        self.config = config
+        self.text_vocab = MULTIMODAL[config.model_type][1].mini_config.text_vocabulary(
+            config.text_config
+        )
+        super().__init__(self.text_vocab, seed)
+        self.sizes = _image_sizes(config, size)
+        image = MULTIMODAL[config.model_type][1].mini_config.special_tokens[0]
+        self.image_token = getattr(config, image)
+        around = _AROUND.get(_family(config.model_type))
+        self.around = tuple(getattr(config, a) for a in around) if around else None
+        self.rope_model = rope_model
+
+    def image_chat(self, max_prompt: int, g: torch.Generator) -> ImageDocument:
+        images, ids = [], [BOS, USER]
+        classes = []
+        for _ in range(int(torch.randint(1, 3, (), generator=g))):
+            kind = int(torch.randint(0, PATTERNS, (), generator=g))
+            size = self.sizes[int(torch.randint(0, len(self.sizes), (), generator=g))]
+            inputs, n = image_inputs(self.config, size, phase=float(kind))
+            images.append(inputs)
+            classes.append(FIRST_CONTENT + kind)
+            tokens = [self.image_token] * n
+            ids += [self.around[0], *tokens, self.around[1]] if self.around else tokens
+        prompt = self._markov(int(torch.randint(2, max_prompt + 1, (), generator=g)), g)
+        response = classes + [
+            int(self._permutation[t - FIRST_CONTENT]) + FIRST_CONTENT for t in reversed(prompt)
+        ]
+        ids += [*prompt, ASSISTANT]
+        labels = [IGNORE_INDEX] * len(ids) + response + [EOS]
+        ids += [*response, EOS]
+        if float(torch.rand((), generator=g)) < 0.5:  # a text turn after the image turn
+            follow = self._markov(int(torch.randint(2, max_prompt + 1, (), generator=g)), g)
+            answer = [int(self._permutation[t - FIRST_CONTENT]) + FIRST_CONTENT for t in follow]
+            masked = [USER, *follow, ASSISTANT]
+            ids += masked + answer + [EOS]
+            labels += [IGNORE_INDEX] * len(masked) + answer + [EOS]
+        input_ids = torch.tensor(ids)
+        rope = None
+        if self.rope_model is not None:
+            rope, _ = self.rope_model.model.get_rope_index(
+                input_ids[None],
+                mm_token_type_ids=(input_ids == self.image_token).long()[None],
+                image_grid_thw=torch.cat([i["image_grid_thw"] for i in images]),
+            )
+            rope = rope[:, 0]
+        return ImageDocument(input_ids, torch.tensor(labels), "image-sft", tuple(images), rope)
+
+
+def multimodal_batches(
+    model: transformers.PreTrainedModel, size: str, steps: int, *, seed: int = 0
+) -> tuple[list[list[ImageDocument]], list[ImageDocument]]:
+    """``steps`` training batches of image chats and one eval batch for ``model`` (a wrapper of
+    ``MULTIMODAL``), deterministic in ``seed``; the documents carry their multimodal positions
+    where the family packs."""
+    s = SIZES[size]
+    packs = model.config.model_type in PACKED
+    corpus = _Corpus(model.config, size, seed, model if packs else None)
+    g = torch.Generator().manual_seed(seed + 1)
+    max_prompt = max(2, s.max_doc_len // 4)
+
+    def batch():
+        return [corpus.image_chat(max_prompt, g) for _ in range(s.docs_per_step)]
+
+    train = [batch() for _ in range(steps)]
+    return train, batch()
+
+
+def _cat_images(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The images' inputs of one batch, in order; pixel values zero-padded to the largest image
+    (Pixtral's processor does so; ``image_sizes`` says what is real)."""
+    out = {}
+    for key in images[0]:
+        parts = [i[key] for i in images]
+        if key == "pixel_values" and parts[0].dim() == 4:
+            h = max(p.shape[-2] for p in parts)
+            w = max(p.shape[-1] for p in parts)
+            parts = [F.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in parts]
+        out[key] = torch.cat(parts)
+    return out
+
+
+def collate_multimodal(
+    docs: Sequence[ImageDocument], layout: str, config: transformers.PretrainedConfig
+) -> dict[str, Any]:
+    """``docs`` collated as the text documents are (``data.collate``), with their images' inputs
+    and the token types the wrapper reads (Qwen's ``mm_token_type_ids``, Gemma 3's
+    ``token_type_ids``: 1 at image tokens); packed rows get (4, 1, seq) position ids, the text
+    row first."""
+    model_type = config.model_type
+    if layout == "packed" and model_type not in PACKED:
+        raise ValueError(f"{model_type}: no packed multimodal rows (see convergence.multimodal)")
+    batch = collate_text(docs, layout)
+    wrapper = MULTIMODAL[model_type][1]
+    batch.update(_cat_images([i for d in docs for i in d.images]))
+    is_image = batch["input_ids"] == getattr(config, wrapper.mini_config.special_tokens[0])
+    if _family(model_type) == "qwen":
+        batch["mm_token_type_ids"] = is_image.long()
+    if wrapper.bidirectional_tokens is not None:
+        batch[wrapper.bidirectional_tokens] = is_image.long()
+    if layout == "packed":
+        rope = torch.cat([d.rope for d in docs], dim=-1)
+        batch["position_ids"] = torch.cat([batch["position_ids"][None], rope[:, None]])
+    return batch
