@@ -3,6 +3,7 @@
 from .gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4
 from .llama import LLAMA, LLAMA4
 from .mini import (
+    MINI_VISION_TOWER,
     MiniConfig,
     MiniMultimodalConfig,
     MiniSize,
@@ -65,6 +66,7 @@ __all__ = [
     "LLAMA4",
     "MINISTRAL",
     "MINISTRAL3",
+    "MINI_VISION_TOWER",
     "MISTRAL",
     "MISTRAL4",
     "MIXTRAL",

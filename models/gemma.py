@@ -9,16 +9,15 @@ AltUp and Laurel blocks and its MLPs with activation sparsity, Gemma 4's experts
 
 import dataclasses
 
-from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, alternating_layer_types, from_size
+from .mini import (
+    MINI_VISION_TOWER,
+    MiniConfig,
+    MiniMultimodalConfig,
+    MiniSize,
+    alternating_layer_types,
+    from_size,
+)
 from .spec import GEMMA_RMS_NORM, ArchitectureSpec, MultimodalWrapper, RMSNormStyle
-
-# A tiny vision tower: one layer, two heads.
-_MINI_VISION = {
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-}
 
 # Gemma 3: a SigLIP tower; the images' tokens attend to each other in both directions
 # (``token_type_ids``). Its wrapper does not apply the text config's final softcap. Mini: 16 x 16
@@ -30,7 +29,7 @@ GEMMA3_MULTIMODAL = MultimodalWrapper(
     mini_config=MiniMultimodalConfig(
         "Gemma3Config",
         "SiglipVisionConfig",
-        {**_MINI_VISION, "image_size": 16, "patch_size": 4},
+        {**MINI_VISION_TOWER, "image_size": 16, "patch_size": 4},
         special_tokens=("image_token_index", "boi_token_index", "eoi_token_index"),
         arguments={"mm_tokens_per_image": 4},
     ),
@@ -49,7 +48,7 @@ GEMMA4_MULTIMODAL = MultimodalWrapper(
         "Gemma4Config",
         "Gemma4VisionConfig",
         {
-            **_MINI_VISION,
+            **MINI_VISION_TOWER,
             "num_key_value_heads": 2,
             "head_dim": 8,
             "patch_size": 4,
@@ -108,6 +107,15 @@ GEMMA2 = ArchitectureSpec(
     tied_lm_head=True,
 )
 
+# Local and global RoPE frequencies that differ in base and in type (linear scaling). Global base
+# 5e5, not 1e6: with 1e6 the convergence run of Gemma3 at seed 0 lands where AdamW amplifies
+# noise-level gradients, and transformers' own eager and sdpa runs drift apart beyond the fp32
+# budget.
+_MINI_LOCAL_GLOBAL_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "linear", "rope_theta": 500_000.0, "factor": 4.0},
+}
+
 GEMMA3 = ArchitectureSpec(
     model_type="gemma3_text",
     module="transformers.models.gemma3.modeling_gemma3",
@@ -122,14 +130,7 @@ GEMMA3 = ArchitectureSpec(
             # Off in Gemma3's own config, on here so that the spec's logit_softcap is exercised:
             # 3.0 bends a tiny model's logits well beyond the fp32 tolerance (5.0 barely does).
             "final_logit_softcapping": 3.0,
-            # Local and global frequencies differ in base and in type (linear scaling). Global base
-            # 5e5, not 1e6: with 1e6 the convergence run at seed 0 lands where AdamW amplifies
-            # noise-level gradients, and transformers' own eager and sdpa runs drift apart beyond
-            # the fp32 budget.
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "linear", "rope_theta": 500_000.0, "factor": 4.0},
-            },
+            "rope_parameters": _MINI_LOCAL_GLOBAL_ROPE,
         },
     ),
     rms_norm="Gemma3RMSNorm",
@@ -180,7 +181,10 @@ def no_activation_sparsity(size: MiniSize) -> list[float]:
     return [0.0] * kv_sharing_layers(size)
 
 
-GEMMA3N = ArchitectureSpec(
+# Gemma 3 with the weight-scaled norms, normalised values and KV sharing; its MLPs' activation
+# sparsity is read per layer.
+GEMMA3N = dataclasses.replace(
+    GEMMA3,
     model_type="gemma3n_text",
     module="transformers.models.gemma3n.modeling_gemma3n",
     causal_lm="Gemma3nForCausalLM",
@@ -199,24 +203,16 @@ GEMMA3N = ArchitectureSpec(
             "hidden_size_per_layer_input": from_size("head_dim"),
             "laurel_rank": from_size("head_dim"),
             "final_logit_softcapping": 3.0,
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "linear", "rope_theta": 500_000.0, "factor": 4.0},
-            },
+            "rope_parameters": _MINI_LOCAL_GLOBAL_ROPE,
         },
     ),
     rms_norm="Gemma3nRMSNorm",
     rms_norm_style=GEMMA3N_RMS_NORM,
     mlp="Gemma3nTextMLP",
-    mlp_activation_attr="hidden_activation",
     mlp_sparsity_attr="activation_sparsity",
-    rope_per_layer_type=True,
-    qk_norm=True,
     v_norm=True,
     kv_sharing=True,
-    attention_kwargs=(("sliding_window", "sliding_window"),),
-    logit_softcap="final_logit_softcapping",
-    tied_lm_head=True,
+    multimodal=(),
 )
 
 # Gemma 4's mixture of experts, on top of its mini config: four experts, two per token.
@@ -227,7 +223,9 @@ GEMMA4_MOE_ARGUMENTS = {
     "moe_intermediate_size": from_size("head_dim"),
 }
 
-GEMMA4 = ArchitectureSpec(
+# Gemma 3 with the weight-scaled norms, normalised values and KV sharing, as Gemma 3n.
+GEMMA4 = dataclasses.replace(
+    GEMMA3,
     model_type="gemma4_text",
     module="transformers.models.gemma4.modeling_gemma4",
     causal_lm="Gemma4ForCausalLM",
@@ -267,13 +265,7 @@ GEMMA4 = ArchitectureSpec(
     rms_norm="Gemma4RMSNorm",
     rms_norm_style=GEMMA3N_RMS_NORM,
     mlp="Gemma4TextMLP",
-    mlp_activation_attr="hidden_activation",
-    rope_per_layer_type=True,
-    qk_norm=True,
     v_norm=True,
     kv_sharing=True,
-    attention_kwargs=(("sliding_window", "sliding_window"),),
-    logit_softcap="final_logit_softcapping",
-    tied_lm_head=True,
     multimodal=(GEMMA4_MULTIMODAL,),
 )

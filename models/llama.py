@@ -7,7 +7,7 @@ form). Its MoE blocks (a shared gated expert beside top-1 sigmoid-routed experts
 loss) keep transformers' experts; the shared expert and the dense layers' MLPs are plain gated.
 """
 
-from .mini import MiniConfig, MiniMultimodalConfig, from_size
+from .mini import MINI_VISION_TOWER, MiniConfig, MiniMultimodalConfig, from_size
 from .spec import ArchitectureSpec, MultimodalWrapper, RMSNormStyle
 
 LLAMA = ArchitectureSpec(
@@ -35,10 +35,8 @@ LLAMA4_MULTIMODAL = MultimodalWrapper(
         "Llama4Config",
         "Llama4VisionConfig",
         {
-            "hidden_size": 16,
+            **MINI_VISION_TOWER,
             "intermediate_size": 64,  # the pixel shuffle's output: 16 / 0.5**2
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
             "image_size": 16,
             "patch_size": 4,
             "vision_output_dim": 32,

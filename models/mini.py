@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 __all__ = [
+    "MINI_VISION_TOWER",
     "MiniConfig",
     "MiniMultimodalConfig",
     "MiniSize",
@@ -156,6 +157,16 @@ class MiniMultimodalConfig:
         return getattr(transformers, self.config_class)(
             text_config=copy.deepcopy(text_config), vision_config=vision, **kwargs
         )
+
+
+# The multimodal wrappers' vision towers in small: one layer of width 16, two heads. Each wrapper
+# adds its patches and what else its vision config asks for (``MiniMultimodalConfig``).
+MINI_VISION_TOWER = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
 
 
 def text_hidden_size(text_config: PretrainedConfig) -> int:

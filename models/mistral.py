@@ -5,7 +5,16 @@ position (llama-4 style, ``position_query_scale``). Mistral 4: multi-head latent
 (``latent_attention``, ``surgery.mla``) with Ministral 3's query scale, and MoE layers (a shared
 expert, no router aux loss) after its first dense ones."""
 
-from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, alternating_layer_types, from_size
+import dataclasses
+
+from .mini import (
+    MINI_VISION_TOWER,
+    MiniConfig,
+    MiniMultimodalConfig,
+    MiniSize,
+    alternating_layer_types,
+    from_size,
+)
 from .spec import ArchitectureSpec, MultimodalWrapper
 
 # Mistral 3 (Mistral Small 3.x, Ministral 3): a Pixtral vision tower around a Mistral or a
@@ -17,15 +26,7 @@ MISTRAL3_MULTIMODAL = MultimodalWrapper(
     mini_config=MiniMultimodalConfig(
         "Mistral3Config",
         "PixtralVisionConfig",
-        {
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "head_dim": 8,
-            "image_size": 32,
-            "patch_size": 8,
-        },
+        {**MINI_VISION_TOWER, "head_dim": 8, "image_size": 32, "patch_size": 8},
         special_tokens=("image_token_index",),
         arguments={"spatial_merge_size": 2},
     ),
@@ -78,7 +79,9 @@ def yarn_rope_with_query_scale(size: MiniSize) -> dict:
     }
 
 
-MINISTRAL3 = ArchitectureSpec(
+# Mistral with yarn RoPE and the query scale; a text model of Mistral 3 too.
+MINISTRAL3 = dataclasses.replace(
+    MISTRAL,
     model_type="ministral3",
     module="transformers.models.ministral3.modeling_ministral3",
     causal_lm="Ministral3ForCausalLM",
@@ -92,9 +95,7 @@ MINISTRAL3 = ArchitectureSpec(
     ),
     rms_norm="Ministral3RMSNorm",
     mlp="Ministral3MLP",
-    attention_kwargs=(("sliding_window", "config.sliding_window"),),
     position_query_scale=True,
-    multimodal=(MISTRAL3_MULTIMODAL,),
 )
 
 

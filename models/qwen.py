@@ -10,6 +10,8 @@ everywhere but inside the linear attention. Their MoE blocks add a sigmoid-gated
 
 from __future__ import annotations
 
+import dataclasses
+
 from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, from_size, text_hidden_size
 from .spec import GEMMA_RMS_NORM, ArchitectureSpec, MultimodalWrapper
 
@@ -32,7 +34,8 @@ QWEN2 = ArchitectureSpec(
     attention_kwargs=(("sliding_window", "sliding_window"),),
 )
 
-QWEN3 = ArchitectureSpec(
+QWEN3 = dataclasses.replace(
+    QWEN2,
     model_type="qwen3",
     module="transformers.models.qwen3.modeling_qwen3",
     causal_lm="Qwen3ForCausalLM",
@@ -41,7 +44,6 @@ QWEN3 = ArchitectureSpec(
     rms_norm="Qwen3RMSNorm",
     mlp="Qwen3MLP",
     qk_norm=True,
-    attention_kwargs=(("sliding_window", "sliding_window"),),
 )
 
 # Four experts, two per token; the router's auxiliary loss is part of every mini model's trained
@@ -55,7 +57,8 @@ _MINI_MOE = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
 }
 
-QWEN2_MOE = ArchitectureSpec(
+QWEN2_MOE = dataclasses.replace(
+    QWEN2,
     model_type="qwen2_moe",
     module="transformers.models.qwen2_moe.modeling_qwen2_moe",
     causal_lm="Qwen2MoeForCausalLM",
@@ -70,11 +73,11 @@ QWEN2_MOE = ArchitectureSpec(
     ),
     rms_norm="Qwen2MoeRMSNorm",
     mlp="Qwen2MoeMLP",  # the shared expert
-    attention_kwargs=(("sliding_window", "sliding_window"),),
     router_aux_loss=True,
 )
 
-QWEN3_MOE = ArchitectureSpec(
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
     model_type="qwen3_moe",
     module="transformers.models.qwen3_moe.modeling_qwen3_moe",
     causal_lm="Qwen3MoeForCausalLM",
@@ -91,8 +94,6 @@ QWEN3_MOE = ArchitectureSpec(
     ),
     rms_norm="Qwen3MoeRMSNorm",
     mlp="Qwen3MoeMLP",
-    qk_norm=True,
-    attention_kwargs=(("sliding_window", "sliding_window"),),
     router_aux_loss=True,
 )
 
@@ -142,24 +143,52 @@ QWEN3_NEXT = ArchitectureSpec(
 )
 
 # Qwen's vision towers in small: one block, patches of 4 x 4 pixels over 2 frames, merged 2 x 2:
-# a 1 x 4 x 4 grid of patches is four tokens.
-_MINI_QWEN_VISION = {
+# a 1 x 4 x 4 grid of patches is four tokens. Qwen2-VL's tower names its width ``embed_dim`` and
+# its output width ``hidden_size``; the later ones name them as other towers do.
+_MINI_QWEN_PATCHES = {
     "depth": 1,
-    "hidden_size": 16,
-    "intermediate_size": 32,
     "num_heads": 2,
     "patch_size": 4,
     "temporal_patch_size": 2,
     "spatial_merge_size": 2,
-    "out_hidden_size": text_hidden_size,
-    "num_position_embeddings": 16,
 }
+_MINI_QWEN_VISION = {
+    **_MINI_QWEN_PATCHES,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "out_hidden_size": text_hidden_size,
+}
+# Qwen3-VL's and Qwen3.5's towers learn position embeddings; Qwen3-VL's also feeds its first text
+# layers (deepstack, left to transformers).
+_MINI_QWEN3_5_VISION = {**_MINI_QWEN_VISION, "num_position_embeddings": 16}
+_MINI_QWEN3_VL_VISION = {**_MINI_QWEN3_5_VISION, "deepstack_visual_indexes": [0]}
 _QWEN_VISION_TOKENS = (
     "image_token_id",
     "video_token_id",
     "vision_start_token_id",
     "vision_end_token_id",
 )
+
+
+def _qwen_multimodal(model_type: str, prefix: str, vision: dict, **mini) -> MultimodalWrapper:
+    """Qwen's multimodal model ``<prefix>ForConditionalGeneration`` of
+    ``transformers.models.<model_type>``: its config ``<prefix>Config`` around a vision config
+    ``<prefix>VisionConfig`` of arguments ``vision``, with Qwen's vision tokens; ``mini``: the rest
+    of its ``MiniMultimodalConfig``."""
+    return MultimodalWrapper(
+        model_type=model_type,
+        module=f"transformers.models.{model_type}.modeling_{model_type}",
+        wrapper=f"{prefix}ForConditionalGeneration",
+        mini_config=MiniMultimodalConfig(
+            f"{prefix}Config",
+            f"{prefix}VisionConfig",
+            vision,
+            special_tokens=_QWEN_VISION_TOKENS,
+            **mini,
+        ),
+    )
+
+
 # Four rotary frequencies over the mini head (the real models rotate a slice: the text mini
 # config tests that), two temporal, one height, one width: the contiguous and interleaved layouts
 # of the sections differ ([t, t, h, w] against [t, h, w, t]).
@@ -172,30 +201,11 @@ _MINI_QWEN3_5_ROPE = {
     }
 }
 
-QWEN3_5_MULTIMODAL = MultimodalWrapper(
-    model_type="qwen3_5",
-    module="transformers.models.qwen3_5.modeling_qwen3_5",
-    wrapper="Qwen3_5ForConditionalGeneration",
-    mini_config=MiniMultimodalConfig(
-        "Qwen3_5Config",
-        "Qwen3_5VisionConfig",
-        _MINI_QWEN_VISION,
-        special_tokens=_QWEN_VISION_TOKENS,
-        text_arguments=_MINI_QWEN3_5_ROPE,
-    ),
+QWEN3_5_MULTIMODAL = _qwen_multimodal(
+    "qwen3_5", "Qwen3_5", _MINI_QWEN3_5_VISION, text_arguments=_MINI_QWEN3_5_ROPE
 )
-
-QWEN3_5_MOE_MULTIMODAL = MultimodalWrapper(
-    model_type="qwen3_5_moe",
-    module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-    wrapper="Qwen3_5MoeForConditionalGeneration",
-    mini_config=MiniMultimodalConfig(
-        "Qwen3_5MoeConfig",
-        "Qwen3_5MoeVisionConfig",
-        _MINI_QWEN_VISION,
-        special_tokens=_QWEN_VISION_TOKENS,
-        text_arguments=_MINI_QWEN3_5_ROPE,
-    ),
+QWEN3_5_MOE_MULTIMODAL = _qwen_multimodal(
+    "qwen3_5_moe", "Qwen3_5Moe", _MINI_QWEN3_5_VISION, text_arguments=_MINI_QWEN3_5_ROPE
 )
 
 # Qwen3.5's rotary module has multimodal (3-D) sections (interleaved); over text positions, which
@@ -216,20 +226,17 @@ QWEN3_5 = ArchitectureSpec(
     multimodal=(QWEN3_5_MULTIMODAL,),
 )
 
-QWEN3_5_MOE = ArchitectureSpec(
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5,
     model_type="qwen3_5_moe_text",
     module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     causal_lm="Qwen3_5MoeForCausalLM",
     attention="Qwen3_5MoeAttention",
     mini_config=MiniConfig("Qwen3_5MoeTextConfig", _MINI_HYBRID_MOE),
     rms_norm="Qwen3_5MoeRMSNorm",
-    rms_norm_style=GEMMA_RMS_NORM,
     mlp="Qwen3_5MoeMLP",  # the shared expert
-    qk_norm=True,
     router_aux_loss=True,
-    attention_output_gate=True,
     linear_attention="Qwen3_5MoeGatedDeltaNet",
-    mrope=True,
     multimodal=(QWEN3_5_MOE_MULTIMODAL,),
 )
 
@@ -238,29 +245,13 @@ QWEN3_5_MOE = ArchitectureSpec(
 # Qwen2.5-VL, Qwen3-VL and its MoE: no causal LM class of their own, ``causal_lm`` None): reached
 # through their wrapper (``surgery.multimodal``), listed in ``MULTIMODAL_ONLY_SPECS``. Their text
 # mini configs rotate four frequencies in [2, 1, 1] sections (see _MINI_QWEN3_5_ROPE).
-def _mrope_parameters(section: list[int]) -> dict:
-    return {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": section}
+_MINI_MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 1, 1]}
+_MINI_QWEN2_VL_TEXT = {**_MINI_ARGUMENTS, "rope_parameters": _MINI_MROPE}
 
-
-QWEN2_VL_MULTIMODAL = MultimodalWrapper(
-    model_type="qwen2_vl",
-    module="transformers.models.qwen2_vl.modeling_qwen2_vl",
-    wrapper="Qwen2VLForConditionalGeneration",
-    mini_config=MiniMultimodalConfig(
-        "Qwen2VLConfig",
-        "Qwen2VLVisionConfig",
-        {
-            "depth": 1,
-            "embed_dim": 16,
-            "hidden_size": text_hidden_size,
-            "mlp_ratio": 2,
-            "num_heads": 2,
-            "patch_size": 4,
-            "temporal_patch_size": 2,
-            "spatial_merge_size": 2,
-        },
-        special_tokens=_QWEN_VISION_TOKENS,
-    ),
+QWEN2_VL_MULTIMODAL = _qwen_multimodal(
+    "qwen2_vl",
+    "Qwen2VL",
+    {**_MINI_QWEN_PATCHES, "embed_dim": 16, "hidden_size": text_hidden_size, "mlp_ratio": 2},
 )
 
 QWEN2_VL = ArchitectureSpec(
@@ -268,10 +259,7 @@ QWEN2_VL = ArchitectureSpec(
     module="transformers.models.qwen2_vl.modeling_qwen2_vl",
     causal_lm=None,
     attention="Qwen2VLAttention",
-    mini_config=MiniConfig(
-        "Qwen2VLTextConfig",
-        {**_MINI_ARGUMENTS, "rope_parameters": _mrope_parameters([2, 1, 1])},
-    ),
+    mini_config=MiniConfig("Qwen2VLTextConfig", _MINI_QWEN2_VL_TEXT),
     rms_norm="Qwen2VLRMSNorm",
     mlp="Qwen2MLP",
     attention_kwargs=(("sliding_window", "sliding_window"),),
@@ -279,67 +267,35 @@ QWEN2_VL = ArchitectureSpec(
     multimodal=(QWEN2_VL_MULTIMODAL,),
 )
 
-QWEN2_5_VL_MULTIMODAL = MultimodalWrapper(
-    model_type="qwen2_5_vl",
-    module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-    wrapper="Qwen2_5_VLForConditionalGeneration",
-    mini_config=MiniMultimodalConfig(
-        "Qwen2_5_VLConfig",
-        "Qwen2_5_VLVisionConfig",
-        {
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": text_hidden_size,
-            "patch_size": 4,
-            "temporal_patch_size": 2,
-            "spatial_merge_size": 2,
-            "window_size": 8,  # 2 x 2 patches after merging: windows inside a 4 x 4 image
-            "fullatt_block_indexes": [],
-        },
-        special_tokens=_QWEN_VISION_TOKENS,
-    ),
+QWEN2_5_VL_MULTIMODAL = _qwen_multimodal(
+    "qwen2_5_vl",
+    "Qwen2_5_VL",
+    {
+        **_MINI_QWEN_VISION,
+        "window_size": 8,  # 2 x 2 patches after merging: windows inside a 4 x 4 image
+        "fullatt_block_indexes": [],
+    },
 )
 
-QWEN2_5_VL = ArchitectureSpec(
+QWEN2_5_VL = dataclasses.replace(
+    QWEN2_VL,
     model_type="qwen2_5_vl_text",
     module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-    causal_lm=None,
     attention="Qwen2_5_VLAttention",
-    mini_config=MiniConfig(
-        "Qwen2_5_VLTextConfig",
-        {**_MINI_ARGUMENTS, "rope_parameters": _mrope_parameters([2, 1, 1])},
-    ),
+    mini_config=MiniConfig("Qwen2_5_VLTextConfig", _MINI_QWEN2_VL_TEXT),
     # The vision blocks' norms are of this class too: surgery patches the language model only.
     rms_norm="Qwen2_5_VLRMSNorm",
-    mlp="Qwen2MLP",
-    attention_kwargs=(("sliding_window", "sliding_window"),),
-    mrope=True,
     multimodal=(QWEN2_5_VL_MULTIMODAL,),
 )
 
-# Qwen3-VL's tower also feeds its first text layers (deepstack, left to transformers).
-_MINI_QWEN3_VL_VISION = {**_MINI_QWEN_VISION, "deepstack_visual_indexes": [0]}
-
-QWEN3_VL_MULTIMODAL = MultimodalWrapper(
-    model_type="qwen3_vl",
-    module="transformers.models.qwen3_vl.modeling_qwen3_vl",
-    wrapper="Qwen3VLForConditionalGeneration",
-    mini_config=MiniMultimodalConfig(
-        "Qwen3VLConfig",
-        "Qwen3VLVisionConfig",
-        _MINI_QWEN3_VL_VISION,
-        special_tokens=_QWEN_VISION_TOKENS,
-    ),
-)
+QWEN3_VL_MULTIMODAL = _qwen_multimodal("qwen3_vl", "Qwen3VL", _MINI_QWEN3_VL_VISION)
 
 QWEN3_VL = ArchitectureSpec(
     model_type="qwen3_vl_text",
     module="transformers.models.qwen3_vl.modeling_qwen3_vl",
     causal_lm=None,
     attention="Qwen3VLTextAttention",
-    mini_config=MiniConfig("Qwen3VLTextConfig", {"rope_parameters": _mrope_parameters([2, 1, 1])}),
+    mini_config=MiniConfig("Qwen3VLTextConfig", {"rope_parameters": _MINI_MROPE}),
     rms_norm="Qwen3VLTextRMSNorm",
     mlp="Qwen3VLTextMLP",
     qk_norm=True,
@@ -347,31 +303,19 @@ QWEN3_VL = ArchitectureSpec(
     multimodal=(QWEN3_VL_MULTIMODAL,),
 )
 
-QWEN3_VL_MOE_MULTIMODAL = MultimodalWrapper(
-    model_type="qwen3_vl_moe",
-    module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
-    wrapper="Qwen3VLMoeForConditionalGeneration",
-    mini_config=MiniMultimodalConfig(
-        "Qwen3VLMoeConfig",
-        "Qwen3VLMoeVisionConfig",
-        _MINI_QWEN3_VL_VISION,
-        special_tokens=_QWEN_VISION_TOKENS,
-    ),
-)
+QWEN3_VL_MOE_MULTIMODAL = _qwen_multimodal("qwen3_vl_moe", "Qwen3VLMoe", _MINI_QWEN3_VL_VISION)
 
-QWEN3_VL_MOE = ArchitectureSpec(
+QWEN3_VL_MOE = dataclasses.replace(
+    QWEN3_VL,
     model_type="qwen3_vl_moe_text",
     module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
-    causal_lm=None,
     attention="Qwen3VLMoeTextAttention",
     mini_config=MiniConfig(
         "Qwen3VLMoeTextConfig",
-        {**_MINI_MOE, "mlp_only_layers": [1], "rope_parameters": _mrope_parameters([2, 1, 1])},
+        {**_MINI_MOE, "mlp_only_layers": [1], "rope_parameters": _MINI_MROPE},
     ),
     rms_norm="Qwen3VLMoeTextRMSNorm",
     mlp="Qwen3VLMoeTextMLP",  # the layers in mlp_only_layers
-    qk_norm=True,
     router_aux_loss=True,
-    mrope=True,
     multimodal=(QWEN3_VL_MOE_MULTIMODAL,),
 )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import attention
+from surgery import varlen
 from surgery.kernels import reduction
 from surgery.linear_attention import packed_documents
 from surgery.swap import ORIGINAL_ATTR
@@ -124,7 +124,7 @@ def test_packed_step_reads_position_ids_once(monkeypatch):
         name = getattr(module, "__name__", "")
         if name.startswith("surgery") and getattr(module, "host_cu_seqlens", None) is real:
             monkeypatch.setattr(module, "host_cu_seqlens", counted_read)
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device: counted_varlen)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: counted_varlen)
     model = tiny_model("qwen3_5_text", dtype=torch.bfloat16).train()
     reference = surgery.patch(twin(model), varlen_attention=False)
     surgery.patch(model)

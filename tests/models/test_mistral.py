@@ -14,6 +14,7 @@ import torch
 
 import surgery
 import surgery.attention as attention
+import surgery.varlen as varlen_module
 from tests.surgery.test_varlen_attention import ReferenceVarlen
 from tests.utils import TOLERANCES
 
@@ -153,7 +154,7 @@ def test_mistral4_packed_half_precision_path(v_head_dim, varlen, monkeypatch):
     as wide as the query/key heads (flash attention needs one head size), else transformers'
     mask."""
     kernel = ReferenceVarlen()
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device: kernel)
+    monkeypatch.setattr(varlen_module, "varlen_kernel", lambda device: kernel)
     overrides = {} if v_head_dim is None else {"v_head_dim": v_head_dim}
     model = _model("mistral4", **overrides).to(torch.bfloat16).train()
     surgery.patch(model)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import weakref
 
@@ -356,7 +357,8 @@ def test_lean_eager_matches_transformers_eager_on_unattended_rows():
     # Llama's eager function has no softcap; Gemma 2's applies one.
     for transformers_eager, softcap in ((llama_eager, None), (gemma2_eager, 5.0)):
         results = []
-        for fn in (transformers_eager, lean_eager_attention):
+        lean = functools.partial(lean_eager_attention, eager=transformers_eager)
+        for fn in (transformers_eager, lean):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             extra = {} if softcap is None else {"softcap": softcap}
             out, _ = fn(module, *leaves, additive, scaling=D**-0.5, **extra)

@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from transformers import AutoModelForCausalLM, masking_utils
 
 import surgery
-import surgery.attention as attention
+import surgery.varlen as varlen
 from surgery.compiling import graph_break_allowed
 from surgery.kernels import gated_activation, linear_cross_entropy
 from tests.models.tiny import (
@@ -200,7 +200,7 @@ def test_packed_bf16_compiled_runs_varlen_exactly(arch, monkeypatch):
     (their count is an unbacked size), the row length stands for the longest document; with a
     traceable reference kernel, the compiled step equals the uncompiled one bit for bit, and
     batches of other document counts compile nothing new."""
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device: dense_varlen)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: dense_varlen)
     model = surgery.patch(tiny_model(arch, dtype=torch.bfloat16).train())
     eager = twin(model)
     recorder = GraphRecorder()
@@ -284,7 +284,7 @@ def test_default_compile_reads_packed_documents_once_per_shape(arch, monkeypatch
     """``torch.compile(model)`` without ``fullgraph`` on packed bf16 rows: the documents are read
     on the host (one graph break) and their count is a dynamic size, so batches with other
     counts compile nothing new; each step equals the uncompiled one bit for bit."""
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device: dense_varlen)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: dense_varlen)
     model = surgery.patch(tiny_model(arch, dtype=torch.bfloat16).train())
     eager = twin(model)
     recorder = DynamoRecorder()

@@ -211,7 +211,7 @@ def test_patched_step_matches_grouped_mm_experts(case):
 @pytest.mark.parametrize("case", ["qwen3_moe", GEMMA4_MOE])  # SwiGLU and GeGLU (tanh)
 def test_triton_path_matches_grouped_mm(case, interpreted, monkeypatch):
     """The experts through the Triton kernel itself (the PyTorch path would raise)."""
-    kernel_module = importlib.import_module("surgery.kernels.gated_activation")
+    kernel_module = importlib.import_module("surgery.kernels.gated_activation.launch")
 
     def refuse(*args):
         raise AssertionError("the PyTorch path ran, not the Triton kernel")

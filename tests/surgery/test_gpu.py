@@ -196,10 +196,10 @@ def test_varlen_attention_within_budget(arch, monkeypatch):
     """``varlen_attention``: two packed bf16 rows (GQA, sliding windows of 64 on the sliding
     layers) through torch's varlen flash attention, against the fp32 masked reference, within
     the budget of the masked bf16 run; the kernel really ran, once per layer."""
-    import surgery.attention as attention
+    import surgery.varlen as varlen
 
     windows = []
-    real = attention.varlen_kernel
+    real = varlen.varlen_kernel
 
     def counting(device):
         kernel = real(device)
@@ -211,7 +211,7 @@ def test_varlen_attention_within_budget(arch, monkeypatch):
 
         return run
 
-    monkeypatch.setattr(attention, "varlen_kernel", counting)
+    monkeypatch.setattr(varlen, "varlen_kernel", counting)
     rows = [[301, 200, 57], [100, 380, 78]]
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(1, VOCAB, (2, 558), generator=g)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import surgery
-import surgery.attention as attention
+import surgery.varlen as varlen
 from surgery.attention import packed_sequences
 from tests.models.tiny import (
     ARCHS,
@@ -79,7 +79,7 @@ class ReferenceVarlen:
 @pytest.fixture
 def reference_kernel(monkeypatch):
     kernel = ReferenceVarlen()
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device: kernel)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: kernel)
     return kernel
 
 
@@ -185,7 +185,7 @@ def test_head_size_flash_cannot_read_takes_the_masked_path(reference_kernel):
 
 
 def test_packed_sequences_from_position_ids(monkeypatch):
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device: "kernel")
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: "kernel")
     cpu = torch.device("cpu")
     for dtype in (torch.int32, torch.int64):
         pos = torch.tensor([[0, 1, 2, 0, 1, 0]], dtype=dtype)
@@ -201,5 +201,5 @@ def test_packed_sequences_from_position_ids(monkeypatch):
 
 def test_no_kernel_on_cpu():
     """Without the monkeypatch: a CPU tensor gets no varlen kernel, the mask path runs."""
-    assert attention.varlen_kernel(torch.device("cpu")) is None
+    assert varlen.varlen_kernel(torch.device("cpu")) is None
     assert packed_sequences(torch.tensor([[0, 1, 0]]), (1, 3), torch.device("cpu")) is None

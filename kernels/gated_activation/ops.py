@@ -1,0 +1,117 @@
+"""Autograd of the gated activation: torch.library ops (what torch.compile sees) and, for the split
+layout, the eager ``torch.autograd.Function`` over the same launchers.
+
+Each forward op saves only its inputs (gate and up, or gate_up: the tensors themselves, no copy)
+and its backward is the matching ``*_bwd`` op, which recomputes act(gate). The op names
+(``torch.ops.surgery.gated_activation_{fwd,bwd}``, ``..._merged_{fwd,bwd}``) are stable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import (
+    gated_activation_bwd,
+    gated_activation_fwd,
+    gated_activation_merged_bwd,
+    gated_activation_merged_fwd,
+)
+
+__all__ = ["GatedActivationFunction"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True.
+
+
+@torch.library.custom_op("surgery::gated_activation_fwd", mutates_args=())
+def _gated_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_activation_fwd(gate, up, activation)
+
+
+@_gated_fwd_op.register_fake
+def _(gate, up, activation):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("surgery::gated_activation_bwd", mutates_args=())
+def _gated_bwd_op(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gated_activation_bwd(dout, gate, up, activation)
+
+
+@_gated_bwd_op.register_fake
+def _(dout, gate, up, activation):
+    like = torch.contiguous_format
+    return torch.empty_like(gate, memory_format=like), torch.empty_like(up, memory_format=like)
+
+
+def _save_fwd(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _fwd_op_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    dg, du = _gated_bwd_op(dout.contiguous(), gate, up, ctx.activation)
+    return dg, du, None
+
+
+_gated_fwd_op.register_autograd(_fwd_op_backward, setup_context=_save_fwd)
+
+
+class GatedActivationFunction(torch.autograd.Function):
+    """Eager autograd over the launchers, the same map as the op above (lower host overhead in
+    eager mode; the op carries the autograd torch.compile sees)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return gated_activation_fwd(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dg, du = gated_activation_bwd(dout.contiguous(), gate, up, ctx.activation)
+        return dg, du, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Merged layout: this op alone carries its autograd (one path, eager and compiled alike).
+
+
+@torch.library.custom_op("surgery::gated_activation_merged_fwd", mutates_args=())
+def _merged_fwd_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_activation_merged_fwd(gate_up, activation)
+
+
+@_merged_fwd_op.register_fake
+def _(gate_up, activation):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("surgery::gated_activation_merged_bwd", mutates_args=())
+def _merged_bwd_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_activation_merged_bwd(dout, gate_up, activation)
+
+
+@_merged_bwd_op.register_fake
+def _(dout, gate_up, activation):
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+
+
+def _save_merged(ctx, inputs, output):
+    gate_up, activation = inputs
+    ctx.save_for_backward(gate_up)
+    ctx.activation = activation
+
+
+def _merged_op_backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return _merged_bwd_op(dout.contiguous(), gate_up, ctx.activation), None
+
+
+_merged_fwd_op.register_autograd(_merged_op_backward, setup_context=_save_merged)

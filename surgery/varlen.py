@@ -1,0 +1,208 @@
+"""Packed batches through flash attention's variable-length kernel.
+
+With ``varlen_attention`` (the default), a packed batch on sdpa (rows holding several documents,
+``position_ids`` restarting at each; see ``surgery.forward``) runs every layer's attention through
+torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) over the
+documents, given as cumulative lengths over the flattened (batch * seq) tokens: each document
+attends causally to itself only, exactly what transformers' block-diagonal mask allows, but the
+kernel skips every block outside the documents and needs no mask and no key/value repeat for GQA
+(sdpa with a mask takes a masked kernel that computes the whole (seq x seq) square). A layer that
+varlen cannot serve (fp32, attention dropout in training, an attention-logit softcap, head_dim
+over 256) takes the mask transformers built as usual. Under ``torch.compile`` too: the boundaries
+then come from an op at run time (``packed_sequences``), so the graph holds no host read.
+
+Flash attention reads 16-byte vectors: a head size of whole vectors is required
+(``flash_head_size``; callers take the masked path otherwise), and a q/k/v whose strides or start
+are not whole vectors (a slice, such as MLA's values) is copied first (``_flash_layout``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from surgery.kernels.reduction import host_cu_seqlens
+
+from .compiling import host_read
+
+__all__ = [
+    "PACKED_KWARG",
+    "PackedSequences",
+    "flash_head_size",
+    "packed_sequences",
+    "varlen_attention",
+    "varlen_kernel",
+]
+
+PACKED_KWARG = "surgery_packed_sequences"
+"""The keyword argument that carries ``PackedSequences`` from the causal-LM forward through the
+base model and its decoder layers (which pass their keyword arguments on) to the attention."""
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """The documents of a packed batch, over its flattened (batch * seq) tokens."""
+
+    cu_seqlens: torch.Tensor
+    """int32 (documents + 1,): where each document starts, then the token count; on the device."""
+    max_length: int
+    """The longest document's length."""
+    kernel: Callable
+    """``varlen_attn``'s signature (see ``varlen_kernel``)."""
+
+
+def packed_sequences(
+    position_ids: torch.Tensor,
+    shape: tuple[int, int],
+    device: torch.device,
+    read_on_host: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+) -> PackedSequences | None:
+    """``PackedSequences`` of a (batch, seq) batch on ``device`` from its position ids, or None
+    when every row holds one document (causal attention over the row is then already exact) or
+    ``device`` has no varlen kernel.
+
+    A document starts at each row's first token and wherever the position does not continue
+    (``pos[t] != pos[t - 1] + 1``): transformers' rule for its packed mask, and the loss's
+    (``surgery.kernels.reduction.sequence_starts``). Labels play no part: a run of ignored labels
+    (a masked prompt) is not a boundary. One device-to-host copy of the position ids.
+
+    Under ``torch.compile`` the row length stands for the longest document (flash attention only
+    sizes its grid from it: an upper bound is exact, blocks past a document's end return at once),
+    so no graph depends on it, and the boundaries are read (see ``surgery.compiling``):
+    ``read_on_host`` (graph breaks allowed): on the host, as one graph break, their count a dynamic
+    size of the rest of the forward; otherwise from an op at run time (their count an unbacked
+    size) and every row is taken as packed (varlen over rows of one document each is exact too).
+
+    ``cu_seqlens``: the batch's ``host_cu_seqlens``, where the caller has read them already for
+    another use (a hybrid model's documents): not read again. Eager only.
+    """
+    kernel = varlen_kernel(device)
+    if kernel is None:
+        return None
+    if torch.compiler.is_compiling():
+        if read_on_host:
+            cu_seqlens = _read_cu_seqlens(position_ids, shape, device)
+            return None if cu_seqlens is None else PackedSequences(cu_seqlens, shape[1], kernel)
+        cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
+        return PackedSequences(cu_seqlens, shape[1], kernel)
+    if cu_seqlens is None:
+        cu_seqlens = host_cu_seqlens(position_ids, shape)
+    if cu_seqlens.numel() == shape[0] + 1:
+        return None
+    max_length = int(cu_seqlens.diff().max())
+    return PackedSequences(cu_seqlens.to(device=device, dtype=torch.int32), max_length, kernel)
+
+
+@host_read
+def _read_cu_seqlens(
+    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device
+) -> torch.Tensor | None:
+    # Eager inside a compiled forward; the count of documents is marked dynamic, so that batches
+    # with other counts reuse the graph compiled after this read.
+    cu_seqlens = host_cu_seqlens(position_ids, shape)
+    if cu_seqlens.numel() == shape[0] + 1:
+        return None
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    return cu_seqlens
+
+
+@torch.library.custom_op("surgery::packed_cu_seqlens", mutates_args=())
+def _packed_cu_seqlens_op(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """``PackedSequences.cu_seqlens`` of a (batch, seq) batch, on the position ids' device."""
+    cu_seqlens = host_cu_seqlens(position_ids, (batch, seq))
+    return cu_seqlens.to(device=position_ids.device, dtype=torch.int32)
+
+
+@_packed_cu_seqlens_op.register_fake
+def _(position_ids, batch, seq):
+    # documents + 1 entries, at least one document per row (the bound must be a plain int: with
+    # dynamic shapes the batch may not be).
+    least = batch + 1 if isinstance(batch, int) else 2
+    size = torch.library.get_ctx().new_dynamic_size(min=least)
+    return position_ids.new_empty(size, dtype=torch.int32)
+
+
+def varlen_kernel(device: torch.device) -> Callable | None:
+    """torch's ``varlen_attn`` when it can run on ``device`` (CUDA, flash attention: sm80+,
+    torch 2.10+), else None. torch.compile traces it: the kernel is resolved at import, and the
+    device check runs as a constant of the device (whose tensors' guards hold it)."""
+    if _VARLEN_ATTN is None or device.type != "cuda" or not _flash_capable(device):
+        return None
+    return _VARLEN_ATTN
+
+
+@torch.compiler.assume_constant_result
+def _flash_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _varlen_attn() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params:  # torch 2.10 had only is_causal
+        return None
+    # torch 2.13 asks for enable_gqa=True when key/value have fewer heads; earlier releases hand
+    # them to flash attention (which groups the heads itself) without the flag.
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+    return functools.partial(varlen_attn, **gqa)
+
+
+_VARLEN_ATTN = _varlen_attn()
+
+
+def flash_head_size(*tensors: torch.Tensor) -> bool:
+    """Whether flash attention's varlen kernel takes heads of these tensors' last size: whole
+    16-byte vectors (8 bf16/fp16 channels). Callers take the masked path otherwise."""
+    return all(x.shape[-1] * x.element_size() % 16 == 0 for x in tensors)
+
+
+def _flash_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where flash attention would read it at a misaligned address:
+    its kernels load 16-byte vectors, so besides the head size every stride but the last (which
+    must be 1) and the start must be whole vectors. Projections' views always are; a slice such
+    as MLA's values (a part of ``kv_b_proj``'s output) may not be (on the H100: "misaligned
+    address" on a tiny Mistral 4)."""
+    if torch.compiler.is_compiling():
+        # The start is not traceable (``storage_offset``); a copy only where not contiguous.
+        return x.contiguous()
+    vector = 16 // x.element_size()
+    aligned = (
+        x.stride(-1) == 1
+        and all(s % vector == 0 for s in x.stride()[:-1])
+        and x.storage_offset() % vector == 0
+    )
+    return x if aligned else x.contiguous()
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed: PackedSequences,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention within each document of ``packed``. query (B, Hq, T, D), key and value
+    (B, Hk, T, D), any strides; returns (B, T, Hq, D) like transformers' attention functions.
+
+    ``sliding_window`` has transformers' meaning: a query attends to the keys less than
+    ``sliding_window`` positions before it (flash attention's left window is one less).
+    """
+    B, H, T, D = query.shape
+    # (B, H, T, D) views of (B, T, H, D) projections: these reshapes are free.
+    q, k, v = (
+        _flash_layout(x.transpose(1, 2).reshape(B * T, x.shape[1], D)) for x in (query, key, value)
+    )
+    window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+    cu, n = packed.cu_seqlens, packed.max_length
+    out = packed.kernel(q, k, v, cu, cu, n, n, scale=scaling, window_size=window)
+    return out.view(B, T, H, D)
