@@ -32,13 +32,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
-import typing
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from surgery.kernels import cross_entropy, linear_cross_entropy
@@ -49,6 +47,13 @@ from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .compiling import graph_break_allowed, host_read
 from .linear_attention import DOCUMENTS_KWARG, documents_of
 from .options import PatchOptions
+from .outputs import (
+    COMPUTED_FIELDS,
+    CausalLMOutputWithZLoss,
+    MoeCausalLMOutputWithZLoss,
+    causal_lm_output_class,
+    with_z_loss,
+)
 from .swap import apply_swaps, is_swapped, plan_swap
 
 try:
@@ -81,79 +86,6 @@ STATE_ATTR = "_surgery_state"
 LM_HEAD_ATTR = "_surgery_lm_head"
 
 
-@dataclass
-class CausalLMOutputWithZLoss(CausalLMOutputWithPast):
-    """``CausalLMOutputWithPast`` plus ``z_loss``: the z-loss term already inside ``loss`` (same
-    reduction, detached, for logging); None unless ``z_loss_scale > 0`` and a loss was computed."""
-
-    z_loss: torch.Tensor | None = None
-
-
-@dataclass
-class MoeCausalLMOutputWithZLoss(MoeCausalLMOutputWithPast):
-    """transformers' ``MoeCausalLMOutputWithPast`` (``aux_loss``, ``router_logits``) plus
-    ``z_loss``, as in ``CausalLMOutputWithZLoss``."""
-
-    z_loss: torch.Tensor | None = None
-
-
-_Z_LOSS_OUTPUTS: dict[type, type] = {
-    CausalLMOutputWithPast: CausalLMOutputWithZLoss,
-    MoeCausalLMOutputWithPast: MoeCausalLMOutputWithZLoss,
-}
-# Fields of the output that the causal-LM forward computes; transformers' causal LMs copy every
-# other field from their base model's output.
-_COMPUTED_FIELDS = ("loss", "logits", "aux_loss", "z_loss")
-
-
-def _with_z_loss(output: type) -> type:
-    """``output`` (a ``ModelOutput`` dataclass) plus ``z_loss``: ``CausalLMOutputWithZLoss`` and
-    ``MoeCausalLMOutputWithZLoss`` for transformers' two common classes, else a subclass made once
-    (``Gemma4CausalLMOutputWithPast`` -> ``Gemma4CausalLMOutputWithZLoss``)."""
-    found = _Z_LOSS_OUTPUTS.get(output)
-    if found is None:
-        name = output.__name__.removesuffix("WithPast") + "WithZLoss"
-        namespace = {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"transformers' ``{output.__name__}`` plus ``z_loss``, as in "
-            "``CausalLMOutputWithZLoss``.",
-            "__annotations__": {"z_loss": "torch.Tensor | None"},
-            "z_loss": None,
-        }
-        found = _Z_LOSS_OUTPUTS[output] = dataclass(type(name, (output,), namespace))
-        globals().setdefault(name, found)  # found by name, as pickle looks it up
-    return found
-
-
-def causal_lm_output_class(
-    spec: ArchitectureSpec, wrapper: MultimodalWrapper | None = None
-) -> type:
-    """The output class of ``spec``'s causal LM (or of its multimodal ``wrapper``): the
-    ``ModelOutput`` its forward's return annotation names (``Llama4ForCausalLM``: ``tuple |
-    MoeCausalLMOutputWithPast`` in 5.23, ``tuple | CausalLMOutputWithPast`` in 5.17;
-    ``Gemma3ForConditionalGeneration``: ``Gemma3CausalLMOutputWithPast``), else transformers'
-    ``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for a router aux loss (also where
-    the annotated class has no ``aux_loss``)."""
-    moe = spec.router_aux_loss
-    default = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
-    try:
-        cls = spec.causal_lm_class() if wrapper is None else wrapper.wrapper_class()
-        annotation = typing.get_type_hints(cls.forward).get("return")
-    except (AttributeError, ImportError, NameError, TypeError):  # unresolvable annotations
-        return default
-    found = [
-        t
-        for t in typing.get_args(annotation) or (annotation,)
-        if isinstance(t, type) and issubclass(t, ModelOutput)
-    ]
-    if len(found) != 1:
-        return default
-    if moe and "aux_loss" not in {field.name for field in dataclasses.fields(found[0])}:
-        return default
-    return found[0]
-
-
 @dataclass(frozen=True)
 class PatchState:
     """Kept in the patched causal LM's ``__dict__``; the forward reads it at call time."""
@@ -168,7 +100,7 @@ class PatchState:
     ``z_loss``. Found once, when the state is made (at patch time)."""
     base_fields: tuple[str, ...] = dataclasses.field(init=False, compare=False, repr=False)
     """The fields of ``output`` the forward copies from the base model's output, as transformers'
-    causal LM does (every field but ``_COMPUTED_FIELDS``: past_key_values, hidden_states,
+    causal LM does (every field but ``COMPUTED_FIELDS``: past_key_values, hidden_states,
     attentions, router_logits, Gemma 4's shared_kv_states, ...); one the base model's output
     lacks is None."""
 
@@ -183,8 +115,8 @@ class PatchState:
             inspect.signature(self.wrapper.wrapper_class().forward).parameters
         )
         object.__setattr__(self, "router_logits_by_default", default)
-        output = _with_z_loss(causal_lm_output_class(self.spec, self.wrapper))
-        base = tuple(f.name for f in dataclasses.fields(output) if f.name not in _COMPUTED_FIELDS)
+        output = with_z_loss(causal_lm_output_class(self.spec, self.wrapper))
+        base = tuple(f.name for f in dataclasses.fields(output) if f.name not in COMPUTED_FIELDS)
         object.__setattr__(self, "output", output)
         object.__setattr__(self, "base_fields", base)
 

@@ -492,14 +492,10 @@ def test_cos_sin_requiring_grad_get_their_gradients():
         assert rel_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("entry", ["apply_rope", "apply_rotary_pos_emb"])
-def test_double_backward_matches_reference(entry):
-    # The backward is differentiable too (create_graph=True), e.g. for gradient penalties: with
-    # q_grad = R^T g, d<h, q_grad>/dg = R h. The fp64 reference gives both levels.
-    B, Hq, Hk, T, D = 2, 4, 2, 6, 16
-    q, k = make_qk(B, Hq, Hk, T, D, torch.float32, "hf", requires_grad=True)
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8]], device=DEVICE)
-    inv_freq = default_inv_freq(D)
+def assert_double_backward_matches(q, k, kernel, reference, what=""):
+    """The backward is differentiable too (create_graph=True), e.g. for gradient penalties: with
+    q_grad = R^T g, d<h, q_grad>/dg = R h. ``kernel(q, k, dtype)`` (fp32) against
+    ``reference(q, k, dtype)`` (fp64) at both levels, for random g and h."""
     g = [torch.randn_like(q), torch.randn_like(k)]
     h = [torch.randn_like(q), torch.randn_like(k)]
 
@@ -507,22 +503,30 @@ def test_double_backward_matches_reference(entry):
         qq = q.detach().to(dtype).requires_grad_()
         kk = k.detach().to(dtype).requires_grad_()
         gg = [x.detach().to(dtype).requires_grad_() for x in g]
-        outs = apply(qq, kk, inv_freq.to(dtype))
-        first = torch.autograd.grad(outs, (qq, kk), gg, create_graph=True)
+        first = torch.autograd.grad(apply(qq, kk, dtype), (qq, kk), gg, create_graph=True)
         inner = sum((f * x.to(dtype)).sum() for f, x in zip(first, h))
         return first, torch.autograd.grad(inner, gg)
 
-    if entry == "apply_rope":
-        kernel = lambda qq, kk, f: apply_rope(qq, kk, pos, f, 0.9)
-    else:
-        cos, sin = eager_cos_sin(pos, inv_freq, 0.9, torch.float32)
-        kernel = lambda qq, kk, f: apply_rotary_pos_emb(qq, kk, cos, sin)
-    reference = lambda qq, kk, f: apply_rope_reference(qq, kk, pos, f, 0.9)
     first, second = second_order(kernel, torch.float32)
     first64, second64 = second_order(reference, torch.float64)
-    for what, x, r in zip(("dq", "dk", "d2 g_q", "d2 g_k"), (*first, *second),
+    for name, x, r in zip(("dq", "dk", "d2 g_q", "d2 g_k"), (*first, *second),
                           (*first64, *second64)):  # fmt: skip
-        assert rel_err(x, r) < 1e-5, f"{entry} {what}: {rel_err(x, r):.2e}"
+        assert rel_err(x, r) < 1e-5, f"{what} {name}: {rel_err(x, r):.2e}"
+
+
+@pytest.mark.parametrize("entry", ["apply_rope", "apply_rotary_pos_emb"])
+def test_double_backward_matches_reference(entry):
+    B, Hq, Hk, T, D = 2, 4, 2, 6, 16
+    q, k = make_qk(B, Hq, Hk, T, D, torch.float32, "hf", requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8]], device=DEVICE)
+    inv_freq = default_inv_freq(D)
+    if entry == "apply_rope":
+        kernel = lambda qq, kk, dtype: apply_rope(qq, kk, pos, inv_freq.to(dtype), 0.9)
+    else:
+        cos, sin = eager_cos_sin(pos, inv_freq, 0.9, torch.float32)
+        kernel = lambda qq, kk, dtype: apply_rotary_pos_emb(qq, kk, cos, sin)
+    reference = lambda qq, kk, dtype: apply_rope_reference(qq, kk, pos, inv_freq.to(dtype), 0.9)
+    assert_double_backward_matches(q, k, kernel, reference, entry)
 
 
 # ---------------------------------------------------------------------------------------------

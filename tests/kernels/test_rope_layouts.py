@@ -26,6 +26,7 @@ from surgery.kernels import apply_rope, apply_rope_reference
 from surgery.kernels.rope import RopeLaunch, rope_bwd, rope_fwd
 from tests.kernels.test_rope import (
     DTYPE_NAMES,
+    assert_double_backward_matches,
     assert_no_worse_than_transformers,
     default_inv_freq,
     grads,
@@ -378,26 +379,15 @@ def test_pytorch_fallback_without_interpreter(monkeypatch, rope_layout):
 
 @pytest.mark.parametrize("rope_layout", LAYOUTS)
 def test_double_backward_matches_reference(rope_layout):
-    # q_grad = R^T g is linear in g: d<h, q_grad>/dg = R h, both levels against fp64.
     q, k = make_qk(2, 4, 1, 6, 16, torch.float32, "hf", requires_grad=True)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8]], device=DEVICE)
     inv_freq = default_inv_freq(12)
-    g = [torch.randn_like(q), torch.randn_like(k)]
-    h = [torch.randn_like(q), torch.randn_like(k)]
 
-    def second_order(apply, dtype):
-        qq = q.detach().to(dtype).requires_grad_()
-        kk = k.detach().to(dtype).requires_grad_()
-        gg = [x.detach().to(dtype).requires_grad_() for x in g]
-        outs = apply(qq, kk, pos, inv_freq.to(dtype), 0.9, 12, rope_layout)
-        first = torch.autograd.grad(outs, (qq, kk), gg, create_graph=True)
-        inner = sum((f * x.to(dtype)).sum() for f, x in zip(first, h))
-        return first, torch.autograd.grad(inner, gg)
+    def with_layout(apply):
+        return lambda qq, kk, dtype: apply(qq, kk, pos, inv_freq.to(dtype), 0.9, 12, rope_layout)
 
-    first, second = second_order(apply_rope, torch.float32)
-    first64, second64 = second_order(apply_rope_reference, torch.float64)
-    for x, r in zip((*first, *second), (*first64, *second64)):
-        assert rel_err(x, r) < 1e-5
+    assert_double_backward_matches(q, k, with_layout(apply_rope),
+                                   with_layout(apply_rope_reference), rope_layout)  # fmt: skip
 
 
 def test_ops_pass_opcheck():

@@ -27,7 +27,13 @@ import surgery.kernels.rope.api as rope_api
 import surgery.kernels.rope.launch as rope_launch
 from surgery.kernels import apply_rope, apply_rope_reference
 from surgery.kernels.rope import RopeLaunch, mrope_rows, rope_bwd, rope_fwd
-from tests.kernels.test_rope import DTYPE_NAMES, assert_no_worse_than_transformers, grads, make_qk
+from tests.kernels.test_rope import (
+    DTYPE_NAMES,
+    assert_double_backward_matches,
+    assert_no_worse_than_transformers,
+    grads,
+    make_qk,
+)
 from tests.utils import DEVICE, assert_close_budget, poisoned_empty, rel_err
 
 # ---------------------------------------------------------------------------------------------
@@ -483,23 +489,13 @@ def test_double_backward_matches_reference():
     module = rotary_module(model)
     pos = vision_positions()[0].to(DEVICE)[..., :8]
     q, k = make_qk(2, 2, 1, 8, 40, torch.float32, "hf")
-    g = [torch.randn_like(q), torch.randn_like(k)]
-    h = [torch.randn_like(q), torch.randn_like(k)]
 
-    def second_order(apply, dtype):
-        qq = q.detach().to(dtype).requires_grad_()
-        kk = k.detach().to(dtype).requires_grad_()
-        gg = [x.detach().to(dtype).requires_grad_() for x in g]
-        outs = apply(qq, kk, pos, module.inv_freq.to(dtype), 0.9, 40,
-                     mrope_section=model.mrope_section, mrope_interleaved=True)  # fmt: skip
-        first = torch.autograd.grad(outs, (qq, kk), gg, create_graph=True)
-        inner = sum((f * x.to(dtype)).sum() for f, x in zip(first, h))
-        return first, torch.autograd.grad(inner, gg)
+    def sections(apply):
+        return lambda qq, kk, dtype: apply(qq, kk, pos, module.inv_freq.to(dtype), 0.9, 40,
+                                           mrope_section=model.mrope_section,
+                                           mrope_interleaved=True)  # fmt: skip
 
-    first, second = second_order(apply_rope, torch.float32)
-    first64, second64 = second_order(apply_rope_reference, torch.float64)
-    for x, r in zip((*first, *second), (*first64, *second64)):
-        assert rel_err(x, r) < 1e-5
+    assert_double_backward_matches(q, k, sections(apply_rope), sections(apply_rope_reference))
 
 
 def test_op_passes_opcheck():

@@ -92,3 +92,19 @@ def test_outputs_carry_transformers_fields(name):
         assert_same_value(got[field], want[field], field)
     if SPECS[name.removesuffix("-moe")].router_aux_loss:  # the aux loss path was compared
         assert {"aux_loss", "router_logits"} <= set(want.keys())
+
+
+def test_made_output_classes_pickle():
+    """A class made for a model's own output (Gemma 4's) is found again by name when unpickled
+    (a Trainer saving outputs, a DataLoader worker returning them)."""
+    import pickle
+
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4CausalLMOutputWithPast
+
+    from surgery.outputs import with_z_loss
+
+    made = with_z_loss(Gemma4CausalLMOutputWithPast)
+    out = made(loss=torch.tensor(1.0), z_loss=torch.tensor(0.5))
+    back = pickle.loads(pickle.dumps(out))
+    assert type(back) is made and issubclass(made, Gemma4CausalLMOutputWithPast)
+    assert torch.equal(back.z_loss, out.z_loss) and torch.equal(back.loss, out.loss)
