@@ -15,9 +15,19 @@ import torch
 import surgery
 from surgery.attention import _read_path, mrope_layout
 from surgery.convergence.configs import ARCHITECTURES, FALLBACK_SPECS, SIZES, make_config
-from surgery.models import SPECS
+from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
 
 from .tiny import ARCHS, TINY, attn_for, causal_lm_from_config, tiny_config
+
+
+@pytest.mark.parametrize("spec", MULTIMODAL_ONLY_SPECS, ids=lambda spec: spec.model_type)
+def test_multimodal_only_text_specs_are_reached_through_a_wrapper(spec):
+    """A text spec outside ``SPECS`` (a language model transformers gives no causal-LM class of
+    its own: Qwen2-VL's and later) is patched and tested through its wrappers only
+    (tests/models/test_multimodal.py iterates over them): it must name one, and not be in
+    ``SPECS`` too."""
+    assert spec.causal_lm is None and spec.multimodal
+    assert spec.model_type not in {s.model_type for s in SPECS}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.model_type)
