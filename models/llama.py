@@ -4,7 +4,9 @@ Llama 4 (``Llama4ForCausalLM``, ``llama4_text``) interleaves RoPE layers, whose 
 chunked and whose q and k get an L2 norm after RoPE, with global layers without RoPE, whose query
 is scaled by a position-dependent temperature; RoPE rotates interleaved channel pairs (the complex
 form). Its MoE blocks (a shared gated expert beside top-1 sigmoid-routed experts, no auxiliary
-loss) keep transformers' experts; the shared expert and the dense layers' MLPs are plain gated.
+loss) run every token through every expert as two batched GEMMs, the routing weight applied to
+the experts' input by the MoE block (``batched_experts``); the shared expert and the dense layers'
+MLPs are plain gated.
 """
 
 from .mini import MINI_VISION_TOWER, MiniConfig, MiniMultimodalConfig, from_size
@@ -84,6 +86,7 @@ LLAMA4 = ArchitectureSpec(
     rms_norm="Llama4TextRMSNorm",
     rms_norm_style=LLAMA4_RMS_NORM,
     mlp="Llama4TextMLP",  # the dense layers' MLP and the MoE blocks' shared expert
+    batched_experts="Llama4TextExperts",
     rope_layout="interleaved",
     rope_layer_attr="use_rope",
     post_rope_qk_norm="qk_norm",

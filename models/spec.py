@@ -136,7 +136,8 @@ class ArchitectureSpec:
     are output, adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits,
     num_experts, num_experts_per_tok, attention_mask)`` (transformers' own function of
     ``module``, the causal LM's own attributes) to the loss, returning transformers'
-    ``MoeCausalLMOutputWithPast`` fields. The experts keep transformers' own implementation."""
+    ``MoeCausalLMOutputWithPast`` fields. The routed experts run through transformers' experts
+    implementations, surgery's own (``surgery.experts``) by default where it can fuse them."""
     tied_lm_head: bool = False
     """The architecture's config ties ``lm_head.weight`` to ``embed_tokens.weight`` by default. The
     loss always reads the head's own ``weight`` through its module call, so a tied head trains the
@@ -150,6 +151,14 @@ class ArchitectureSpec:
     forward with the fused ``gated_activation``; None: none."""
     mlp_activation_attr: str = "hidden_act"
     """Config attribute naming the MLP's activation (an ACT2FN key)."""
+    batched_experts: str | None = None
+    """Routed-experts class that is not dispatched through transformers' experts implementations
+    and runs every token through every expert as two batched GEMMs (Llama 4's
+    ``Llama4TextExperts``: ``forward(hidden_states)`` of (experts x tokens, hidden), each expert's
+    tokens already scaled by its routing weight; ``bmm`` with ``gate_up_proj`` (experts, hidden,
+    2 I), gate then up; ``act_fn(gate) * up``; ``bmm`` with ``down_proj`` (experts, I, hidden)).
+    Its instances get ``surgery.experts.batched_experts_forward``, the activation fused between
+    the GEMMs, when ``experts_implementation`` asks for surgery's experts; None: none."""
     attention_output_gate: bool = False
     """``q_proj`` yields, per head, the query then an output gate of the same size (its output
     viewed as ``(..., heads, 2 * head_dim)`` and split in halves); the attention output is

@@ -33,7 +33,7 @@ from .attention import (
     mrope_layout,
 )
 from .base_model import BASE_MODEL_ATTR, BaseModelNeeds, base_model_forward_for, base_model_needs
-from .experts import install_experts, restore_experts
+from .experts import batched_experts_swaps, install_experts, restore_experts
 from .fallback import (
     FALLBACK_ATTR,
     FALLBACKS,
@@ -196,6 +196,7 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
                     if plan is not None:
                         extra[RECOMPUTE_ATTR] = plan
                     wanted.append((name, module, gated_mlp_forward_for(module), extra))
+    wanted += batched_experts_swaps(modules, text.config, spec, options)  # Llama 4's experts
     if spec.linear_attention is not None:
         # Not an option: without it a packed batch carries state across its documents.
         for name, module in modules:

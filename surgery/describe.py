@@ -17,7 +17,12 @@ from torch import nn
 from surgery.models import ArchitectureSpec
 
 from .attention import BINDING_ATTR
-from .experts import describe_experts
+from .experts import (
+    EXPERTS_PLAN_ATTR,
+    batched_experts_left_alone,
+    describe_batched_experts,
+    describe_experts,
+)
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, head_takes_loss
 from .layers import MLP_ATTR, NORM_ATTR
@@ -109,6 +114,8 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         return f"rms_norm ({style.casting} cast points, scale {scale})" + (
             ", output recomputed in the backward" if plan is not None and plan.norm_output else ""
         )
+    if EXPERTS_PLAN_ATTR in attrs:
+        return describe_batched_experts(attrs[EXPERTS_PLAN_ATTR])
     if MLP_ATTR in attrs:
         return f"gated_activation ({attrs[MLP_ATTR]})" + (
             ", product recomputed in the backward" if plan is not None and plan.mlp_product else ""
@@ -141,6 +148,9 @@ def _left_alone_because(
             return "gated_mlp=False"
         activation = getattr(lm.config, spec.mlp_activation_attr, None)
         return f"no gated_activation kernel for {activation!r}"
+    if spec.batched_experts is not None and spec.is_instance(module, spec.batched_experts):
+        config = text_model(lm, spec)[0].config
+        return batched_experts_left_alone(module, config, spec, options)
     return "no surgery kernel: transformers' own forward"
 
 

@@ -40,6 +40,13 @@ not marked, or one that is expert-parallel or in a dtype without a kernel, runs 
 ``grouped_mm_experts_forward`` itself. What is never fused: experts with biases, without a gate,
 with an interleaved gate/up layout, a ``_apply_gate`` of their own (GPT-OSS's clamped gate) or a
 norm after each expert, and activations without a kernel (``unfusable_reason``).
+
+Llama 4's experts (``ArchitectureSpec.batched_experts``) are not dispatched through transformers'
+experts implementations: every token runs through every expert as two batched GEMMs, the MoE
+block having scaled each expert's copy of the tokens by its routing weight (zero where the router
+did not pick the expert). surgery swaps their forward for ``batched_experts_forward``: the same
+``bmm`` calls on the same operands, ``gated_activation_merged`` between them (rounded once, only
+the up GEMM's output kept) and the product rebuilt in the backward; the routing stays the block's.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -77,6 +85,8 @@ __all__ = [
     "EXPERTS_PLAN_ATTR",
     "SURGERY_EXPERTS",
     "ExpertsPlan",
+    "batched_experts_forward",
+    "batched_experts_swaps",
     "describe_experts",
     "experts_modules",
     "fused_grouped_mm_experts_forward",
@@ -288,6 +298,27 @@ def fused_grouped_mm_experts_forward(
     return per_token.to(hidden_states.dtype)
 
 
+def batched_experts_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts (``ArchitectureSpec.batched_experts``) with ``act(gate) * up`` fused
+    between their batched GEMMs: ``hidden_states`` (experts x tokens, hidden), expert e's tokens
+    in rows [e T, (e + 1) T), already scaled by their routing weights, viewed (experts, tokens,
+    hidden); ``bmm`` with ``gate_up_proj`` (experts, hidden, 2 I), ``gated_activation_merged`` on
+    its output, ``bmm`` with ``down_proj`` (experts, I, hidden); returns (experts x tokens, hidden).
+    transformers' own forward with act(gate) * up computed in fp32 and rounded once, only the up
+    GEMM's output kept for the backward and the product rebuilt there (``recompute_mlp_product``).
+    Weights in a dtype without a kernel run the class's forward."""
+    plan: ExpertsPlan = self.__dict__[EXPERTS_PLAN_ATTR]
+    if self.gate_up_proj.dtype not in _KERNEL_DTYPES:
+        return type(self).forward(self, hidden_states)
+    x = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate_up = torch.bmm(x, self.gate_up_proj)
+    record = recompute.recording()  # read before the scope, whose hooks it would count
+    with recompute.saved_tensor_scope(record):
+        product = _gated(gate_up, plan, record)
+        out = torch.bmm(product, self.down_proj)
+    return out.view(-1, self.hidden_size)
+
+
 # ---------------------------------------------------------------------------------------------
 # which modules, and patch / unpatch
 
@@ -337,15 +368,55 @@ def unfusable_reason(module: nn.Module, spec: ArchitectureSpec | None) -> str | 
         return "a norm after each expert"
     if not _is_default_gate(module):
         return "a gate function of its own (_apply_gate)"
-    name = getattr(module.config, spec.mlp_activation_attr, None)
-    activation = spec.gated_activation(module.config)
-    if activation is None:
+    return _activation_reason(module, module.config, spec)
+
+
+def _activation_reason(module: nn.Module, config, spec: ArchitectureSpec) -> str | None:
+    """Why ``module.act_fn`` has no fused kernel (None: it has), ``config`` naming it."""
+    name = getattr(config, spec.mlp_activation_attr, None)
+    if spec.gated_activation(config) is None:
         return f"no gated_activation kernel for {name!r}"
     from transformers.activations import ACT2FN
 
     if type(getattr(module, "act_fn", None)) is not type(ACT2FN[name]):
         return f"act_fn is not transformers' {name!r}"
     return None
+
+
+def batched_experts_swaps(
+    modules: list[tuple[str, nn.Module]], config, spec: ArchitectureSpec, options: PatchOptions
+) -> list[tuple[str, nn.Module, Callable, dict[str, Any]]]:
+    """(name, module, ``batched_experts_forward``, its plan) for each of ``modules`` (a text
+    model's, ``config`` its config) that is ``spec.batched_experts`` with an activation of a
+    kernel, when ``options.experts_implementation`` asks for surgery's experts (``"auto"`` or
+    ``SURGERY_EXPERTS``, which warns about those left with their own forward)."""
+    if spec.batched_experts is None or options.experts_implementation not in (
+        EXPERTS_AUTO,
+        SURGERY_EXPERTS,
+    ):
+        return []
+    experts = [(n, m) for n, m in modules if spec.is_instance(m, spec.batched_experts)]
+    reasons = {_activation_reason(m, config, spec) for _, m in experts} - {None}
+    if reasons and options.experts_implementation == SURGERY_EXPERTS:
+        warnings.warn(
+            f"surgery: experts_implementation={SURGERY_EXPERTS!r} leaves {spec.batched_experts} "
+            f"with transformers' forward ({'; '.join(sorted(reasons))})",
+            stacklevel=5,
+        )
+    plan = ExpertsPlan(spec.gated_activation(config), options.recompute_mlp_product)
+    return [
+        (name, module, batched_experts_forward, {EXPERTS_PLAN_ATTR: plan})
+        for name, module in experts
+        if _activation_reason(module, config, spec) is None
+    ]
+
+
+def _batched(lm: nn.Module, spec: ArchitectureSpec | None) -> bool:
+    return (
+        spec is not None
+        and spec.batched_experts is not None
+        and any(spec.is_instance(m, spec.batched_experts) for m in lm.modules())
+    )
 
 
 def _expert_parallel(lm: nn.Module) -> bool:
@@ -370,8 +441,8 @@ def install_experts(lm: nn.Module, spec: ArchitectureSpec | None, options: Patch
         return False
     experts = experts_modules(lm) if ExpertsInterface is not None else []
     if not experts:
-        if requested == EXPERTS_AUTO:
-            return False
+        if requested == EXPERTS_AUTO or (requested == SURGERY_EXPERTS and _batched(lm, spec)):
+            return False  # batched experts get a swapped forward (``batched_experts_swaps``)
         if not hasattr(lm, "set_experts_implementation") or requested == SURGERY_EXPERTS:
             raise ValueError(
                 f"experts_implementation={requested!r}: {type(lm).__name__} has no experts "
@@ -420,6 +491,23 @@ def restore_experts(lm: nn.Module) -> None:
     previous = lm.__dict__.pop(PREVIOUS_ATTR, None)
     if previous is not None:
         lm.set_experts_implementation(previous)
+
+
+def describe_batched_experts(plan: ExpertsPlan) -> str:
+    """For ``surgery.describe``: what ``batched_experts_forward`` runs under ``plan``."""
+    return (
+        f"batched experts: transformers' bmm GEMMs, gated_activation_merged ({plan.activation}) "
+        "between them" + (", product recomputed in the backward" if plan.recompute_product else "")
+    )
+
+
+def batched_experts_left_alone(
+    module: nn.Module, config, spec: ArchitectureSpec, options: PatchOptions
+) -> str:
+    """For ``surgery.describe``: why ``batched_experts_swaps`` left ``module`` its own forward."""
+    if options.experts_implementation not in (EXPERTS_AUTO, SURGERY_EXPERTS):
+        return f"experts_implementation={options.experts_implementation!r}: transformers' own"
+    return f"transformers' own; not fusable: {_activation_reason(module, config, spec)}"
 
 
 def describe_experts(module: nn.Module, spec: ArchitectureSpec | None) -> tuple[bool, str] | None:

@@ -97,7 +97,9 @@ class PatchOptions:
       (tokens x top_k) x (hidden + 2 x expert width) elements fewer kept. It fuses experts with a
       concatenated gate/up and no biases, transformers' default gate and an activation with a
       kernel (SwiGLU, GeGLU tanh), outside expert parallelism; see ``surgery.experts``. Llama 4's
-      experts (no experts implementations in transformers) keep their own forward.
+      experts (no experts implementations in transformers: two batched GEMMs over every token)
+      get, with ``"auto"`` or ``"surgery_grouped_mm"``, a forward with the same GEMMs and the
+      activation fused between them (``ArchitectureSpec.batched_experts``); None leaves theirs.
     """
 
     rope: bool = True

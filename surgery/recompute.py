@@ -6,7 +6,10 @@ deterministic kernel away from tensors that autograd keeps anyway:
 - the gated MLP's product ``act(gate) * up`` (tokens x intermediate), saved by ``down_proj`` (and
   a LoRA on it), is ``gated_activation_fwd(gate, up)``, and ``gated_activation`` keeps gate and up;
 - an RMSNorm's output (tokens x hidden), saved by the projections after it (q/k/v, gate/up), is
-  ``rms_norm_fwd(x, weight)``, and the norm keeps x and its weight.
+  ``rms_norm_fwd(x, weight)``, and the norm keeps x and its weight;
+- inside a mixture of experts (``surgery.experts``), the experts' product, rebuilt from the up
+  GEMM's output the fused activation keeps, and the token rows gathered for the up GEMM, gathered
+  again from the layer's input.
 
 The producer (the patched MLP or norm forward) registers its output with the function that
 rebuilds it (``register``). While a patched consumer runs its projections it opens

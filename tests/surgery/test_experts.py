@@ -5,8 +5,9 @@ architecture of the registry whose experts dispatch through them, what the backw
 
 The architectures are derived from the registry: every spec whose tiny model has experts modules,
 plus Gemma 4 with its mixture of experts (``GEMMA4_MOE_ARGUMENTS``; its tiny model is dense).
-Llama 4's experts are a module of their own, not dispatched through transformers' experts
-implementations: surgery leaves them alone (checked here too).
+Llama 4's experts are a module of their own (``ArchitectureSpec.batched_experts``), not
+dispatched through transformers' experts implementations: surgery swaps their forward, checked
+against the class's own at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import surgery
 from surgery import experts as surgery_experts
 from surgery.experts import EXPERTS_PLAN_ATTR, SURGERY_EXPERTS, experts_modules
 from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
+from surgery.swap import is_swapped
 from tests.models.tiny import (
     ARCHS,
     SPECS,
@@ -65,10 +67,16 @@ def build(case: str, dtype=torch.float32, seed: int = 0, **config):
     cfg = moe_config(case, **config)
     model = causal_lm_from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
     with torch.no_grad():
-        for module in experts_modules(model):
+        for module in experts_modules(model) + llama4_experts(model):
             for w in (module.gate_up_proj, module.down_proj):
                 w.copy_(torch.randn_like(w) / w.shape[-1] ** 0.5)
     return model.to(DEVICE)
+
+
+def llama4_experts(model) -> list:
+    """The modules of ``model`` that are Llama 4's batched experts."""
+    spec = SPECS["llama4_text"]
+    return [m for m in model.modules() if spec.is_instance(m, spec.batched_experts)]
 
 
 def routing(tokens: int, num_experts: int, top_k: int, experts=None, seed: int = 1):
@@ -484,14 +492,142 @@ def test_describe_reports_the_experts():
     assert any(g.cls == "Qwen3MoeExperts" and "'grouped_mm'" in g.what for g in report.left_alone)
 
 
-def test_llama4_experts_keep_their_forward():
-    """Llama 4's experts are not dispatched through transformers' experts implementations: the
-    default changes nothing there."""
+# ---------------------------------------------------------------------------------------------
+# Llama 4's batched experts: a swapped forward, against the class's own
+
+
+def llama4_inputs(module, tokens=13, dtype=torch.float32):
+    """The experts' input as Llama 4's MoE block makes it (every token once per expert, scaled by
+    its sigmoid routing weight: zero where the top-1 router did not pick the expert) and an
+    output gradient."""
+    g = torch.Generator().manual_seed(3)
+    experts, hidden_size = module.num_experts, module.hidden_size
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    logits = torch.randn(tokens, experts, generator=g)
+    top, picked = logits.topk(1, dim=-1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, picked, top).sigmoid()
+    routed = hidden.repeat(experts, 1) * scores.t().reshape(-1, 1)
+    dout = torch.randn(experts * tokens, hidden_size, generator=g)
+    return routed.to(DEVICE, dtype), dout.to(DEVICE)
+
+
+def llama4_call(module, fn, routed, dout) -> dict:
+    routed = routed.detach().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = fn(module, routed)
+    out.backward(dout.to(out.dtype))
+    return {
+        "out": out.detach(),
+        "hidden": routed.grad,
+        "gate_up_proj": module.gate_up_proj.grad.clone(),
+        "down_proj": module.down_proj.grad.clone(),
+    }
+
+
+def llama4_patched(module, routed):
+    return module(routed)
+
+
+def llama4_own(module, routed):
+    return type(module).forward(module, routed)
+
+
+@pytest.mark.parametrize("recompute_mlp_product", [True, False])
+def test_llama4_experts_match_their_forward(recompute_mlp_product):
+    """fp32: the swapped forward's output and the gradients of its input and both expert weights
+    equal ``Llama4TextExperts.forward``'s on the same module."""
+    model = surgery.patch(build("llama4_text"), recompute_mlp_product=recompute_mlp_product)
+    modules = llama4_experts(model)
+    assert modules and all(is_swapped(m) and EXPERTS_PLAN_ATTR in m.__dict__ for m in modules)
+    routed, dout = llama4_inputs(modules[0])
+    got = llama4_call(modules[0], llama4_patched, routed, dout)
+    want = llama4_call(modules[0], llama4_own, routed, dout)
+    assert_same(got, want, "llama4")
+
+
+def test_llama4_triton_path_matches_their_forward(interpreted, monkeypatch):
+    kernel_module = importlib.import_module("surgery.kernels.gated_activation.launch")
+
+    def refuse(*args):
+        raise AssertionError("the PyTorch path ran, not the Triton kernel")
+
+    monkeypatch.setattr(kernel_module, "_merged_fwd_torch", refuse)
+    monkeypatch.setattr(kernel_module, "_merged_bwd_torch", refuse)
+    module = llama4_experts(surgery.patch(build("llama4_text")))[0]
+    routed, dout = llama4_inputs(module, tokens=5)
+    got = llama4_call(module, llama4_patched, routed, dout)
+    want = llama4_call(module, llama4_own, routed, dout)
+    assert_same(got, want, "llama4 triton")
+
+
+def test_llama4_patched_step_matches_their_experts():
+    """A training step (loss and every gradient) with the batched experts swapped equals the same
+    patched model with ``experts_implementation=None`` (their own forward)."""
     model = build("llama4_text")
-    before = model.config._experts_implementation
-    assert not experts_modules(model)
+    reference = twin(model)
     surgery.patch(model)
-    assert model.config._experts_implementation == before and marked(model) == 0
+    surgery.patch(reference, experts_implementation=None)
+    assert llama4_experts(model)[0].__dict__.get(EXPERTS_PLAN_ATTR) is not None
+    assert not any(is_swapped(m) for m in llama4_experts(reference))
+    batch = padded_batch(sequences([7, 5, 3])).to(DEVICE).kwargs()
+    (loss, grads), (want, want_grads) = (loss_and_grads(m, **batch) for m in (model, reference))
+    torch.testing.assert_close(loss, want, **TOL)
+    assert_same(grads, want_grads, "llama4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_llama4_saved_bytes(dtype):
+    """The class's forward keeps, per row (experts x tokens), the up GEMM's output (2 x width),
+    act(gate) and the product (width each); the swapped one only the up GEMM's output."""
+    module = llama4_experts(surgery.patch(build("llama4_text", dtype)))[0]
+    routed, _ = llama4_inputs(module, dtype=dtype)
+
+    def kept(fn) -> int:
+        x = routed.detach().requires_grad_()
+        with KeptBytes() as mode:
+            out = fn(module, x)
+        alive = mode.alive(out, x, *module.parameters())
+        out.sum().backward()
+        return alive
+
+    rows, width, size = routed.shape[0], module.expert_dim, dtype.itemsize
+    theirs, ours = kept(llama4_own), kept(llama4_patched)
+    assert ours == rows * 2 * width * size
+    assert theirs - ours >= rows * 2 * width * size
+
+
+def test_llama4_option_unpatch_and_describe():
+    """``"auto"`` and surgery's name swap the experts' forward, None leaves it; ``describe`` says
+    which; ``unpatch`` puts the class's forward back with nothing left on the module."""
+    model = build("llama4_text")
+    module = llama4_experts(model)[0]
+    before = set(module.__dict__)
+    for option in ("auto", SURGERY_EXPERTS):
+        surgery.patch(model, experts_implementation=option)
+        assert is_swapped(module) and marked(model) == 1
+        fused = [g for g in surgery.describe(model).patched if g.cls == "Llama4TextExperts"]
+        assert len(fused) == 1 and "gated_activation_merged (silu)" in fused[0].what
+        surgery.unpatch(model)
+        assert not is_swapped(module) and marked(model) == 0 and set(module.__dict__) == before
+        assert "forward" not in module.__dict__
+    surgery.patch(model, experts_implementation=None)
+    assert not is_swapped(module) and marked(model) == 0
+    left = [g for g in surgery.describe(model).left_alone if g.cls == "Llama4TextExperts"]
+    assert len(left) == 1 and "experts_implementation=None" in left[0].what
+    surgery.unpatch(model)
+    assert not experts_modules(model)  # transformers' dispatch never involved
+
+
+def test_llama4_activation_without_kernel_keeps_their_forward():
+    model = build("llama4_text", hidden_act="gelu")
+    surgery.patch(model, gated_mlp=False)
+    assert marked(model) == 0
+    left = [g for g in surgery.describe(model).left_alone if g.cls == "Llama4TextExperts"]
+    assert len(left) == 1 and "no gated_activation kernel for 'gelu'" in left[0].what
+    surgery.unpatch(model)
+    with pytest.warns(UserWarning, match="Llama4TextExperts"):
+        surgery.patch(model, gated_mlp=False, experts_implementation=SURGERY_EXPERTS)
+    assert marked(model) == 0
 
 
 # ---------------------------------------------------------------------------------------------
