@@ -283,11 +283,12 @@ def attention_forward(
     if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None and not chunked:
         attention_mask = None
     kwargs.pop(DOCUMENTS_KWARG, None)  # for the linear-attention layers of a hybrid model
+    if chunked and packed is not None:
+        # Each chunk of a document attends causally to itself: the documents' chunks, found
+        # once per forward (none: the masked path).
+        packed = packed.chunks
     if (
         packed is not None
-        # TODO: chunked layers through varlen too, cu_seqlens split where a document's position
-        # crosses a multiple of the chunk size; needs a GPU test against the masked path.
-        and not chunked
         and query.dtype in (torch.float16, torch.bfloat16)
         and not dropout
         and extra.get("softcap") is None

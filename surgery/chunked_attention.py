@@ -14,6 +14,9 @@ as the documents alone:
   packed batch the base-model forward (``surgery.base_model``) builds that mask itself
   (``packed_chunked_mask``: causal within the document and within the chunk of the query's
   position), once per forward, and the chunked layers take it in place of transformers'.
+  In bf16/fp16 the chunked layers of such a batch run flash attention's varlen kernel over the
+  documents' chunks instead (``surgery.varlen``: each chunk of a document is causal attention
+  over itself), and the mask serves the layers varlen cannot (fp32, dropout, ...).
   Batches with an attention mask or a KV cache keep transformers' mask: a padded row's chunks
   start at its first real token there, as transformers counts them, and a cached step's keys are
   not in the position ids;
@@ -42,6 +45,7 @@ __all__ = [
     "chunked_document_mask",
     "chunked_layer_mask",
     "is_chunked_layer",
+    "packed_chunk_size",
     "packed_chunked_mask",
     "temperature_scaled_query",
 ]
@@ -91,6 +95,15 @@ def packed_chunked_mask(
         return allowed
     mask = torch.zeros(allowed.shape, dtype=embeddings_dtype, device=allowed.device)
     return mask.masked_fill_(allowed.logical_not(), torch.finfo(embeddings_dtype).min)
+
+
+def packed_chunk_size(config, spec: ArchitectureSpec) -> int | None:
+    """The ``attention_chunk_size`` of a ``spec`` model whose text ``config`` has chunked layers,
+    else None: on a packed batch the varlen attention splits the documents into its chunks
+    (``surgery.varlen.PackedSequences.chunks``), once per forward."""
+    if not spec.chunked_attention or _CHUNKED not in (getattr(config, "layer_types", None) or ()):
+        return None
+    return config.attention_chunk_size
 
 
 def is_chunked_layer(module: nn.Module, spec: ArchitectureSpec) -> bool:

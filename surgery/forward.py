@@ -44,6 +44,7 @@ from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 
 from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
+from .chunked_attention import packed_chunk_size
 from .compiling import graph_break_allowed, host_read
 from .linear_attention import DOCUMENTS_KWARG, documents_of
 from .options import PatchOptions
@@ -241,14 +242,21 @@ _padding_only_behind = host_read(padding_only_behind)
 
 @host_read
 def _read_packed_layout(
-    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device, varlen: bool
+    position_ids: torch.Tensor,
+    shape: tuple[int, int],
+    device: torch.device,
+    varlen: bool,
+    chunk_size: int | None,
 ) -> dict:
     # One device-to-host copy of the position ids for both: the linear-attention layers'
     # documents (None: every row is one document) and, with varlen, the attention's.
+    position_ids = position_ids.cpu()
     cu_seqlens = host_cu_seqlens(position_ids, shape)
     layout = {DOCUMENTS_KWARG: documents_of(cu_seqlens, shape, device)}
     if varlen:
-        packed = packed_sequences(position_ids, shape, device, cu_seqlens=cu_seqlens)
+        packed = packed_sequences(
+            position_ids, shape, device, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+        )
         if packed is not None:
             layout[PACKED_KWARG] = packed
     return layout
@@ -260,19 +268,25 @@ def _packed_layout(
     tokens: torch.Tensor,
     varlen: bool,
     host_reads: bool,
+    chunk_size: int | None = None,
 ) -> dict:
     """The keyword arguments that give the base model a packed step's documents: for the varlen
     attention (``varlen``, see ``PatchOptions.varlen_attention``) and a hybrid model's
     linear-attention layers, both from one read of the position ids on the host. Under
     ``torch.compile`` without graph breaks (``host_reads`` False) the varlen attention reads them
     from an op at run time, and a hybrid's base model finds its documents itself (where
-    ``fullgraph=True`` refuses the read)."""
+    ``fullgraph=True`` refuses the read). ``chunk_size``: the chunked-attention layers', if any
+    (``packed_chunk_size``): their chunks come from the same read."""
     shape, device = tuple(tokens.shape[:2]), tokens.device
     if spec.linear_attention is not None and position_ids.dim() <= 2 and host_reads:
         # Each layout of documents compiles anew anyway: under torch.compile the read is one
         # graph break, and the varlen attention's lengths may be exact.
-        return _read_packed_layout(position_ids, shape, device, varlen)
-    packed = packed_sequences(position_ids, shape, device, host_reads) if varlen else None
+        return _read_packed_layout(position_ids, shape, device, varlen, chunk_size)
+    packed = (
+        packed_sequences(position_ids, shape, device, host_reads, chunk_size=chunk_size)
+        if varlen
+        else None
+    )
     return {} if packed is None else {PACKED_KWARG: packed}
 
 
@@ -393,7 +407,8 @@ def _forward(
         )
         # A local, so that nothing is on the stack at the host read's graph break (a bound
         # ``kwargs.update`` there is guarded on, and the guard fails every step).
-        layout = _packed_layout(state.spec, text_positions, tokens, varlen, host_reads)
+        chunk_size = packed_chunk_size(config, state.spec)
+        layout = _packed_layout(state.spec, text_positions, tokens, varlen, host_reads, chunk_size)
         kwargs.update(layout)
 
     fused = (

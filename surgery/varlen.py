@@ -11,6 +11,11 @@ varlen cannot serve (fp32, attention dropout in training, an attention-logit sof
 over 256) takes the mask transformers built as usual. Under ``torch.compile`` too: the boundaries
 then come from an op at run time (``packed_sequences``), so the graph holds no host read.
 
+Chunked attention (Llama 4's ``attention_chunk_size``: a query attends causally to the keys of its
+own chunk of positions) is causal attention over each chunk of each document: its layers take
+the documents split further wherever a document's position reaches a multiple of the chunk size
+(``PackedSequences.chunks``), found with the documents from the same read of the position ids.
+
 Flash attention reads 16-byte vectors: a head size of whole vectors is required
 (``flash_head_size``; callers take the masked path otherwise), and a q/k/v whose strides or start
 are not whole vectors (a slice, such as MLA's values) is copied first (``_flash_layout``).
@@ -34,6 +39,7 @@ __all__ = [
     "PackedSequences",
     "flash_head_size",
     "packed_sequences",
+    "split_at_chunks",
     "varlen_attention",
     "varlen_kernel",
 ]
@@ -53,6 +59,10 @@ class PackedSequences:
     """The longest document's length."""
     kernel: Callable
     """``varlen_attn``'s signature (see ``varlen_kernel``)."""
+    chunks: PackedSequences | None = None
+    """The same batch for the chunked-attention layers (``packed_sequences``' ``chunk_size``):
+    each document split at every token whose position is a multiple of the chunk size, as
+    ``surgery.chunked_attention.chunked_document_mask`` chunks it. None without chunked layers."""
 
 
 def packed_sequences(
@@ -61,6 +71,7 @@ def packed_sequences(
     device: torch.device,
     read_on_host: bool = True,
     cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> PackedSequences | None:
     """``PackedSequences`` of a (batch, seq) batch on ``device`` from its position ids, or None
     when every row holds one document (causal attention over the row is then already exact) or
@@ -80,36 +91,90 @@ def packed_sequences(
 
     ``cu_seqlens``: the batch's ``host_cu_seqlens``, where the caller has read them already for
     another use (a hybrid model's documents): not read again. Eager only.
+
+    ``chunk_size``: the model's chunked-attention layers' ``attention_chunk_size``, if it has such
+    layers: ``PackedSequences.chunks`` is then filled from the same read (a chunk's longest
+    length: the chunk size, or the exact one eagerly). Under ``torch.compile`` without graph
+    breaks one op returns both boundaries (each count an unbacked size).
     """
     kernel = varlen_kernel(device)
     if kernel is None:
         return None
     if torch.compiler.is_compiling():
         if read_on_host:
-            cu_seqlens = _read_cu_seqlens(position_ids, shape, device)
-            return None if cu_seqlens is None else PackedSequences(cu_seqlens, shape[1], kernel)
-        cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
-        return PackedSequences(cu_seqlens, shape[1], kernel)
+            read = _read_cu_seqlens(position_ids, shape, device, chunk_size)
+            if read is None:
+                return None
+            cu_seqlens, chunked = read
+        elif chunk_size is None:
+            cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
+            chunked = None
+        else:
+            cu_seqlens, chunked = _packed_chunked_cu_seqlens_op(
+                position_ids, shape[0], shape[1], chunk_size
+            )
+        chunks = None
+        if chunked is not None:
+            chunks = PackedSequences(chunked, min(chunk_size, shape[1]), kernel)
+        return PackedSequences(cu_seqlens, shape[1], kernel, chunks)
+    host_positions = position_ids.cpu() if chunk_size is not None else position_ids
     if cu_seqlens is None:
-        cu_seqlens = host_cu_seqlens(position_ids, shape)
+        cu_seqlens = host_cu_seqlens(host_positions, shape)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
+    chunks = None
+    if chunk_size is not None:
+        chunked = split_at_chunks(host_positions, shape, cu_seqlens, chunk_size)
+        chunks = PackedSequences(
+            chunked.to(device=device, dtype=torch.int32), int(chunked.diff().max()), kernel
+        )
     max_length = int(cu_seqlens.diff().max())
-    return PackedSequences(cu_seqlens.to(device=device, dtype=torch.int32), max_length, kernel)
+    return PackedSequences(
+        cu_seqlens.to(device=device, dtype=torch.int32), max_length, kernel, chunks
+    )
+
+
+def split_at_chunks(
+    position_ids: torch.Tensor,
+    shape: tuple[int, int],
+    cu_seqlens: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """int64 ``cu_seqlens`` (a (batch, seq) batch's documents, ``host_cu_seqlens``) split further
+    at every token whose position is a multiple of ``chunk_size``: the chunks of chunked
+    attention, each attending causally to itself. ``position_ids`` (batch, seq), (1, seq) or
+    (seq,), on ``cu_seqlens``' device. Within a document positions count up by one, so the chunk
+    of a query at position p starts ``p % chunk_size`` tokens before it or at the document's
+    start (a row's first document may start mid-chunk, at any position)."""
+    positions = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+    positions = positions.expand(shape).reshape(-1).to(cu_seqlens.device)
+    starts = positions % chunk_size == 0
+    starts[cu_seqlens[:-1]] = True
+    first = torch.nonzero(starts).flatten()
+    return torch.cat([first, first.new_tensor([starts.numel()])])
 
 
 @host_read
 def _read_cu_seqlens(
-    position_ids: torch.Tensor, shape: tuple[int, int], device: torch.device
-) -> torch.Tensor | None:
-    # Eager inside a compiled forward; the count of documents is marked dynamic, so that batches
-    # with other counts reuse the graph compiled after this read.
-    cu_seqlens = host_cu_seqlens(position_ids, shape)
+    position_ids: torch.Tensor,
+    shape: tuple[int, int],
+    device: torch.device,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    # Eager inside a compiled forward; the counts of documents and chunks are marked dynamic, so
+    # that batches with other counts reuse the graph compiled after this read.
+    host_positions = position_ids.cpu()
+    cu_seqlens = host_cu_seqlens(host_positions, shape)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
+    chunked = None
+    if chunk_size is not None:
+        chunked = split_at_chunks(host_positions, shape, cu_seqlens, chunk_size)
+        chunked = chunked.to(device=device, dtype=torch.int32)
+        torch._dynamo.maybe_mark_dynamic(chunked, 0)
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
     torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
-    return cu_seqlens
+    return cu_seqlens, chunked
 
 
 @torch.library.custom_op("surgery::packed_cu_seqlens", mutates_args=())
@@ -126,6 +191,27 @@ def _(position_ids, batch, seq):
     least = batch + 1 if isinstance(batch, int) else 2
     size = torch.library.get_ctx().new_dynamic_size(min=least)
     return position_ids.new_empty(size, dtype=torch.int32)
+
+
+@torch.library.custom_op("surgery::packed_chunked_cu_seqlens", mutates_args=())
+def _packed_chunked_cu_seqlens_op(
+    position_ids: torch.Tensor, batch: int, seq: int, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PackedSequences.cu_seqlens`` and its chunks' (``split_at_chunks``) of a (batch, seq)
+    batch, on the position ids' device, from one read of the position ids."""
+    host_positions = position_ids.cpu()
+    cu_seqlens = host_cu_seqlens(host_positions, (batch, seq))
+    chunked = split_at_chunks(host_positions, (batch, seq), cu_seqlens, chunk_size)
+    return tuple(x.to(device=position_ids.device, dtype=torch.int32) for x in (cu_seqlens, chunked))
+
+
+@_packed_chunked_cu_seqlens_op.register_fake
+def _(position_ids, batch, seq, chunk_size):
+    least = batch + 1 if isinstance(batch, int) else 2
+    ctx = torch.library.get_ctx()
+    documents = position_ids.new_empty(ctx.new_dynamic_size(min=least), dtype=torch.int32)
+    chunks = position_ids.new_empty(ctx.new_dynamic_size(min=least), dtype=torch.int32)
+    return documents, chunks
 
 
 def varlen_kernel(device: torch.device) -> Callable | None:

@@ -10,9 +10,13 @@ import pytest
 import torch
 
 import surgery
+import surgery.varlen as varlen
 from surgery import chunked_attention
 from surgery.chunked_attention import chunked_document_mask
-from tests.utils import TOLERANCES
+from surgery.kernels.reduction import host_cu_seqlens
+from surgery.varlen import split_at_chunks
+from tests.surgery.test_varlen_attention import ReferenceVarlen
+from tests.utils import TOLERANCES, assert_close_budget
 
 from .tiny import (
     TINY,
@@ -164,3 +168,96 @@ def test_generate_matches_unpatched():
     for row, s in enumerate(seqs):
         want = reference.generate(s[None], attention_mask=torch.ones_like(s)[None], **kwargs)
         torch.testing.assert_close(got[row, -len(s) - 6 :], want[0])
+
+
+# A row continuing a document mid-chunk (positions from 3), then two documents crossing chunk
+# boundaries; a second row of three documents, the last starting at a multiple of the chunk.
+CHUNKED_POSITIONS = torch.tensor(
+    [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2],
+     [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2]]
+)  # fmt: skip
+
+
+def test_split_at_chunks_is_the_chunked_mask():
+    """The chunks, each attending causally to itself, allow exactly what ``chunked_document_mask``
+    allows: documents restart at each row and where the position does not continue, chunks at
+    every multiple of the chunk size of a document's own position."""
+    batch, seq = CHUNKED_POSITIONS.shape
+    documents = host_cu_seqlens(CHUNKED_POSITIONS, (batch, seq))
+    for size in (3, CHUNK, 8):
+        cu = split_at_chunks(CHUNKED_POSITIONS, (batch, seq), documents, size)
+        chunk = torch.zeros(batch * seq, dtype=torch.long)
+        chunk[cu[1:-1]] = 1
+        chunk = chunk.cumsum(0).view(batch, seq)
+        q, k = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+        allowed = (k <= q) & (chunk[:, :, None] == chunk[:, None, :])
+        assert torch.equal(allowed, chunked_document_mask(CHUNKED_POSITIONS, batch, size)[:, 0])
+    cu = split_at_chunks(CHUNKED_POSITIONS, (batch, seq), documents, CHUNK)
+    assert cu.tolist() == [0, 2, 7, 10, 15, 17, 20, 25, 26, 31, 36, 37, 40]
+
+
+def test_chunked_layers_take_varlen_within_budget_of_the_masked_path(monkeypatch):
+    """Packed bf16 rows whose documents cross chunk boundaries (one continuing mid-chunk): every
+    layer runs the (reference) varlen kernel, the chunked layer over the documents' chunks and
+    the global one over the documents; loss and gradients within the bf16 budget of the masked
+    path. fp32 keeps the masked path."""
+    kernel = ReferenceVarlen()
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: kernel)
+    torch.manual_seed(0)
+    ids = torch.randint(1, TINY.vocab_size, CHUNKED_POSITIONS.shape)
+    batch = dict(input_ids=ids, labels=ids, position_ids=CHUNKED_POSITIONS)
+    fp32 = tiny_model(ARCH).train()
+    bf16 = twin(fp32).to(torch.bfloat16)
+    ref_loss, ref_grads = loss_and_grads(surgery.patch(fp32), **batch)
+    masked_loss, masked_grads = loss_and_grads(
+        surgery.patch(twin(bf16), varlen_attention=False), **batch
+    )
+    assert kernel.calls == []  # fp32, and the option off: the masked path
+    loss, grads = loss_and_grads(surgery.patch(bf16), **batch)
+
+    documents = [0, 10, 17, 20, 26, 37, 40]
+    chunks = [0, 2, 7, 10, 15, 17, 20, 25, 26, 31, 36, 37, 40]
+    assert [(c["cu"], c["max"], c["window"]) for c in kernel.calls] == [
+        (chunks, 5, (-1, 0)),  # layer 0: chunked
+        (documents, 11, (-1, 0)),  # layer 1: global
+    ]
+
+    def flat(g):
+        return torch.cat([t.float().flatten() for t in g.values()])
+
+    assert_close_budget(loss.float(), ref_loss, masked_loss.float(), torch.bfloat16, what="loss")
+    assert_close_budget(flat(grads), flat(ref_grads), flat(masked_grads), torch.bfloat16,
+                        what="grads")  # fmt: skip
+
+
+def test_packed_chunked_cu_seqlens_op():
+    """The op ``torch.compile`` without graph breaks reads both boundaries from."""
+    cu, chunked = torch.ops.surgery.packed_chunked_cu_seqlens(CHUNKED_POSITIONS, 2, 20, CHUNK)
+    assert cu.dtype == chunked.dtype == torch.int32
+    assert cu.tolist() == [0, 10, 17, 20, 26, 37, 40]
+    assert chunked.tolist() == [0, 2, 7, 10, 15, 17, 20, 25, 26, 31, 36, 37, 40]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flash attention)")
+def test_chunked_layers_through_flash_varlen_within_budget_of_the_masked_path():
+    """The same packed rows through torch's varlen flash attention (chunks of 5 positions, a
+    continuation row): loss and gradients within the bf16 budget of the masked path."""
+    assert varlen.varlen_kernel(torch.device("cuda")) is not None, "no varlen kernel here"
+    torch.manual_seed(0)
+    pos = CHUNKED_POSITIONS.repeat(1, 3).cuda()  # position restarts where the repeat joins
+    ids = torch.randint(1, TINY.vocab_size, pos.shape, device="cuda")
+    batch = dict(input_ids=ids, labels=ids, position_ids=pos)
+    fp32 = tiny_model(ARCH).cuda().train()
+    bf16 = twin(fp32).to(torch.bfloat16)
+    ref_loss, ref_grads = loss_and_grads(surgery.patch(fp32), **batch)
+    masked_loss, masked_grads = loss_and_grads(
+        surgery.patch(twin(bf16), varlen_attention=False), **batch
+    )
+    loss, grads = loss_and_grads(surgery.patch(bf16), **batch)
+
+    def flat(g):
+        return torch.cat([t.float().flatten() for t in g.values()])
+
+    assert_close_budget(loss.float(), ref_loss, masked_loss.float(), torch.bfloat16, what="loss")
+    assert_close_budget(flat(grads), flat(ref_grads), flat(masked_grads), torch.bfloat16,
+                        what="grads")  # fmt: skip

@@ -211,9 +211,9 @@ def test_images_attending_both_ways_take_no_causal_shortcut(monkeypatch):
     varlen = []
     layout = surgery_forward._packed_layout
 
-    def spy(spec, position_ids, tokens, wants_varlen, host_reads):
+    def spy(spec, position_ids, tokens, wants_varlen, *args):
         varlen.append(wants_varlen)
-        return layout(spec, position_ids, tokens, wants_varlen, host_reads)
+        return layout(spec, position_ids, tokens, wants_varlen, *args)
 
     monkeypatch.setattr(surgery_forward, "_packed_layout", spy)
     packed = {k: v for k, v in batch.items() if k != "attention_mask"}

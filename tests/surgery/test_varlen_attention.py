@@ -83,22 +83,31 @@ def reference_kernel(monkeypatch):
     return kernel
 
 
-def expected_windows(arch):
-    """flash attention's (left, right) window of each layer, from transformers' rule that a query
-    sees the keys less than ``sliding_window`` positions back, on its sliding layers."""
+def expected_calls(arch, lengths, scale):
+    """The kernel call of each attention layer: flash attention's (left, right) window, from
+    transformers' rule that a query sees the keys less than ``sliding_window`` positions back,
+    on its sliding layers, over the packed documents of ``lengths``; on a chunked layer (Llama 4)
+    over the documents' chunks, split where a document's position reaches a multiple of
+    ``attention_chunk_size``."""
     config = tiny_config(arch)
-    windows = []
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
+    offsets = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    documents = dict(cu=offsets, max=max(lengths))
+    calls = []
     for i in range(config.num_hidden_layers):
         if types is not None and types[i] == "linear_attention":
             continue  # a hybrid's linear-attention layer: no attention
         if types is not None and types[i] == "chunked_attention":
-            continue  # chunked attention (Llama 4) keeps its mask
+            size = config.attention_chunk_size
+            starts = [o + p for o, n in zip(offsets, lengths) for p in range(0, n, size)]
+            chunks = dict(cu=[*starts, offsets[-1]], max=min(size, max(lengths)))
+            calls.append(dict(**chunks, scale=scale, window=(-1, 0)))
+            continue
         # Without layer types (Mistral) a window, if any, applies to every layer.
         sliding = window is not None and (types is None or types[i] == "sliding_attention")
-        windows.append((window - 1, 0) if sliding else (-1, 0))
-    return windows
+        calls.append(dict(**documents, scale=scale, window=(window - 1, 0) if sliding else (-1, 0)))
+    return calls
 
 
 SDPA_ARCHS = [arch for arch in ARCHS if attn_for(arch) == "sdpa"]
@@ -119,11 +128,8 @@ def test_packed_bf16_within_budget_of_the_masked_path(arch, reference_kernel):
 
     attentions = attention_modules(bf16, arch)
     scaling = surgery.attention._read_path(attentions[0], "scaling")
-    assert reference_kernel.calls == [
-        dict(cu=[0, 9, 15, 18], max=9, scale=scaling, window=w) for w in expected_windows(arch)
-    ]
-    chunked = (getattr(bf16.config, "layer_types", None) or []).count("chunked_attention")
-    assert len(reference_kernel.calls) == len(attentions) - chunked
+    assert reference_kernel.calls == expected_calls(arch, LENGTHS, scaling)
+    assert len(reference_kernel.calls) == len(attentions)  # every layer, chunked ones too
 
     def flat(g):
         return torch.cat([t.float().flatten() for t in g.values()])
