@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         help="architecture name, or 'all' (default llama); with --multimodal a wrapper's "
-        "model_type (qwen2_5_vl, gemma3, qwen2_vl, qwen3_vl, qwen3_5, mistral3) or 'all' "
+        "model_type (qwen2_5_vl, gemma3, qwen2_vl, qwen3_vl, qwen3_5, mistral3, gemma4, llama4, "
+        "qwen3_vl_moe, qwen3_5_moe) or 'all' "
         "(default qwen2_5_vl)",
     )
     p.add_argument(

@@ -2,7 +2,8 @@
 of the registry, ``ArchitectureSpec.multimodal``) and chat-like samples with images, for the same
 train-and-compare loop as the text models (``train``).
 
-A model is named by its wrapper's ``model_type`` (``qwen2_5_vl``, ``gemma3``, ``mistral3``): the
+A model is named by its wrapper's ``model_type`` (``qwen2_5_vl``, ``gemma3``, ``mistral3``,
+``gemma4``, ``llama4``, ``qwen3_vl_moe``, ...; every wrapper of the registry): the
 text model is the spec's mini config at the run's size inside the wrapper's mini config
 (``MiniMultimodalConfig``: a tiny vision tower, the special tokens at the end of the vocabulary).
 
@@ -10,20 +11,26 @@ Samples are SFT dialogues whose first user turn holds one or two images:
 ``BOS USER [begin] IMAGE x n [end] prompt ASSISTANT response EOS`` and maybe more text turns. The
 image placeholder is expanded to as many tokens as the wrapper's processor would give the image
 (Qwen: its patch grid over the merge size squared, between vision start and end tokens; Gemma 3:
-``mm_tokens_per_image`` between begin and end of image; Mistral 3: the merged Pixtral patches).
+``mm_tokens_per_image`` between begin and end of image; Mistral 3: the merged Pixtral patches;
+Gemma 4: its patch grid pooled k x k, every image's patches padded to one budget at position
+(-1, -1); Llama 4: one tile's pixel-shuffled patches).
 The prompt, images included, is masked (-100); the response starts with a token naming which
 pixel pattern the image shows (so the loss needs the vision tower), then the prompt reversed and
 permuted, as the text dialogues (``data``). Pixel values are deterministic patterns
 (:func:`pattern`) in several sizes where the family takes several (Qwen's grids, Pixtral's image
-sizes; Gemma 3's processor resizes every image to one size).
+sizes, Gemma 4's patch grids; Gemma 3's and Llama 4's processors resize every image to one
+size). The MoE wrappers (Qwen3-VL-MoE, Qwen3.5-MoE) train the router aux loss their forward
+computes from the text config, every side asked for it (``output_router_logits``), with router
+replay, as the text mixtures (``train``).
 
 Layouts: padded for every family; packed (one row, restarting positions) where a packed row can
 carry each document's own multimodal positions: the Qwen-VL family, with transformers' (4, batch,
 seq) position ids (the text row, then each document's ``get_rope_index``). The others are not
 packed here: Gemma 3's images attend both ways through ``token_type_ids`` and transformers builds
-that mask from the padded layout (surgery runs its mask, never varlen, for such a batch); Mistral
-3 and Llama 4 would take 2-D ids, but that path is not yet exercised here (TODO: a packed
-Mistral 3 run once its mask over packed rows is tested in tests/models).
+that mask from the padded layout (surgery runs its mask, never varlen, for such a batch; Gemma 4's
+as well where its text config makes images attend both ways); Mistral 3, Gemma 4 and Llama 4
+would take 2-D ids, but that path is not yet exercised here (TODO: packed Mistral 3 / Gemma 4 /
+Llama 4 runs once their masks over packed rows are tested in tests/models).
 """
 
 from __future__ import annotations
@@ -62,10 +69,11 @@ _ALL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
     for spec in (*SPECS, *MULTIMODAL_ONLY_SPECS)
     for wrapper in spec.multimodal
 }
-# The wrappers this mode trains (image inputs below). Not yet: Gemma 4 (patches with 2-D
-# positions, padded per image), Llama 4 (tiles), the MoE wrappers (their aux loss is the
-# wrapper's own). TODO: their image_inputs and a passing tiny run each.
-SUPPORTED = ("qwen2_5_vl", "gemma3", "qwen2_vl", "qwen3_vl", "qwen3_5", "mistral3")
+# The wrappers this mode trains (image inputs below): every wrapper of the registry. The MoE ones
+# (Qwen3-VL-MoE, Qwen3.5-MoE) train the router aux loss the wrapper computes from its text config,
+# with router replay, as the text mixtures do (``train``).
+SUPPORTED = ("qwen2_5_vl", "gemma3", "qwen2_vl", "qwen3_vl", "qwen3_5", "mistral3", "gemma4",
+             "llama4", "qwen3_vl_moe", "qwen3_5_moe")  # fmt: skip
 MULTIMODAL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
     name: _ALL[name] for name in SUPPORTED if name in _ALL
 }
@@ -77,8 +85,14 @@ PACKED = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
 _QWEN_GRIDS = {"tiny": ((1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 2, 4)),
                "full": ((1, 8, 8), (1, 8, 12), (1, 12, 8), (1, 16, 16))}  # fmt: skip
 _PIXTRAL_SIZES = {"tiny": ((32, 32), (16, 32), (32, 16)), "full": ((32, 32), (16, 32), (32, 16))}
-# Gemma 3's begin / end of image around its image tokens; Qwen's vision start / end.
+# Gemma 4's (height, width) patch grids, every image padded to _GEMMA4_PATCHES patches (its
+# processor pads each image to one patch budget, the padding at position (-1, -1)).
+_GEMMA4_GRIDS = {"tiny": ((4, 4), (2, 4), (4, 2)), "full": ((4, 4), (2, 4), (4, 2))}
+_GEMMA4_PATCHES = 16
+# The begin / end of image around the image tokens (Qwen: vision start / end).
 _AROUND = {"gemma3": ("boi_token_index", "eoi_token_index"),
+           "gemma4": ("boi_token_id", "eoi_token_id"),
+           "llama4": ("boi_token_index", "eoi_token_index"),
            "qwen": ("vision_start_token_id", "vision_end_token_id")}  # fmt: skip
 # How many pixel patterns there are (the response's first token names one).
 PATTERNS = 8
@@ -113,10 +127,26 @@ def image_inputs(config: transformers.PretrainedConfig, size: Sequence[int], pha
         return {"pixel_values": pixels, "image_sizes": torch.tensor([[h, w]])}, (h // merge) * (
             w // merge
         )
-    if model_type in ("gemma3", "llama4"):  # one size: the processor resizes
+    if model_type == "gemma3":  # one size: the processor resizes
         side = vision.image_size
         pixels = pattern(1, vision.num_channels, side, side, phase=phase)
         return {"pixel_values": pixels}, config.mm_tokens_per_image
+    if model_type == "llama4":  # one tile (the processor resizes); pixel-shuffled patches
+        side = vision.image_size
+        pixels = pattern(1, vision.num_channels, side, side, phase=phase)
+        tokens = (side // vision.patch_size) ** 2 * vision.pixel_shuffle_ratio**2
+        return {"pixel_values": pixels}, int(tokens)
+    if model_type == "gemma4":  # (h, w) patches at their (x, y) positions, pooled k x k
+        h, w = size
+        y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        positions = torch.stack([x, y], -1).reshape(h * w, 2)
+        pad = _GEMMA4_PATCHES - h * w
+        positions = F.pad(positions, (0, 0, 0, pad), value=-1)
+        pixels = F.pad(pattern(h * w, 3 * vision.patch_size**2, phase=phase), (0, 0, 0, pad))
+        k = vision.pooling_kernel_size
+        return {"pixel_values": pixels[None], "image_position_ids": positions[None]}, (
+            (h // k) * (w // k)
+        )
     raise KeyError(f"no image inputs for {model_type}: add them here")
 
 
@@ -125,6 +155,8 @@ def _image_sizes(config, size: str) -> tuple[tuple[int, ...], ...]:
         return _QWEN_GRIDS[size]
     if config.model_type == "mistral3":
         return _PIXTRAL_SIZES[size]
+    if config.model_type == "gemma4":
+        return _GEMMA4_GRIDS[size]
     return ((),)
 
 

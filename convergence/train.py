@@ -189,10 +189,19 @@ def adds_router_aux_loss(model) -> bool:
     return "output_router_logits" in inspect.signature(type(model).forward).parameters
 
 
+def moe_arguments(model):
+    """Where ``model``'s load-balancing loss reads ``num_experts``, ``num_experts_per_tok`` and
+    ``router_aux_loss_coef``: a causal LM's own attributes, a multimodal wrapper's text config
+    (Qwen3-VL-MoE, Qwen3.5-MoE: the wrapper's forward reads them there)."""
+    return model if hasattr(model, "router_aux_loss_coef") else model.config.get_text_config()
+
+
 def router_aux_loss_trained(model) -> bool:
     """Whether ``model`` trains a router aux loss: it adds one (``adds_router_aux_loss``) and its
-    config turns the router logits on."""
-    return adds_router_aux_loss(model) and bool(model.config.output_router_logits)
+    config (a wrapper's text config) turns the router logits on."""
+    return adds_router_aux_loss(model) and bool(
+        getattr(model.config.get_text_config(), "output_router_logits", False)
+    )
 
 
 class Forward(NamedTuple):
@@ -236,7 +245,9 @@ class _Side:
         self.hidden: torch.Tensor | None = None
         _final_norm(model).register_forward_hook(self._keep_hidden)
         # The router aux loss's coefficient where the model trains one (None: no aux loss).
-        self.aux_coef = model.router_aux_loss_coef if router_aux_loss_trained(model) else None
+        self.aux_coef = (
+            moe_arguments(model).router_aux_loss_coef if router_aux_loss_trained(model) else None
+        )
         self.losses: list[float] = []
         self.z_losses: list[float] = []
         self.aux_losses: list[float] = []
@@ -277,6 +288,14 @@ class _Side:
         token from being trained on the next document's first."""
         if not self.mask:
             batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        if "pixel_values" in batch:
+            # In the model's dtype, as pipelines hand a processor's output over (Llama 4's vision
+            # tower does not cast them itself).
+            batch = {**batch, "pixel_values": batch["pixel_values"].to(self.lm_head.dtype)}
+        if self.aux_coef is not None:
+            # Asked for, not left to the config: a multimodal wrapper's forward in transformers
+            # 5.17 computes its aux loss only when the argument is passed.
+            batch = {**batch, "output_router_logits": True}
         if not self.patched:
             return {k: v for k, v in batch.items() if k != "labels"}
         batch = dict(batch)
@@ -319,10 +338,11 @@ class _Side:
                 # too: the same function over the real tokens, as for the sides with the mask.
                 # Its topk calls are no part of the forward the others replay.
                 with routing.paused() if routing is not None else contextlib.nullcontext():
+                    moe = moe_arguments(self.model)
                     aux = _load_balancing_loss(self.model)(
                         out.router_logits,
-                        self.model.num_experts,
-                        self.model.num_experts_per_tok,
+                        moe.num_experts,
+                        moe.num_experts_per_tok,
                         batch.get("attention_mask"),
                     )
             # As transformers' causal-LM forward adds it to its own loss.
@@ -351,7 +371,7 @@ class _Side:
 def _final_norm(model) -> torch.nn.Module:
     """The final norm of ``model``'s text base model: a causal LM's ``model.norm``, a multimodal
     wrapper's language model's (Llama 4's language model is a causal LM: one level more)."""
-    base = model.model
+    base = model.model if hasattr(model, "model") else model.language_model  # Llama 4: no model
     base = getattr(base, "language_model", base)
     base = getattr(base, "model", base)  # Llama 4: the causal LM's base model
     return base.norm
@@ -371,6 +391,13 @@ def _load_balancing_loss(model) -> Callable[..., torch.Tensor]:
     """transformers' ``load_balancing_loss_func`` of ``model``'s own modeling module (the one its
     causal-LM forward calls)."""
     return sys.modules[type(model).__module__].load_balancing_loss_func
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype, device=None) -> torch.nn.Module:
+    """``model.to(device, dtype)`` for its floating-point tensors only: ``Module.to`` would cast a
+    complex buffer (Llama 4's vision RoPE, ``freqs_ci``) to the real dtype, dropping its imaginary
+    part; it is kept as built (its forward computes in complex64 whatever the dtype)."""
+    return model._apply(lambda t: t.to(device, dtype if t.is_floating_point() else None))
 
 
 def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -527,15 +554,16 @@ def train_and_compare(
         spec = ARCHITECTURES[cfg.model]
         train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
         collate_fn = collate
-    base = copy.deepcopy(initial).to(device, dtype)
+    base = _cast(copy.deepcopy(initial), dtype, device)
     base.train()
     init = {k: p.detach().clone() for k, p in base.named_parameters()}
 
     def side(name, layout, patched, model_dtype=dtype, mask=True, probe=False):
-        model = copy.deepcopy(base).to(model_dtype)
+        model = _cast(copy.deepcopy(base), model_dtype)
         if spec.router_aux_loss:
-            # Trained and compared (module docstring), with the mini config's coefficient.
-            model.config.output_router_logits = True
+            # Trained and compared (module docstring), with the mini config's coefficient (a
+            # multimodal wrapper's text config holds it).
+            model.config.get_text_config().output_router_logits = True
         if model_dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
             # transformers' default experts implementation (grouped_mm) has no fp64 kernel; its
             # reference loop computes the same experts (Gemma 4's mixture has no aux loss).

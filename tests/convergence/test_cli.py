@@ -76,3 +76,20 @@ def test_cli_controls_table_and_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(controls, "BUGS", {"harmless": controls.Bug("changes nothing")})
     assert cli.main(["--controls", "--out", str(tmp_path)]) == 1
     assert "MISSED" in capsys.readouterr().out
+
+
+def test_cli_multimodal(tmp_path, capsys):
+    """``--multimodal``: one wrapper, one step, the table and the json named after it, exit 0.
+    Qwen3-VL-MoE, padded: every side trains the router aux loss the wrapper computes from its
+    text config (asked for with ``output_router_logits``), compared with router replay."""
+    code = cli.main(["--multimodal", "--model", "qwen3_vl_moe", "--steps", "1", "--padded",
+                     "--reduction", "mean", "--no-plot", "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "qwen3_vl_moe+images/tiny/fp32/mean: PASS" in out and "chat samples with images" in out
+    payload = json.loads((tmp_path / "qwen3_vl_moe-fp32-tiny-multimodal.json").read_text())
+    assert payload["passed"]
+    run = payload["runs"][0]
+    assert run["config"]["multimodal"] and run["vision_parameters"] > 0 and run["routing"]
+    assert all(len(side["aux_loss"]) == 1 for side in run["sides"].values())
+    assert cli.main(["--multimodal", "--model", "llama", "--steps", "1"]) == 2

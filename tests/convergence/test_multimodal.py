@@ -72,3 +72,31 @@ def test_planted_image_feature_bug_is_caught():
     failed = _failed(train_and_compare(cfg, patch=_scale_image_features))
     assert any(f.startswith("patched-padded:vision_grad@0") for f in failed), failed
     assert any(f.startswith("patched-padded:eval_") for f in failed), failed
+
+
+def _text_row_rope(model, **options):
+    """The real patch, plus a bug: the language model's attention rotates every token with the
+    text row of packed (4, 1, seq) position ids in all three sections (temporal, height, width),
+    image tokens included, instead of their multimodal positions."""
+    surgery.patch(model, **options)
+
+    def hook(module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is not None and positions.dim() == 3 and positions.shape[0] == 4:
+            kwargs["position_ids"] = positions[:1].expand(4, -1, -1)
+        return args, kwargs
+
+    model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def test_planted_text_row_rope_bug_is_caught():
+    """Qwen2.5-VL, packed: image tokens rotated by their text positions fail the packed side's
+    gradient, eval and probe checks against the padded reference (the bug-free patch passes the
+    same run, above). The step-0 loss moves by less than its 1e-5 limit (images and prompts are
+    masked): the gradients are what catch it."""
+    cfg = RunConfig(model="qwen2_5_vl", steps=1, variant=Variant("sequence", 1e-2),
+                    layouts=("packed",), multimodal=True)  # fmt: skip
+    failed = _failed(train_and_compare(cfg, patch=_text_row_rope))
+    for check in ("grad@0", "vision_grad@0", "eval_logits", "probe_grad", "probe_vision_grad"):
+        assert any(f.startswith(f"patched-packed:{check} ") for f in failed), (check, failed)
