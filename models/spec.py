@@ -245,6 +245,13 @@ class ArchitectureSpec:
     def _resolve(self, name: str):
         return getattr(importlib.import_module(self.module), name)
 
+    def mlp_sparsity(self, mlp: object) -> float:
+        """The activation sparsity of the MLP module ``mlp`` (``mlp_sparsity_attr``): 0 for a
+        plain gated MLP, which the fused activation computes; nonzero, its own forward stays."""
+        if self.mlp_sparsity_attr is None:
+            return 0.0
+        return getattr(mlp, self.mlp_sparsity_attr, 0.0) or 0.0
+
     def is_instance(self, module: object, name: str) -> bool:
         """Whether ``module`` is an instance of transformers' own class ``name`` of ``module``
         (or of a subclass), matched by where the class was defined, not by what the module-level

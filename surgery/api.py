@@ -134,11 +134,6 @@ def _check_not_foreign(lm: nn.Module, spec: ArchitectureSpec) -> None:
         )
 
 
-def _sparse_mlp(spec: ArchitectureSpec, mlp: nn.Module) -> bool:
-    """An MLP with activation sparsity (``ArchitectureSpec.mlp_sparsity_attr``): not plain gated."""
-    return spec.mlp_sparsity_attr is not None and bool(getattr(mlp, spec.mlp_sparsity_attr))
-
-
 def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[Swap]:
     """Every swap ``options`` asks for on ``lm`` (a causal LM, a multimodal wrapper or a text
     model: ``surgery.multimodal``), checked; nothing is changed yet."""
@@ -191,7 +186,7 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
             )
         else:
             for name, module in modules:
-                if spec.is_instance(module, spec.mlp) and not _sparse_mlp(spec, module):
+                if spec.is_instance(module, spec.mlp) and not spec.mlp_sparsity(module):
                     extra = {MLP_ATTR: activation}
                     if plan is not None:
                         extra[RECOMPUTE_ATTR] = plan

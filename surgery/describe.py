@@ -146,6 +146,12 @@ def _left_alone_because(
     if spec.mlp is not None and spec.is_instance(module, spec.mlp):
         if not options.gated_mlp:
             return "gated_mlp=False"
+        sparsity = spec.mlp_sparsity(module)
+        if sparsity:
+            return (
+                f"activation sparsity {sparsity}: the gate is cut by a Gaussian top-k before the "
+                "activation, not the fused kernel's math"
+            )
         activation = getattr(lm.config, spec.mlp_activation_attr, None)
         return f"no gated_activation kernel for {activation!r}"
     if spec.batched_experts is not None and spec.is_instance(module, spec.batched_experts):

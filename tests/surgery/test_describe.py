@@ -13,7 +13,7 @@ from torch import nn
 import surgery
 from surgery.fallback import FALLBACK_ATTR, loss_only_options
 from surgery.swap import ORIGINAL_ATTR
-from tests.models.tiny import tiny_config, tiny_model
+from tests.models.tiny import causal_lm_from_config, tiny_config, tiny_model
 from tests.surgery.test_fallback import fallback_model
 
 
@@ -97,6 +97,20 @@ def test_options_off_are_the_reasons():
     assert reasons_of(surgery.describe(relu), "LlamaMLP") == {
         "no gated_activation kernel for 'relu'"
     }
+
+
+def test_sparse_gemma3n_mlp_gives_its_sparsity_as_the_reason():
+    """Gemma 3n's first layers cut the gate by a Gaussian top-k before the activation: those MLPs
+    keep their own forward, and the report says why (not a missing activation kernel)."""
+    config = tiny_config("gemma3n_text")
+    config.activation_sparsity_pattern = [0.95] + [0.0] * (config.num_hidden_layers - 1)
+    model = surgery.patch(causal_lm_from_config(config))
+    report = surgery.describe(model)
+    assert reasons_of(report, "Gemma3nTextMLP") == {
+        "activation sparsity 0.95: the gate is cut by a Gaussian top-k before the activation, "
+        "not the fused kernel's math"
+    }
+    assert counts(report.patched)["Gemma3nTextMLP"] == config.num_hidden_layers - 1
 
 
 def test_lora_on_lm_head_is_reported_unfused():
