@@ -115,9 +115,8 @@ def base_model_forward(
         if DOCUMENTS_KWARG in kwargs:  # found by the caller; None: the rows are not packed
             if kwargs[DOCUMENTS_KWARG] is None:
                 del kwargs[DOCUMENTS_KWARG]
-        elif packed and document_positions(position_ids) is not None:
-            positions = document_positions(position_ids)  # multimodal: the text row
-            documents = packed_documents(positions, (batch, seq), tokens.device)
+        elif packed and (text := document_positions(position_ids)) is not None:
+            documents = packed_documents(text, (batch, seq), tokens.device)  # multimodal: text row
             if documents is not None:
                 kwargs[DOCUMENTS_KWARG] = documents
     return type(self).forward(

@@ -31,6 +31,10 @@ INTERPRETER_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 }
 
 
+FP32_CLOSE: dict[str, float] = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
+"""``torch.testing.assert_close``'s rtol/atol at fp32's tolerance (patched against unpatched)."""
+
+
 def tolerance(dtype: torch.dtype, device: torch.device = DEVICE) -> dict[str, float]:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return INTERPRETER_TOLERANCES.get(dtype, TOLERANCES[dtype])

@@ -12,7 +12,7 @@ import surgery
 from surgery import attention as surgery_attention
 from surgery import forward as surgery_forward
 from surgery import layers as surgery_layers
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import (
     ARCHS,
@@ -28,7 +28,6 @@ from .tiny import (
     unpatched_packs_exactly,
 )
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 LENGTHS = [7, 5, 3]  # odd, unequal, one shorter than the sliding window (5)
 
 

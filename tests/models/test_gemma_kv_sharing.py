@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import surgery
 from surgery import layers as surgery_layers
 from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import (
     TINY,
@@ -27,7 +27,6 @@ from .tiny import (
     twin,
 )
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 LENGTHS = [7, 5, 3]
 ARCHS = ["gemma4_text", "gemma3n_text"]
 

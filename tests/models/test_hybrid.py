@@ -17,6 +17,7 @@ from surgery.kernels import reduction
 from surgery.linear_attention import packed_documents
 from surgery.swap import ORIGINAL_ATTR
 from tests.surgery.test_compile import dense_varlen
+from tests.utils import FP32_CLOSE as TOL
 from tests.utils import TOLERANCES
 
 from .tiny import (
@@ -30,7 +31,6 @@ from .tiny import (
     twin,
 )
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 HYBRIDS = [arch for arch, spec in SPECS.items() if spec.linear_attention is not None]
 # Both longer than the linear attention's convolution window (4 tokens).
 LENGTHS = [9, 6]

@@ -16,7 +16,8 @@ from surgery.chunked_attention import chunked_document_mask
 from surgery.kernels.reduction import host_cu_seqlens
 from surgery.varlen import split_at_chunks
 from tests.surgery.test_varlen_attention import ReferenceVarlen
-from tests.utils import TOLERANCES, assert_close_budget
+from tests.utils import FP32_CLOSE as TOL
+from tests.utils import assert_close_budget
 
 from .tiny import (
     TINY,
@@ -31,7 +32,6 @@ from .tiny import (
 )
 
 ARCH = "llama4_text"
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 CHUNK = TINY.sliding_window  # the mini config's attention_chunk_size
 # Each longer than a chunk; packed, the second starts mid-chunk of the row's token index.
 LENGTHS = [8, 9]

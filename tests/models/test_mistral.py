@@ -16,7 +16,7 @@ import surgery
 import surgery.attention as attention
 import surgery.varlen as varlen_module
 from tests.surgery.test_varlen_attention import ReferenceVarlen
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import (
     assert_grads_close,
@@ -31,7 +31,6 @@ from .tiny import (
     twin,
 )
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 LENGTHS = [7, 5, 3]
 ARCHS = ["ministral3", "mistral4"]
 

@@ -19,13 +19,13 @@ from surgery.attention import mrope_layout
 from surgery.models import MULTIMODAL_ONLY_SPECS
 from surgery.multimodal import language_model
 from surgery.swap import ORIGINAL_ATTR
+from tests.utils import FP32_CLOSE as TOL
 from tests.utils import TOLERANCES
 
 from .test_outputs import assert_same_value
 from .tiny import SPECS, TINY, tiny_config
 
 FP32 = TOLERANCES[torch.float32]
-TOL = {k: FP32[k] for k in ("rtol", "atol")}
 SEQ = 12
 TOKENS_PER_IMAGE = 4  # every mini wrapper's images (see their MiniMultimodalConfig)
 

@@ -16,11 +16,10 @@ from transformers.cache_utils import Cache
 
 import surgery
 from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import ARCHS, SPECS, TINY, padded_batch, sequences, tiny_model, twin
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 LENGTHS = [7, 5]
 
 

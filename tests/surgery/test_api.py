@@ -26,9 +26,9 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
+from tests.utils import FP32_CLOSE as TOL
 from tests.utils import TOLERANCES
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 BATCH = padded_batch(sequences([7, 5, 3]))
 
 

@@ -16,14 +16,12 @@ from tests.models.tiny import (
     sequences,
     tiny_model,
 )
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
-
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 
 
 def split_map(arch: str) -> dict[str, str]:

@@ -38,9 +38,9 @@ from tests.models.tiny import (
     tiny_config,
     twin,
 )
-from tests.utils import DEVICE, TOLERANCES, assert_close_budget
+from tests.utils import DEVICE, assert_close_budget
+from tests.utils import FP32_CLOSE as TOL
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 GEMMA4_MOE = "gemma4_text+moe"
 
 

@@ -25,9 +25,8 @@ from tests.models.tiny import (
     padded_batch,
     sequences,
 )
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 LENGTHS = [7, 5, 3]
 
 # model_type -> (transformers config class, what differs from the tiny shape, attention). Each

@@ -28,9 +28,8 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 BATCH = padded_batch(sequences([7, 5, 3]))
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,10 +17,9 @@ import transformers.modeling_utils as modeling_utils
 import surgery
 from surgery import forward as surgery_forward
 from tests.models.tiny import ARCHS, padded_batch, sequences, tiny_model, twin
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 LENGTHS = [9, 6, 3]
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 # Releases before transformers' helper (5.17 among them) index the sequence dimension with any
 # tensor: a 2-D one has no per-row meaning there.
 HAS_HELPER = hasattr(modeling_utils, "slice_logits_to_keep")

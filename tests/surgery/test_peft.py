@@ -22,11 +22,10 @@ from tests.models.tiny import (
     tiny_model,
 )
 from tests.surgery.routing_helpers import is_mixture
-from tests.utils import TOLERANCES
+from tests.utils import FP32_CLOSE as TOL
 
 peft = pytest.importorskip("peft")
 
-TOL = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
