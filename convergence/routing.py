@@ -19,7 +19,8 @@ every side makes the same calls in the same order, and the calls in order are th
 decisions followed by the aux loss's count of tokens per expert; replaying both sends each real
 token to the same experts in the experts' output and in the aux loss, so a near tie that rounding
 tips moves neither. A ``topk`` that is no part of the forward being compared (a side computing an
-aux loss of its own, ``paused``) is neither recorded nor replayed. What a call records
+aux loss of its own) is not recorded: ``paused`` runs it freely, ``again`` forces the experts the
+forward's own count of the same probabilities was given. What a call records
 (``Decision``): the scores it ranked and the indices it picked, at the batch's real tokens. Given
 another forward's decisions (``replay``), each call returns those indices at the real tokens, the
 side's own choice at pads, and the side's *own* scores gathered at the forced indices, so that the
@@ -103,6 +104,7 @@ class Routing(TorchFunctionMode):
         self.replay = replay
         self.decisions: list[Decision] = []
         self._paused = 0
+        self._again: list[Decision] | None = None
 
     @contextlib.contextmanager
     def paused(self):
@@ -113,6 +115,23 @@ class Routing(TorchFunctionMode):
             yield
         finally:
             self._paused -= 1
+
+    @contextlib.contextmanager
+    def again(self, calls: int):
+        """Inside, ``topk`` calls force the experts of the last ``calls`` calls again, in order,
+        and record nothing: a second count of the same router probabilities (a side's aux loss
+        over the real tokens, after its forward counted every token) counts the experts its
+        forward was given. Free routing: as ``paused`` (the side's own choice comes out again)."""
+        if self.replay is None:
+            with self.paused():
+                yield
+            return
+        done = len(self.decisions)
+        self._again = list(self.replay[done - calls : done])
+        try:
+            yield
+        finally:
+            self._again = None
 
     def _tokens_first(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (topk's dimension already last) as (batch * seq, ..., E)."""
@@ -136,15 +155,20 @@ class Routing(TorchFunctionMode):
         scores = self._tokens_first(x.movedim(dim, -1))
         own = self._tokens_first(free.indices.movedim(dim, -1))
         mine = Decision(scores[self.real].detach(), own[self.real], largest)
-        i = len(self.decisions)
-        self.decisions.append(mine)
-        if self.replay is None:
-            return free
-        if i >= len(self.replay):
-            raise RuntimeError(
-                f"router replay: topk call {i + 1}, only {len(self.replay)} recorded"
-            )
-        forced = self.replay[i]
+        if self._again is not None:
+            if not self._again:
+                raise RuntimeError("router replay: more topk calls than the ones repeated")
+            i, forced = len(self.decisions), self._again.pop(0)
+        else:
+            i = len(self.decisions)
+            self.decisions.append(mine)
+            if self.replay is None:
+                return free
+            if i >= len(self.replay):
+                raise RuntimeError(
+                    f"router replay: topk call {i + 1}, only {len(self.replay)} recorded"
+                )
+            forced = self.replay[i]
         if (forced.scores.shape, forced.k, forced.largest) != (mine.scores.shape, k, largest):
             raise RuntimeError(
                 f"router replay: topk call {i} ranks {tuple(mine.scores.shape)} (k={k}, "

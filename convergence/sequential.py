@@ -20,13 +20,14 @@ forward and backward, on the same weights.
 
 Mixtures of experts get ``train``'s router replay (``routing``), with one difference the order
 forces: the routing every side replays on one batch (the eval batch before and after training,
-and the step-0 comparison, a pass of its own before the step trained) is that of the first side
-run, the reference, which routes freely, since the yardstick runs after it. Each side's own
-decisions (every earlier layer routed as the reference's) are compared with the yardstick's once
-both have run (``routing`` in the record, judged by ``compare.flip_margin_ratio`` as in the mini
-runs). The probes route as their partner's step does: a forward of the partner without gradients
-picks its routing, which the probes and then the partner's own step replay. A router aux loss is
-trained and recorded as in ``train``.
+and each training step) is that of the first side run, the reference, which routes freely, since
+the yardstick runs after it. At a training step a forward of the reference without gradients
+picks the routing; its probes, its own step and every later side's replay it (kept on the CPU:
+step 0's with the scores ranked, later steps' picks alone). Each side's own decisions at step 0
+and on the eval batches (every earlier layer routed as the reference's) are compared with the
+yardstick's once both have run (``routing`` in the record, judged by
+``compare.flip_margin_ratio`` as in the mini runs). A router aux loss is trained and recorded as
+in ``train``.
 """
 
 from __future__ import annotations
@@ -282,6 +283,25 @@ class SequentialRunner:
             trace.decisions[phase] = own
         return out
 
+    def _step_routing(self, side: _Side, batch, t: int) -> list[Decision]:
+        """The routing every side replays at training step ``t``: the first side's own, from a
+        forward of it without gradients (kept from step 0 on with its scores, which the step-0
+        comparison judges; later steps keep the picks alone, and only their shape of the
+        scores, which is what replay checks)."""
+        phase = "step0" if t == 0 else f"train{t}"
+        if phase not in self.replay_source:
+            with torch.no_grad():
+                _, decisions = _routed_forward(side, batch, None)
+            self.replay_source[phase] = [
+                Decision(
+                    d.scores.cpu() if t == 0 else d.scores.new_zeros(()).expand(d.scores.shape),
+                    d.indices.cpu(),
+                    d.largest,
+                )
+                for d in decisions
+            ]
+        return self.replay_source[phase]
+
     def _capture_eval(
         self, side: _Side, spec: SideSpec, phase: str, trace: SideTrace
     ) -> dict[str, Any]:
@@ -351,23 +371,12 @@ class SequentialRunner:
         batches = self.train_docs if spec.train else self.train_docs[:1]
         for t, docs in enumerate(batches):
             batch = self._collate(docs, spec)
-            compared = None
-            if t == 0 and self.routed:
-                # Same weights: the step-0 comparison runs every side with one routing, in a
-                # pass of its own, so that the step trained below routes freely (as in train).
-                side.zero_grad()
-                fwd = self._replayed(side, batch, "step0", trace)
-                fwd.loss.backward()
-                if spec.grad_noise:
-                    _round_once_more(side, spec.grad_noise, t, run.seed)
-                compared = self._capture_step(side, batch, fwd)
-                del fwd
-            # The probes first, on the weights this side has now (they share its parameters),
-            # routed as this side's step is: its own choice, from a forward without gradients.
+            # A mixture of experts trains under the step's routing (module docstring): the
+            # first side's, picked by a forward of it without gradients, which its probes and
+            # its own step replay; every later side and its probes replay it.
             routing = None
-            if probes and self.routed:
-                with torch.no_grad():
-                    _, routing = _routed_forward(side, batch, None)
+            if self.routed:
+                routing = self._step_routing(side, batch, t)
             probed = {}
             for probe in probes:
                 probe_batch = _to_device(collate(docs, probe.layout), self.device)
@@ -381,10 +390,13 @@ class SequentialRunner:
                 probe.record(fwd)
                 del probe_batch, fwd
             side.zero_grad()
-            if routing is not None:
-                fwd, _ = _routed_forward(side, batch, routing)
-            else:
+            if routing is None:
                 fwd = side.forward(batch)
+            elif t == 0:
+                # The side's own step-0 decisions are judged against the yardstick's.
+                fwd = self._replayed(side, batch, "step0", trace)
+            else:
+                fwd, _ = _routed_forward(side, batch, routing)
             fwd.loss.backward()
             if spec.grad_noise:
                 _round_once_more(side, spec.grad_noise, t, run.seed)
@@ -394,8 +406,7 @@ class SequentialRunner:
             trace.z_losses.append(here["z_loss"])
             if self.aux_on:
                 trace.aux_losses.append(here["aux_loss"])
-            # What the sides are compared on: the step-0 pass where there is one.
-            compared = compared or here
+            compared = here
             if spec.keep:
                 trace.steps.append(compared)
             for a, b in mine:

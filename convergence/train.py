@@ -38,13 +38,14 @@ adds it itself), and each side's aux loss is recorded beside its loss. It is one
 the batch's real tokens, the same whether they come padded (the attention mask leaves the pads
 out) or packed, so every side is compared with the padded reference as for the loss.
 
-Mixtures of experts (``routing``): wherever sides are compared on one batch (the eval batch,
-before and after training, and the step-0 gradients) every side runs with the yardstick's
-routing decisions replayed at the real tokens, so that a near-tied router that rounding tips
-does not compare one expert's output with another's; the step-0 comparison is then a pass of its
-own and the step trained routes freely, as every later one does. The probes route as their
-partner did at that step. What each side would have picked itself is recorded (``routing`` in
-the record) and judged by ``compare.flip_margin_ratio``.
+Mixtures of experts (``routing``): every side runs with the yardstick's routing decisions
+replayed at the real tokens, on the eval batch and at every training step (the yardstick runs
+first and routes freely), so that a near-tied router that rounding tips does not compare one
+expert's output with another's, nor train two sides on different experts from then on (at full
+size in fp32 one such flip took three MoE models' loss curves 10x past their limits). The probes
+route as their partner did, which is the yardstick's routing too. What each side would have
+picked itself is recorded where the weights are the same (step 0, the eval batch before training)
+and judged there by ``compare.flip_margin_ratio``; and on the eval batch after training.
 """
 
 from __future__ import annotations
@@ -336,8 +337,10 @@ class _Side:
             if not self.mask:
                 # Run without the attention mask (the yardstick), transformers counted the pads
                 # too: the same function over the real tokens, as for the sides with the mask.
-                # Its topk calls are no part of the forward the others replay.
-                with routing.paused() if routing is not None else contextlib.nullcontext():
+                # Its topk calls are no part of the forward the others replay: they count the
+                # experts the forward's own count (one call per layer, last) was given.
+                again = routing.again(len(out.router_logits)) if routing is not None else None
+                with again or contextlib.nullcontext():
                     moe = moe_arguments(self.model)
                     aux = _load_balancing_loss(self.model)(
                         out.router_logits,
@@ -626,48 +629,35 @@ def train_and_compare(
     logits_materialised = []
     for step, docs in enumerate(train_docs):
         batches = {s.name: _to_device(collate_fn(docs, s.layout), device) for s in sides + probes}
-        measured = pairs + probe_pairs
-        if step == 0 and routed:
-            # Same weights at step 0: the gradient checks compare like with like, every side
-            # with the yardstick's routing replayed as on the eval batch. In a pass of its own,
-            # so that the step trained below routes freely, as the sides do at every other step.
-            losses, decisions = {}, {}
-            for s in _yardstick_first(sides, exact_name):
-                s.zero_grad()
+        recorded, decisions = {}, {}
+        # A mixture of experts trains every side with the yardstick's routing of the step
+        # replayed at the real tokens (module docstring), the yardstick first; the probes route
+        # as their partner did, which is the yardstick's routing too.
+        for s in _yardstick_first(sides, exact_name) if routed else sides:
+            s.zero_grad()
+            if routed:
                 replay = None if s.name == exact_name else decisions[exact_name]
                 out, decisions[s.name] = _routed_forward(s, batches[s.name], replay)
-                out.loss.backward()
-                losses[s.name] = _values(out)
-            for a, b in pairs:
-                _append_step(step_metrics[f"{a}~{b}"], by_name[a], by_name[b], batches[a],
-                             batches[b], losses[a], losses[b], v.z_loss_scale)  # fmt: skip
-            routing["step0"] = _routing_summary(decisions, exact_name)
-            measured = probe_pairs
-        partner_routing = None
-        recorded = {}
-        for s in sides:
-            s.zero_grad()
-            if routed and s is partner:
-                # The probes route as their partner did (they compare the patch alone).
-                out, partner_routing = _routed_forward(s, batches[s.name], None)
             else:
                 out = s.forward(batches[s.name])
             out.loss.backward()
             if s.patched and out.logits is not None:
                 logits_materialised.append(s.name)
             recorded[s.name] = s.record(out)
+        if routed and step == 0:
+            routing["step0"] = _routing_summary(decisions, exact_name)
         for p in probes:
             with torch.no_grad():
                 for mine, theirs in zip(p.params.values(), partner.params.values()):
                     mine.copy_(theirs)
             p.zero_grad()
             if routed:
-                out, _ = _routed_forward(p, batches[p.name], partner_routing)
+                out, _ = _routed_forward(p, batches[p.name], decisions[exact_name])
             else:
                 out = p.forward(batches[p.name])
             out.loss.backward()
             recorded[p.name] = p.record(out)
-        for a, b in measured:
+        for a, b in pairs + probe_pairs:
             _append_step(step_metrics[f"{a}~{b}"], by_name[a], by_name[b], batches[a], batches[b],
                          recorded[a], recorded[b], v.z_loss_scale)  # fmt: skip
         del batches

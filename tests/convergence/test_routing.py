@@ -200,6 +200,35 @@ def test_mixtral_bf16_passes_with_its_routing_ties():
     assert flips["patched-packed"] > flips["reference"], flips
 
 
+def test_every_training_step_replays_the_yardsticks_routing(monkeypatch):
+    """At every training step every side (and probe) runs with the decisions the yardstick
+    took at that step, the yardstick first: sides that routed freely trained different experts
+    after one flipped near-tie (fp32, full size: 10x past the loss limits on the H100)."""
+    import surgery.convergence.train as train
+
+    calls = []
+    routed_forward = train._routed_forward
+
+    def recording(side, batch, replay):
+        out, decisions = routed_forward(side, batch, replay)
+        calls.append((side.name, side.model.training, replay, decisions))
+        return out, decisions
+
+    monkeypatch.setattr(train, "_routed_forward", recording)
+    cfg = RunConfig(model="mixtral", dtype="fp32", steps=2, layouts=("padded", "packed"))
+    record = train_and_compare(cfg)
+    training = [c for c in calls if c[1]]
+    per_step = len(training) // cfg.steps
+    assert per_step == 6  # the yardstick, the reference, two patched sides, two probes
+    for step in range(cfg.steps):
+        here = training[step * per_step : (step + 1) * per_step]
+        (name, _, replay, yardstick), rest = here[0], here[1:]
+        assert name == "fp64-reference" and replay is None
+        for side, _, replay, _ in rest:
+            assert replay is yardstick, f"step {step}: {side} routed on its own"
+    assert not [c for c in evaluate(record) if not c.passed]
+
+
 def test_dense_records_no_routing():
     record = train_and_compare(RunConfig(model="llama", steps=1, layouts=("packed",)))
     assert record["routing"] == {}
