@@ -46,7 +46,7 @@ import transformers
 
 from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec, MultimodalWrapper
 
-from .configs import SIZES, Size
+from .configs import SIZES, Size, condition_attention
 from .data import ASSISTANT, BOS, EOS, FIRST_CONTENT, IGNORE_INDEX, USER, Document, SyntheticCorpus
 from .data import collate as collate_text
 
@@ -206,6 +206,7 @@ def build_multimodal_model(
         model = wrapper.wrapper_class()._from_config(
             config, attn_implementation=config._attn_implementation
         )
+    condition_attention(model)
     return model.train()
 
 
