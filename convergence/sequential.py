@@ -406,9 +406,8 @@ class SequentialRunner:
             trace.z_losses.append(here["z_loss"])
             if self.aux_on:
                 trace.aux_losses.append(here["aux_loss"])
-            compared = here
             if spec.keep:
-                trace.steps.append(compared)
+                trace.steps.append(here)
             for a, b in mine:
                 if a in probed:
                     xa, xb = probed[a], here
@@ -416,12 +415,10 @@ class SequentialRunner:
                     other = self.traces[b if a == spec.name else a]
                     if t >= len(other.steps):
                         continue
-                    xa, xb = (
-                        (compared, other.steps[t]) if a == spec.name else (other.steps[t], compared)
-                    )
+                    xa, xb = (here, other.steps[t]) if a == spec.name else (other.steps[t], here)
                 for k, value in _step_metrics(xa, xb, self.z_on, self.aux_on).items():
                     steps[f"{a}~{b}"][k].append(value)
-            del here, compared, batch, fwd, probed, routing
+            del here, batch, fwd, probed, routing
             if spec.train:
                 side.step()
             if self.progress is not None and ((t + 1) % 8 == 0 or t + 1 == len(batches)):
