@@ -296,3 +296,22 @@ def test_multimodal_rope_through_triton(interpreted):
     """The same step with the kernels in Triton (the interpreter on CPU): the multimodal RoPE
     kernel with interleaved sections, the fused loss through the wrapper's head."""
     test_wrapper_trains_as_transformers("qwen3_vl_text-qwen3_vl")
+
+
+@pytest.mark.parametrize("pair", list({w.model_type: k for k, (_, w) in PAIRS.items()}.values()))
+def test_apply_patches_wrappers_built_afterwards(pair):
+    """``apply_<model_type>`` of a wrapper (its text spec's where they share the name, as
+    ``apply_gemma3``) patches every wrapper built while applied, with the options given, and
+    ``revert`` stops it; a model built while applied trains as ``patch`` makes it."""
+    spec, wrapper = PAIRS[pair]
+    apply = getattr(surgery, f"apply_{wrapper.model_type}")
+    try:
+        apply(z_loss_scale=1e-3)
+        applied = tiny_vlm(spec, wrapper)
+        assert surgery.patch_options(applied) == surgery.PatchOptions(z_loss_scale=1e-3)
+    finally:
+        surgery.revert()
+    assert not surgery.is_patched(tiny_vlm(spec, wrapper))
+    patched = surgery.patch(tiny_vlm(spec, wrapper), z_loss_scale=1e-3)
+    batch = image_batch(patched, wrapper)
+    assert_same_step(step(applied, batch), step(patched, batch))

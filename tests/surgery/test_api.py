@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.models import SPECS
+from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
 from surgery.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     ARCHS,
@@ -77,7 +77,12 @@ def test_static_apply_list_matches_the_registry():
     """surgery/api.py makes apply_<name> from the registry at run time; IDEs and type checkers
     read its static list instead, which must name every spec (and nothing else)."""
     functions, exported = _static_apply_names()
+    # Every spec, and every multimodal wrapper under its model_type (with its text spec's where
+    # they share it).
+    wrappers = {w.model_type for spec in (*SPECS, *MULTIMODAL_ONLY_SPECS) for w in spec.multimodal}
     want = [spec.apply_name for spec in SPECS]
+    want += sorted(f"apply_{name}" for name in wrappers if f"apply_{name}" not in want)
+    assert sorted(want) == sorted(surgery.api.apply_targets())
     for name in want:
         assert name in functions and name in exported, (
             f"surgery/api.py: the `if TYPE_CHECKING:` block (what IDEs and type checkers see) "
