@@ -9,6 +9,9 @@ models built from configs with random weights (no downloads), bf16, AdamW.
     python benchmarks/train_step.py --models llama --compile both --out DIR  # eager and compiled
     python benchmarks/train_step.py --models llama --contenders surgery_compiled \
         --profile-only --profile-scenario packed --out DIR                   # profile, compiled
+    python benchmarks/train_step.py --models qwen2_5_vl,gemma3 \
+        --contenders unpatched,surgery,liger --scenarios padded2,packed2 \
+        --quick --skip-max-seq --out DIR                                     # multimodal, GPU
 
 Each (model, contender) runs in a fresh subprocess (``--worker``), with the same seed and so the
 same initial weights and batches, so that memory starts clean and process-wide patches (Liger
@@ -34,14 +37,29 @@ Scenarios, in this order (the ones most likely to run out of memory last):
 - longest sequence at batch 1 (one document, no padding): 4096, 8192, ... 65536 until one does not
   fit; one step each.
 
-Figures: tokens/s = batch x seq (padding included) / median step time of the timed steps after
-warm-up; peak GiB = ``torch.cuda.max_memory_allocated()`` over the scenario's steps (absolute:
-weights, gradients, AdamW state and activations), after ``reset_peak_memory_stats()``.
+The multimodal models (``qwen2_5_vl``, ``gemma3``: the ``...ForConditionalGeneration`` wrapper,
+vision tower and projector included, patched as a whole) train on image chats
+(``vlm_inputs``): every document is a conversation whose first user turn holds its images, laid
+out as the processor lays them out (Qwen2.5-VL: 256 to 361 tokens per image from its patch
+grid, ``image_grid_thw``, ``mm_token_type_ids``; Gemma 3: 256 tokens per 896 x 896 image,
+``token_type_ids``), with the prompts and images labelled -100. Padded rows hold one conversation
+with three images each; packed rows hold two to four conversations of one image each, with
+Qwen's (4, batch, seq) position ids (the text row restarting per conversation, then each
+conversation's own 3-D rotary positions). Gemma 3 runs no packed scenario (recorded as skipped):
+its images attend to each other both ways through ``token_type_ids``, and a packed row's mask
+with them is not tested in this project (the convergence suite does not pack Gemma 3 either).
+The longest-sequence search uses one conversation with three images.
+
+Figures: tokens/s = batch x seq (padding included; for the multimodal models the row's tokens,
+image placeholders included, not the vision tower's patches) / median step time of the timed
+steps after warm-up; peak GiB = ``torch.cuda.max_memory_allocated()`` over the scenario's steps
+(absolute: weights, gradients, AdamW state and activations), after ``reset_peak_memory_stats()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import inspect
 import json
@@ -165,6 +183,145 @@ MODELS: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": False,
         },
     },
+    # Multimodal wrappers (``vlm_inputs`` builds their image-chat batches). The layer counts keep
+    # the unpatched step at 2 x 4096 near 55 GiB by estimate: 6-8 bytes a parameter (bf16
+    # weights, AdamW state in the weights' dtype, gradients), the layers' activations, the vision
+    # tower's over some 7k (Qwen) / 25k (Gemma) patches, and the head's bf16 logits with their
+    # fp32 copies (about 12.7 GiB at Qwen's vocabulary, 22 GiB at Gemma's).
+    # Qwen2.5-VL-3B's text width with 16 of its 36 layers (1.90B parameters with the tower), its
+    # vision tower with 16 of its 32 blocks (full attention in blocks 7 and 15, windows
+    # elsewhere, as in the real tower's every eighth block).
+    "qwen2_5_vl": {
+        "model_type": "qwen2_5_vl",
+        "attn": "sdpa",
+        "multimodal": True,
+        "config": {
+            "text_config": {
+                "hidden_size": 2048,
+                "num_hidden_layers": 16,
+                "intermediate_size": 11008,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "vocab_size": 151936,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [16, 24, 24],
+                },
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 128000,
+                "tie_word_embeddings": True,
+            },
+            "vision_config": {
+                "depth": 16,
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 112,
+                "fullatt_block_indexes": [7, 15],
+                "out_hidden_size": 2048,
+                "hidden_act": "silu",
+                "tokens_per_second": 2,
+            },
+            "image_token_id": 151655,
+            "video_token_id": 151656,
+            "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653,
+            "tie_word_embeddings": True,
+        },
+        "smoke_config": {
+            "text_config": {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [2, 3, 3],  # adds up to the smoke head's 8 frequencies
+                },
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            "vision_config": {
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "patch_size": 4,
+                "window_size": 16,  # windows of 2 x 2 merged patches
+                "fullatt_block_indexes": [1],
+                "out_hidden_size": 64,
+            },
+            "image_token_id": 999,
+            "video_token_id": 998,
+            "vision_start_token_id": 997,
+            "vision_end_token_id": 996,
+        },
+    },
+    # Gemma 3 4B's text width with 6 of its 34 layers (one period of its 5 local : 1 global
+    # pattern; 1.37B parameters with the tower), its SigLIP tower (896 x 896 images, 14 x 14
+    # patches pooled to 256 tokens) with 8 of its 27 layers.
+    "gemma3": {
+        "model_type": "gemma3",
+        "attn": "sdpa",
+        "multimodal": True,
+        "config": {
+            "text_config": {
+                "hidden_size": 2560,
+                "num_hidden_layers": 6,
+                "intermediate_size": 10240,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "query_pre_attn_scalar": 256,
+                "vocab_size": 262208,
+                "sliding_window": 1024,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": True,
+            },
+            "vision_config": {
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 16,
+                "patch_size": 14,
+                "image_size": 896,
+                "vision_use_head": False,
+                "hidden_act": "gelu_pytorch_tanh",
+                "layer_norm_eps": 1e-6,
+            },
+            "mm_tokens_per_image": 256,
+            "image_token_index": 262144,
+            "boi_token_index": 255999,
+            "eoi_token_index": 256000,
+            "tie_word_embeddings": True,
+        },
+        "smoke_config": {
+            "text_config": {
+                "head_dim": 16,
+                "query_pre_attn_scalar": 16,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "patch_size": 4,
+                "image_size": 16,
+            },
+            "mm_tokens_per_image": 4,  # 4 x 4 patches pooled 2 x 2
+            "image_token_index": 999,
+            "boi_token_index": 998,
+            "eoi_token_index": 997,
+        },
+    },
 }
 SMOKE_CONFIG = {
     "hidden_size": 64,
@@ -221,6 +378,9 @@ MAX_SEQS = [4096, 8192, 16384, 32768, 65536]
 SMOKE_SEQ = 32
 SMOKE_SCENARIOS = [("padded", 2), ("packed", 2)]
 SMOKE_MAX_SEQS = [32, 64]
+# The multimodal smoke rows hold three tiny images (4 to 8 tokens each) and some text.
+SMOKE_VLM_SEQ = 64
+SMOKE_VLM_MAX_SEQS = [64, 128]
 
 
 class Unavailable(Exception):
@@ -235,27 +395,51 @@ def _emit(kind: str, payload: Any) -> None:
     print(f"@@{kind} {json.dumps(payload, default=str)}", flush=True)
 
 
-def build_model(name: str, smoke: bool, device):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def is_multimodal(name: str) -> bool:
+    return bool(MODELS[name].get("multimodal"))
 
+
+def model_config_kwargs(name: str, smoke: bool) -> dict[str, Any]:
+    """The config arguments of ``name``; with ``smoke``, its tiny version (a multimodal model's
+    text config shrunk as the text models are, then its own ``smoke_config`` on top, one level
+    into the text and vision configs)."""
     spec = MODELS[name]
-    cfg_kwargs = dict(spec["config"])
-    if smoke:
-        cfg_kwargs.update(SMOKE_CONFIG)
+    kwargs = copy.deepcopy(spec["config"])
+    if not smoke:
+        return kwargs
+    if not is_multimodal(name):
+        kwargs.update(SMOKE_CONFIG)
         if name == "gemma2":
-            cfg_kwargs.update(SMOKE_GEMMA2)
+            kwargs.update(SMOKE_GEMMA2)
+        return kwargs
+    kwargs["text_config"].update(SMOKE_CONFIG)
+    for key, value in copy.deepcopy(spec.get("smoke_config", {})).items():
+        if isinstance(value, dict):
+            kwargs[key].update(value)
+        else:
+            kwargs[key] = value
+    return kwargs
+
+
+def build_model(name: str, smoke: bool, device, dtype=None):
+    """``name``'s model with random weights from its config, in ``dtype`` (bf16 by default), in
+    training mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    dtype = dtype or torch.bfloat16
+    spec = MODELS[name]
+    cfg_kwargs = model_config_kwargs(name, smoke)
     cfg_kwargs["use_cache"] = False
+    if "text_config" in cfg_kwargs:  # the language model reads its own config's use_cache
+        cfg_kwargs["text_config"]["use_cache"] = False
     config = AutoConfig.for_model(spec["model_type"], **cfg_kwargs)
+    auto = AutoModelForImageTextToText if is_multimodal(name) else AutoModelForCausalLM
     with device:
         try:
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=torch.bfloat16, attn_implementation=spec["attn"]
-            )
+            model = auto.from_config(config, dtype=dtype, attn_implementation=spec["attn"])
         except TypeError:  # transformers before `dtype` replaced `torch_dtype`
-            model = AutoModelForCausalLM.from_config(
-                config, torch_dtype=torch.bfloat16, attn_implementation=spec["attn"]
-            )
+            model = auto.from_config(config, torch_dtype=dtype, attn_implementation=spec["attn"])
     # No model.to(dtype): it would also cast the fp32 RoPE inv_freq buffer, which from_config /
     # from_pretrained with dtype=bf16 keep in fp32.
     model.train()
@@ -298,7 +482,10 @@ def apply_contender(model, contender: str) -> dict[str, Any]:
             kwargs.update(rope=True, rms_norm=False, swiglu=False, geglu=False)
         params = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
         on = {k: kwargs.get(k, p.default) for k, p in params.items() if isinstance(p.default, bool)}
-        _apply_liger_kernel_to_instance(model=model, **kwargs)
+        try:
+            _apply_liger_kernel_to_instance(model=model, **kwargs)
+        except ImportError as e:  # its patch imports classes this transformers no longer has
+            raise Unavailable(f"Liger's {model_type} patch: {short_error(e)}") from e
         return on
     raise ValueError(f"unknown contender {contender!r}")
 
@@ -337,6 +524,34 @@ def make_batch(kind: str, batch: int, seq: int, vocab: int, device, seed: int):
     out["labels"] = labels
     real_tokens = int((labels != -100).sum()) if kind == "padded" else batch * seq
     return {k: v.to(device) for k, v in out.items()}, real_tokens
+
+
+def make_inputs(name: str, model, kind: str, batch: int, seq: int, device, seed: int, smoke: bool):
+    """One scenario's inputs for model ``name``: (the model's keyword arguments on ``device``,
+    the tokens that are not padding, a record of what a multimodal batch holds (empty for text)).
+    Text models: ``make_batch``; multimodal ones: ``vlm_inputs.make_vlm_batch``."""
+    if not is_multimodal(name):
+        data, real = make_batch(kind, batch, seq, model.config.vocab_size, device, seed)
+        return data, real, {}
+    import vlm_inputs
+
+    data, real, info = vlm_inputs.make_vlm_batch(model, kind, batch, seq, seed, smoke=smoke)
+    return {k: v.to(device) for k, v in data.items()}, real, info
+
+
+def packed_unsupported(name: str) -> str | None:
+    """Why ``name`` runs no packed scenario, or None when it does."""
+    if not is_multimodal(name):
+        return None
+    import vlm_inputs
+
+    model_type = MODELS[name]["model_type"]
+    if vlm_inputs.packs(model_type):
+        return None
+    return (
+        f"{model_type}: no packed rows (its images attend both ways through token_type_ids;"
+        " transformers' mask over packed rows with them is not tested here)"
+    )
 
 
 def worker(job: dict[str, Any]) -> None:
@@ -381,7 +596,6 @@ def worker(job: dict[str, Any]) -> None:
     except Exception as e:
         _emit("RESULT", {**result, "status": "error", "error": short_error(e)})
         raise
-    vocab = model.config.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
 
     def step(batch) -> float:
@@ -393,11 +607,16 @@ def worker(job: dict[str, Any]) -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    seq = SMOKE_SEQ if smoke else SEQ
+    multimodal = is_multimodal(job["model"])
+    seq = (SMOKE_VLM_SEQ if multimodal else SMOKE_SEQ) if smoke else SEQ
     warmup, timed = job["warmup"], job["steps"]
     first = True
+
+    def inputs(kind: str, batch: int, seq: int, seed: int):
+        return make_inputs(job["model"], model, kind, batch, seq, device, seed, smoke)
+
     if job.get("profile"):
-        profile_step(model, step, device, vocab, seq, job)
+        profile_step(model, step, inputs, seq, job)
         _emit("RESULT", {**result, "status": "ok"})
         return
 
@@ -407,8 +626,15 @@ def worker(job: dict[str, Any]) -> None:
             continue
         name = f"{kind} {batch}x{seq}"
         rec: dict[str, Any] = {"scenario": name, "kind": kind, "batch": batch, "seq": seq}
+        why_not = packed_unsupported(job["model"]) if kind == "packed" else None
+        if why_not:
+            rec.update(status="skipped", error=why_not)
+            scenarios.append(rec)
+            _emit("SCENARIO", rec)
+            continue
         try:
-            data, real = make_batch(kind, batch, seq, vocab, device, job["seed"] + batch)
+            data, real, held = inputs(kind, batch, seq, job["seed"] + batch)
+            rec.update(held)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             losses = []
@@ -462,10 +688,11 @@ def worker(job: dict[str, Any]) -> None:
     result["scenarios"] = scenarios
 
     fits, first_oom = [], None
-    for L in [] if job.get("skip_max_seq") else SMOKE_MAX_SEQS if smoke else MAX_SEQS:
+    max_seqs = (SMOKE_VLM_MAX_SEQS if multimodal else SMOKE_MAX_SEQS) if smoke else MAX_SEQS
+    for L in [] if job.get("skip_max_seq") else max_seqs:
         rec = {"seq": L}
         try:
-            data, _ = make_batch("single", 1, L, vocab, device, job["seed"] + L)
+            data, _, _ = inputs("single", 1, L, job["seed"] + L)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             sync()
@@ -504,14 +731,16 @@ def worker(job: dict[str, Any]) -> None:
     _emit("RESULT", result)
 
 
-def profile_step(model, step, device, vocab, seq, job) -> None:
+def profile_step(model, step, inputs, seq, job) -> None:
     """torch.profiler tables of one training step (2 x seq, ``profile_scenario``: padded or
-    packed) after warm-up (which compiles a compiled contender)."""
+    packed) after warm-up (which compiles a compiled contender); ``inputs(kind, batch, seq,
+    seed)`` makes the batch."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     kind = job.get("profile_scenario", "padded")
-    data, _ = make_batch(kind, 2, seq, vocab, device, job["seed"] + 2)
+    data, _, _ = inputs(kind, 2, seq, job["seed"] + 2)
+    device = next(model.parameters()).device
     for _ in range(max(2, job["warmup"])):
         step(data)
     activities = [ProfilerActivity.CPU]
@@ -951,7 +1180,12 @@ def main(argv=None) -> int:
             "step": "forward with labels, loss.backward(), AdamW step (fused on CUDA),"
             " zero_grad(set_to_none=True); bf16 weights, random init from the config, seed fixed",
             "tokens_per_s": "batch x seq (padding included) / median time of the timed steps",
-            "real_tokens_per_s": "tokens with a label (padding excluded) / median step time",
+            "real_tokens_per_s": "tokens that are not padding / median step time (text models:"
+            " the tokens with a label)",
+            "multimodal_tokens": "qwen2_5_vl, gemma3: tokens_per_s counts the rows' tokens"
+            " (text, markers and image placeholder tokens, padding included), never the vision"
+            " tower's patches; each scenario records its conversations, images, image_tokens,"
+            " vision_patches and label_tokens (prompts and images are labelled -100)",
             "peak_gib": "torch.cuda.max_memory_allocated() over the scenario's steps after"
             " reset_peak_memory_stats(): absolute, weights + grads + AdamW state + activations",
             "max_seq": "batch 1, one document, no padding; one step per length, ascending,"

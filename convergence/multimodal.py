@@ -108,6 +108,18 @@ def _family(model_type: str) -> str:
     return "qwen" if model_type.startswith("qwen") else model_type
 
 
+def is_qwen_vl(model_type: str) -> bool:
+    """Whether ``model_type`` is of the Qwen-VL family (patch grids, 3-D rotary positions)."""
+    return _family(model_type) == "qwen"
+
+
+def image_markers(config: transformers.PretrainedConfig) -> tuple[int, int] | None:
+    """The ids of the tokens that open and close an image's tokens in ``config``'s family (Qwen:
+    vision start / end), or None where its processor puts none around them (Mistral 3)."""
+    names = _AROUND.get(_family(config.model_type))
+    return None if names is None else tuple(getattr(config, name) for name in names)
+
+
 def image_inputs(config: transformers.PretrainedConfig, size: Sequence[int], phase: float):
     """One image of pattern ``phase`` at ``size`` as ``config``'s processor gives it: (the image's
     inputs, each with a leading image or patch dimension, how many tokens it becomes)."""
@@ -230,8 +242,7 @@ class _Corpus(SyntheticCorpus):
         self.sizes = _image_sizes(config, size)
         image = MULTIMODAL[config.model_type][1].mini_config.special_tokens[0]
         self.image_token = getattr(config, image)
-        around = _AROUND.get(_family(config.model_type))
-        self.around = tuple(getattr(config, a) for a in around) if around else None
+        self.around = image_markers(config)
         self.rope_model = rope_model
 
     def image_chat(self, max_prompt: int, g: torch.Generator) -> ImageDocument:
