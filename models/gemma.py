@@ -67,6 +67,7 @@ GEMMA4_MULTIMODAL = MultimodalWrapper(
     ),
     logit_softcap=True,
     bidirectional_tokens="mm_token_type_ids",
+    bidirectional_when=("use_bidirectional_attention", "vision"),
 )
 
 GEMMA = ArchitectureSpec(

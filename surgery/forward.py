@@ -42,6 +42,7 @@ from transformers.utils.generic import ModelOutput, can_return_tuple
 from surgery.kernels import cross_entropy, linear_cross_entropy
 from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
+from surgery.multimodal import packed_bidirectional_masks
 
 from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .chunked_attention import packed_chunk_size
@@ -238,6 +239,7 @@ def padding_only_behind(
 
 
 _padding_only_behind = host_read(padding_only_behind)
+_packed_bidirectional_masks = host_read(packed_bidirectional_masks)
 
 
 @host_read
@@ -399,7 +401,16 @@ def _forward(
     host_reads = not torch.compiler.is_compiling() or graph_break_allowed()
     # Tokens that transformers lets attend both ways (Gemma 3's images) rule out both shortcuts,
     # which are causal: the attention then runs the mask the multimodal model built.
-    causal = wrapper is None or not _bidirectional(wrapper, kwargs, host_reads)
+    causal = wrapper is None or not _bidirectional(wrapper, kwargs, host_reads, config)
+    model_mask = attention_mask
+    if packed_step and not causal and host_reads:
+        # transformers' mask of a packed row with two-way image attention is not each
+        # conversation's own (surgery.multimodal): build it from theirs, one at a time.
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        dtype = self.get_input_embeddings().weight.dtype if input_ids is not None else tokens.dtype
+        types = kwargs[wrapper.bidirectional_tokens]
+        masks = _packed_bidirectional_masks(self.model, text_positions, types, dtype)
+        model_mask = attention_mask if masks is None else masks
     if packed_step:
         tokens = input_ids if input_ids is not None else inputs_embeds
         varlen = (
@@ -441,7 +452,7 @@ def _forward(
 
     outputs = self.model(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=model_mask,
         position_ids=position_ids,
         past_key_values=past_key_values,
         inputs_embeds=inputs_embeds,
@@ -532,11 +543,16 @@ def _any_nonzero(ids: torch.Tensor) -> bool:
     return bool(ids.ne(0).any())
 
 
-def _bidirectional(wrapper: MultimodalWrapper, kwargs: dict, host_reads: bool) -> bool:
-    """Whether the batch has tokens that may attend both ways (``bidirectional_tokens``). Without
-    host reads (``torch.compile(fullgraph=True)``), whenever the token types are given."""
+def _bidirectional(wrapper: MultimodalWrapper, kwargs: dict, host_reads: bool, config) -> bool:
+    """Whether the batch has tokens that may attend both ways (``bidirectional_tokens``, where
+    the text config lets them: ``bidirectional_when``). Without host reads
+    (``torch.compile(fullgraph=True)``), whenever the token types are given."""
     if wrapper.bidirectional_tokens is None:
         return False
+    if wrapper.bidirectional_when is not None:
+        attribute, value = wrapper.bidirectional_when
+        if getattr(config, attribute, None) != value:
+            return False
     ids = kwargs.get(wrapper.bidirectional_tokens)
     return ids is not None and (not host_reads or _any_nonzero(ids))
 

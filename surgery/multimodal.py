@@ -22,8 +22,12 @@ What ``patch`` does to a wrapper:
 
 Attention over image tokens in both directions (Gemma 3, ``MultimodalWrapper.bidirectional_tokens``)
 runs the mask the multimodal model built; surgery's causal shortcuts are not taken for such a
-batch. A text config with ``use_bidirectional_attention`` on every token is refused
-(``surgery.registry``).
+batch. A packed row of such a batch (position ids restarting, no mask) gets its masks from
+``packed_bidirectional_masks``: transformers' own masks of each conversation alone, placed
+block-diagonally. transformers' mask of the packed row itself lets text tokens of the sliding
+layers attend to later tokens (Gemma 3, transformers 5.23: a token sees the next window's tokens
+of its conversation). A text config with ``use_bidirectional_attention`` on every token is
+refused (``surgery.registry``).
 
 A text base model passed on its own (``surgery.patch(vlm.model.language_model)``) gets its layers
 patched (no loss: it has no head), its forward wrapped only to carry the patch state
@@ -32,11 +36,16 @@ patched (no loss: it has no head), its forward wrapped only to carry the patch s
 
 from __future__ import annotations
 
+import itertools
+import sys
+
+import torch
 from torch import nn
 
+from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 
-__all__ = ["language_model", "text_model"]
+__all__ = ["language_model", "packed_bidirectional_masks", "text_model"]
 
 
 def _resolve(module: nn.Module, path: str) -> nn.Module:
@@ -59,3 +68,47 @@ def text_model(lm: nn.Module, spec: ArchitectureSpec) -> tuple[nn.Module, str]:
     if spec.is_instance(lm, spec.causal_lm):
         return lm.model, "model"
     return lm, ""
+
+
+def packed_bidirectional_masks(
+    base_model: nn.Module, text_positions: torch.Tensor, token_types: torch.Tensor, dtype
+) -> dict[str, torch.Tensor] | None:
+    """The attention masks, by layer type, of a packed (batch, seq) row whose image tokens attend
+    both ways (``MultimodalWrapper.bidirectional_tokens``): for each conversation (its text
+    positions restarting at 0), the masks transformers' multimodal model builds for it alone
+    (its module's ``create_masks_for_vision_model``), placed on the diagonal; no token attends
+    to another conversation's. What ``base_model``'s forward takes as ``attention_mask`` (a dict
+    is used as given). One device-to-host copy of the position ids.
+
+    None (transformers' own mask, then) where its module has no such function or its attention
+    implementation takes no mask tensor (sdpa and eager do)."""
+    module = sys.modules[type(base_model).__module__]
+    make = getattr(module, "create_masks_for_vision_model", None)
+    blocks = getattr(module, "get_block_sequence_ids_for_mask", None)
+    config = base_model.config.get_text_config()
+    if make is None or blocks is None or config._attn_implementation not in ("sdpa", "eager"):
+        return None
+    batch, seq = token_types.shape
+    device = token_types.device
+    cu_seqlens = host_cu_seqlens(text_positions, (batch, seq)).tolist()
+    masks: dict[str, torch.Tensor] = {}
+    for start, end in itertools.pairwise(cu_seqlens):
+        row, first, n = start // seq, start % seq, end - start
+        alone = make(
+            config=config,
+            inputs_embeds=torch.empty((1, n, 0), dtype=dtype, device=device),
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=torch.arange(n, device=device)[None],
+            block_sequence_ids=blocks(token_types[row : row + 1, first : first + n], device=device),
+        )
+        for layer_type, mask in alone.items():
+            if mask is None:  # sdpa's causal shortcut: transformers found nothing to mask
+                mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
+            if layer_type not in masks:
+                empty = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+                masks[layer_type] = torch.full(
+                    (batch, 1, seq, seq), empty, dtype=mask.dtype, device=device
+                )
+            masks[layer_type][row, :, first : first + n, first : first + n] = mask[0]
+    return masks

@@ -363,3 +363,52 @@ def test_bf16_wrapper_step_within_budget(pair, device):
     )
     assert_close_budget(loss, ref_loss, eager_loss, torch.bfloat16, what=f"{pair} loss")
     assert_close_budget(grads, ref_grads, eager_grads, torch.bfloat16, what=f"{pair} grads")
+
+
+@pytest.mark.parametrize("pair", ["gemma3_text-gemma3", "gemma4_text-gemma4"])
+def test_packed_conversations_with_two_way_images_train_as_alone(pair):
+    """Two conversations with an image each, packed into one row (text positions restarting, no
+    mask), their image tokens attending both ways (Gemma 4: where its text config says
+    "vision"): the patched step equals the conversations' steps alone, unpatched (token mean
+    over both). transformers' own mask of the packed row does not keep them apart (its sliding
+    layers let a text token see later ones: 1.8e-2 off in the loss, the gradients 1.3x their
+    norm, transformers 5.23); surgery builds it from each conversation's
+    (``packed_bidirectional_masks``)."""
+    spec, wrapper = PAIRS[pair]
+    # Gemma 4's images attend both ways only where its text config says so
+    when = dict([wrapper.bidirectional_when]) if wrapper.bidirectional_when else {}
+    model = tiny_vlm(spec, wrapper, **when)
+    alone = copy.deepcopy(model)
+    surgery.patch(model)
+    rows = image_batch(model, wrapper)
+    types = wrapper.bidirectional_tokens
+    lengths = (SEQ, SEQ - 3)
+    shape = rows["input_ids"].shape
+    parts = [{k: v[r : r + 1, :n] for k, v in rows.items() if v.shape[:2] == shape}
+             for r, n in enumerate(lengths)]  # fmt: skip
+    images = {k: v for k, v in rows.items() if v.shape[:2] != shape}
+    packed = {
+        "input_ids": torch.cat([p["input_ids"] for p in parts], 1),
+        types: torch.cat([p[types] for p in parts], 1),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "labels": torch.cat(
+            [p["input_ids"].index_fill(1, torch.tensor([0]), -100) for p in parts], 1
+        ),
+        **images,
+    }
+    got = step(model, packed)
+    # each conversation alone, weighted by its share of the predicted tokens
+    alone.zero_grad(set_to_none=True)
+    total = 0.0
+    for r, part in enumerate(parts):
+        inputs = {k: v for k, v in part.items() if k != "attention_mask"}
+        mine = {k: v[r : r + 1] for k, v in images.items()}
+        out = alone(**inputs, **mine, use_cache=False)
+        share = (lengths[r] - 1) / sum(n - 1 for n in lengths)
+        (out.loss * share).backward()
+        total += out.loss.detach() * share
+    want = {n: p.grad.clone() for n, p in alone.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(got[0].loss.detach(), total, **TOL)
+    assert got[1].keys() == want.keys()
+    for name, g in want.items():
+        assert (got[1][name] - g).norm() <= FP32["rtol"] * g.norm() + FP32["atol"], name
