@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
         "--multimodal",
         action="store_true",
         help="train the mini multimodal wrapper (vision tower, projector, language model) on "
-        "chat samples with synthetic images, prompts and images masked; padded, and packed "
-        "where the family carries packed multimodal positions (the Qwen-VL family)",
+        "chat samples with synthetic images, prompts and images masked; padded and packed "
+        "(the Qwen-VL family's packed rows with their multimodal positions)",
     )
     p.add_argument(
         "--pretrained",

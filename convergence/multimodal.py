@@ -23,14 +23,12 @@ size). The MoE wrappers (Qwen3-VL-MoE, Qwen3.5-MoE) train the router aux loss th
 computes from the text config, every side asked for it (``output_router_logits``), with router
 replay, as the text mixtures (``train``).
 
-Layouts: padded for every family; packed (one row, restarting positions) where a packed row can
-carry each document's own multimodal positions: the Qwen-VL family, with transformers' (4, batch,
-seq) position ids (the text row, then each document's ``get_rope_index``). The others are not
-packed here: Gemma 3's images attend both ways through ``token_type_ids`` and transformers builds
-that mask from the padded layout (surgery runs its mask, never varlen, for such a batch; Gemma 4's
-as well where its text config makes images attend both ways); Mistral 3, Gemma 4 and Llama 4
-would take 2-D ids, but that path is not yet exercised here (TODO: packed Mistral 3 / Gemma 4 /
-Llama 4 runs once their masks over packed rows are tested in tests/models).
+Layouts: padded and packed (one row, text positions restarting at each conversation) for every
+family. The Qwen-VL family's packed rows carry transformers' (4, batch, seq) position ids (the text
+row, then each document's ``get_rope_index``); the others take 2-D ones. Gemma 3's images (and
+Gemma 4's, where its text config says "vision") attend both ways through their token types; a
+packed row of them runs surgery's per-conversation masks (``surgery.multimodal``), which
+transformers' mask of the packed row is not: the unpatched reference is always the padded one.
 """
 
 from __future__ import annotations
@@ -77,8 +75,10 @@ SUPPORTED = ("qwen2_5_vl", "gemma3", "qwen2_vl", "qwen3_vl", "qwen3_5", "mistral
 MULTIMODAL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
     name: _ALL[name] for name in SUPPORTED if name in _ALL
 }
-# The families whose packed rows carry multimodal positions (module docstring).
-PACKED = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
+# The wrappers trained on packed rows too: every one (text positions restarting at each
+# conversation; the Qwen-VL family's rows carry their multimodal positions, module docstring).
+PACKED = frozenset(MULTIMODAL)
+_MROPE = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
 
 # Image sizes a sample draws from, as the family's processor gives them: Qwen (t, h, w) patch
 # grids, Pixtral (height, width) pixels; one fixed size elsewhere.
@@ -174,8 +174,8 @@ def _image_sizes(config, size: str) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class ImageDocument(Document):
-    """A ``Document`` with its images' inputs (``image_inputs``, in order) and, where the family
-    packs (``PACKED``), its own (3, len) multimodal rotary positions."""
+    """A ``Document`` with its images' inputs (``image_inputs``, in order) and, in the Qwen-VL
+    family, its own (3, len) multimodal rotary positions."""
 
     images: tuple[dict[str, torch.Tensor], ...] = ()
     rope: torch.Tensor | None = None
@@ -285,11 +285,11 @@ def multimodal_batches(
     model: transformers.PreTrainedModel, size: str, steps: int, *, seed: int = 0
 ) -> tuple[list[list[ImageDocument]], list[ImageDocument]]:
     """``steps`` training batches of image chats and one eval batch for ``model`` (a wrapper of
-    ``MULTIMODAL``), deterministic in ``seed``; the documents carry their multimodal positions
-    where the family packs."""
+    ``MULTIMODAL``), deterministic in ``seed``; the Qwen-VL family's documents carry their
+    multimodal positions."""
     s = SIZES[size]
-    packs = model.config.model_type in PACKED
-    corpus = _Corpus(model.config, size, seed, model if packs else None)
+    mrope = model.config.model_type in _MROPE
+    corpus = _Corpus(model.config, size, seed, model if mrope else None)
     g = torch.Generator().manual_seed(seed + 1)
     max_prompt = max(2, s.max_doc_len // 4)
 
@@ -319,8 +319,8 @@ def collate_multimodal(
 ) -> dict[str, Any]:
     """``docs`` collated as the text documents are (``data.collate``), with their images' inputs
     and the token types the wrapper reads (Qwen's ``mm_token_type_ids``, Gemma 3's
-    ``token_type_ids``: 1 at image tokens); packed rows get (4, 1, seq) position ids, the text
-    row first."""
+    ``token_type_ids``: 1 at image tokens); the Qwen-VL family's packed rows get (4, 1, seq)
+    position ids, the text row first."""
     model_type = config.model_type
     if layout == "packed" and model_type not in PACKED:
         raise ValueError(f"{model_type}: no packed multimodal rows (see convergence.multimodal)")
@@ -332,7 +332,7 @@ def collate_multimodal(
         batch["mm_token_type_ids"] = is_image.long()
     if wrapper.bidirectional_tokens is not None:
         batch[wrapper.bidirectional_tokens] = is_image.long()
-    if layout == "packed":
+    if layout == "packed" and model_type in _MROPE:
         rope = torch.cat([d.rope for d in docs], dim=-1)
         batch["position_ids"] = torch.cat([batch["position_ids"][None], rope[:, None]])
     return batch
