@@ -111,17 +111,17 @@ def test_tolerance_table_is_tighter_than_liger():
     assert TOLERANCES["fp32"].loss <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["gemma4", "gemma3n"])
-def test_full_size_minis_are_as_exact_in_fp32_as_the_others(name):
+def test_full_size_minis_are_as_exact_in_fp32_as_the_others():
     """Gemma 4 and 3n do not scale their attention logits (``scaling = 1.0`` on RMS-normed q, k):
-    at transformers' initialisation the full-size mini's softmax is nearly one-hot and its fp32
-    gradients were 1.7e-4 from fp64 (this batch; 2.3e-4 on the H100 run's), which failed
+    at transformers' initialisation the full-size mini's softmax is nearly one-hot, and its fp32
+    gradients were 6.6e-5 from fp64 on this batch (2.3e-4 on the H100 run's). That failed
     same-weights checks at fp32's limits for the unpatched and the patched model alike. The mini
-    models start their q and k norms at head_dim**-0.25 (configs.condition_attention)."""
-    model = build_model(name, "full")
-    exact = build_model(name, "full", dtype=torch.float64)
+    models start their q and k norms at head_dim**-0.25 (configs.condition_attention): 1.6e-6
+    here. Gemma 3n's conditioning is the same code (2.3e-5 before, 1.1e-6 after)."""
+    model = build_model("gemma4", "full")
+    exact = build_model("gemma4", "full", dtype=torch.float64)
     ids = torch.randint(
-        0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0)
+        0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0)
     )
     grads = []
     for m in (model, exact):
