@@ -79,8 +79,9 @@ class MultimodalWrapper:
     bidirectional_tokens: str | None = None
     """The wrapper's forward argument whose nonzero entries mark tokens (images) that transformers
     may let attend to each other in both directions (Gemma 3's ``token_type_ids``, Gemma 4's
-    ``mm_token_type_ids``): when a batch has any, the attention runs the mask transformers built,
-    never one of surgery's causal shortcuts (``causal_right_padding``, ``varlen_attention``)."""
+    ``mm_token_type_ids``): when a batch has any, the attention runs the mask transformers built
+    (a packed row: ``surgery.multimodal.packed_bidirectional_masks``), never one of surgery's
+    causal shortcuts (``causal_right_padding``, ``varlen_attention``)."""
     bidirectional_when: tuple[str, object] | None = None
     """The text config's (attribute, value) under which transformers lets ``bidirectional_tokens``
     attend both ways (Gemma 4: ``("use_bidirectional_attention", "vision")``); None: whenever the
