@@ -45,9 +45,8 @@ grid, ``image_grid_thw``, ``mm_token_type_ids``; Gemma 3: 256 tokens per 896 x 8
 ``token_type_ids``), with the prompts and images labelled -100. Padded rows hold one conversation
 with three images each; packed rows hold two to four conversations of one image each, with
 Qwen's (4, batch, seq) position ids (the text row restarting per conversation, then each
-conversation's own 3-D rotary positions). Gemma 3 runs no packed scenario (recorded as skipped):
-its images attend to each other both ways through ``token_type_ids``, and a packed row's mask
-with them is not tested in this project (the convergence suite does not pack Gemma 3 either).
+conversation's own 3-D rotary positions; Gemma 3's rows take 2-D ones, its images attending
+each other both ways through ``token_type_ids``, which the patched model masks per conversation).
 The longest-sequence search uses one conversation with three images.
 
 Figures: tokens/s = batch x seq (padding included; for the multimodal models the row's tokens,
@@ -539,21 +538,6 @@ def make_inputs(name: str, model, kind: str, batch: int, seq: int, device, seed:
     return {k: v.to(device) for k, v in data.items()}, real, info
 
 
-def packed_unsupported(name: str) -> str | None:
-    """Why ``name`` runs no packed scenario, or None when it does."""
-    if not is_multimodal(name):
-        return None
-    import vlm_inputs
-
-    model_type = MODELS[name]["model_type"]
-    if vlm_inputs.packs(model_type):
-        return None
-    return (
-        f"{model_type}: no packed rows (its images attend both ways through token_type_ids;"
-        " transformers' mask over packed rows with them is not tested here)"
-    )
-
-
 def worker(job: dict[str, Any]) -> None:
     smoke = job["smoke"]
     if smoke:
@@ -626,12 +610,6 @@ def worker(job: dict[str, Any]) -> None:
             continue
         name = f"{kind} {batch}x{seq}"
         rec: dict[str, Any] = {"scenario": name, "kind": kind, "batch": batch, "seq": seq}
-        why_not = packed_unsupported(job["model"]) if kind == "packed" else None
-        if why_not:
-            rec.update(status="skipped", error=why_not)
-            scenarios.append(rec)
-            _emit("SCENARIO", rec)
-            continue
         try:
             data, real, held = inputs(kind, batch, seq, job["seed"] + batch)
             rec.update(held)

@@ -24,11 +24,11 @@ Layouts (``make_vlm_batch``):
 - ``packed``: each row filled exactly by two to four conversations of ``seq / 4`` to ``seq / 2``
   tokens with one image each, as a padding-free collator lays them out (transformers'
   ``DataCollatorWithFlattening``, TRL's ``padding_free``): no mask, each conversation's first
-  label -100, position ids (4, batch, seq): the text positions restarting at every conversation,
-  then each conversation's own 3-D rotary positions (the model's ``get_rope_index`` on it alone).
-  Only where the convergence suite packs multimodal rows (``PACKED``: the Qwen-VL family):
-  Gemma 3's images attend both ways through ``token_type_ids``, and the project has not tested
-  transformers' mask over packed rows with them (``surgery.convergence.multimodal``);
+  label -100, the text positions restarting at every conversation; Qwen's position ids are
+  (4, batch, seq), the text row then each conversation's own 3-D rotary positions (the model's
+  ``get_rope_index`` on it alone). Gemma 3's images attend both ways through ``token_type_ids``:
+  patched, such a row runs each conversation's own mask (``surgery.multimodal``), unpatched
+  transformers' mask of the row;
 - ``single``: one conversation of ``seq`` tokens with ``IMAGES_PER_ROW`` images, batch 1.
 """
 
@@ -58,7 +58,6 @@ from surgery.convergence.data import (  # noqa: E402
 )
 from surgery.convergence.multimodal import (  # noqa: E402
     MULTIMODAL,
-    PACKED,
     ImageDocument,
     collate_multimodal,
     image_inputs,
@@ -72,7 +71,6 @@ __all__ = [
     "conversation",
     "image_token_id",
     "make_vlm_batch",
-    "packs",
 ]
 
 IMAGES_PER_ROW = 3
@@ -83,11 +81,6 @@ QWEN_GRIDS = {
     "full": ((1, 32, 32), (1, 24, 46), (1, 46, 24), (1, 38, 38)),
     "smoke": ((1, 4, 4), (1, 4, 8), (1, 8, 4)),
 }
-
-
-def packs(model_type: str) -> bool:
-    """Whether ``packed`` rows are built for this wrapper (module docstring)."""
-    return model_type in PACKED
 
 
 def image_token_id(config) -> int:
@@ -179,10 +172,11 @@ def _packed_lengths(seq: int, g: torch.Generator) -> list[int]:
 
 
 def _cat_rows(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Rows collated one by one (packed, one row each) as one batch: position ids (4, 1, seq)
-    along their batch dimension, every other input along its first."""
+    """Rows collated one by one (packed, one row each) as one batch: position ids ((4, 1, seq)
+    for Qwen, (1, seq) for the others) along their batch dimension, the one before the
+    sequence's, every other input along its first."""
     return {
-        key: torch.cat([r[key] for r in rows], dim=1 if key == "position_ids" else 0)
+        key: torch.cat([r[key] for r in rows], dim=-2 if key == "position_ids" else 0)
         for key in rows[0]
     }
 
@@ -226,8 +220,6 @@ def make_vlm_batch(
             del data["attention_mask"]
         conversations = len(docs)
     elif kind == "packed":
-        if not packs(config.model_type):
-            raise ValueError(f"{config.model_type}: no packed rows (see vlm_inputs)")
         rows, conversations, phase = [], 0, 0
         for _ in range(batch):
             row = []
@@ -240,7 +232,7 @@ def make_vlm_batch(
                         g,
                         first_phase=phase,
                         turn_tokens=turn_tokens,
-                        rope_model=model,
+                        rope_model=model if is_qwen_vl(config.model_type) else None,
                     )
                 )
                 phase += 1

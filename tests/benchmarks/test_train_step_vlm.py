@@ -14,6 +14,7 @@ import torch
 
 from surgery.convergence.data import ASSISTANT, BOS, IGNORE_INDEX, USER
 from surgery.convergence.multimodal import image_markers
+from surgery.multimodal import packed_bidirectional_masks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -22,7 +23,8 @@ import vlm_inputs
 
 SEQ = train_step.SMOKE_VLM_SEQ
 CPU = torch.device("cpu")
-CASES = [("qwen2_5_vl", "padded"), ("qwen2_5_vl", "packed"), ("gemma3", "padded")]
+CASES = [("qwen2_5_vl", "padded"), ("qwen2_5_vl", "packed"), ("gemma3", "padded"),
+         ("gemma3", "packed")]  # fmt: skip
 IDS = [f"{name}-{kind}" for name, kind in CASES]
 
 
@@ -41,7 +43,9 @@ def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
 
 def _conversation_starts(data, row: int) -> list[int]:
     if "position_ids" in data:
-        return (data["position_ids"][0, row] == 0).nonzero().flatten().tolist()
+        positions = data["position_ids"]
+        text = positions[0] if positions.dim() == 3 else positions  # Qwen: the text row first
+        return (text[row] == 0).nonzero().flatten().tolist()
     return [0]
 
 
@@ -95,6 +99,9 @@ def test_image_chat_layout(name, kind):
     assert info["label_tokens"] == int((labels != IGNORE_INDEX).sum()) > 0
 
     if kind == "packed":
+        assert "attention_mask" not in data
+        assert _conversation_starts(data, 0)[0] == 0 and len(_conversation_starts(data, 1)) >= 2
+    if kind == "packed" and "image_grid_thw" in data:
         # Text positions restart at every conversation; each conversation's own 3-D positions
         # start at 0 with it and equal get_rope_index on the conversation alone.
         positions = data["position_ids"]
@@ -117,21 +124,20 @@ def test_image_chat_layout(name, kind):
         assert "attention_mask" not in data
 
 
-def test_gemma3_runs_no_packed_rows():
-    assert train_step.packed_unsupported("gemma3")
-    assert train_step.packed_unsupported("qwen2_5_vl") is None
-    with pytest.raises(ValueError, match="no packed rows"):
-        vlm_inputs.make_vlm_batch(_model("gemma3"), "packed", 2, SEQ, 0, smoke=True)
-
-
 @pytest.mark.parametrize(("name", "kind"), CASES, ids=IDS)
 def test_patched_step_matches_unpatched(name, kind):
-    """One fp32 forward+backward: the worker's surgery contender against transformers."""
+    """One fp32 forward+backward: the worker's surgery contender against transformers. Packed
+    Gemma 3 rows: transformers given each conversation's own masks (its mask of the packed row
+    lets tokens see later ones; ``surgery.multimodal``)."""
     losses = []
     for contender in ("unpatched", "surgery"):
         model = _model(name)
         train_step.apply_contender(model, contender)
         data, _, _ = train_step.make_inputs(name, model, kind, 2, SEQ, CPU, 5, smoke=True)
+        if contender == "unpatched" and kind == "packed" and "token_type_ids" in data:
+            data["attention_mask"] = packed_bidirectional_masks(
+                model.model, data["position_ids"], data["token_type_ids"], torch.float32
+            )
         out = model(**data)
         loss = out.loss
         loss.backward()
