@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_Z_LOSS = 1e-2
@@ -253,14 +252,6 @@ def main(argv: list[str] | None = None) -> int:
                     seed=args.seed,
                     multimodal=args.multimodal,
                 )
-                if args.multimodal:
-                    from .multimodal import PACKED
-
-                    if model not in PACKED:  # padded only (see convergence.multimodal)
-                        cfg = replace(cfg, layouts=tuple(x for x in layouts if x != "packed"))
-                    if not cfg.layouts:
-                        print(f"{cfg.name}: skipped, no packed multimodal rows for {model}")
-                        continue
                 record = train_and_compare(cfg, progress=say)
                 run_checks = evaluate(record)
                 records.append(record)

@@ -322,8 +322,6 @@ def collate_multimodal(
     ``token_type_ids``: 1 at image tokens); the Qwen-VL family's packed rows get (4, 1, seq)
     position ids, the text row first."""
     model_type = config.model_type
-    if layout == "packed" and model_type not in PACKED:
-        raise ValueError(f"{model_type}: no packed multimodal rows (see convergence.multimodal)")
     batch = collate_text(docs, layout)
     wrapper = MULTIMODAL[model_type][1]
     batch.update(_cat_images([i for d in docs for i in d.images]))

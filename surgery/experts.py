@@ -395,19 +395,23 @@ def batched_experts_swaps(
         SURGERY_EXPERTS,
     ):
         return []
-    experts = [(n, m) for n, m in modules if spec.is_instance(m, spec.batched_experts)]
-    reasons = {_activation_reason(m, config, spec) for _, m in experts} - {None}
-    if reasons and options.experts_implementation == SURGERY_EXPERTS:
+    reasons = {
+        name: _activation_reason(module, config, spec)
+        for name, module in modules
+        if spec.is_instance(module, spec.batched_experts)
+    }
+    left = set(reasons.values()) - {None}
+    if left and options.experts_implementation == SURGERY_EXPERTS:
         warnings.warn(
             f"surgery: experts_implementation={SURGERY_EXPERTS!r} leaves {spec.batched_experts} "
-            f"with transformers' forward ({'; '.join(sorted(reasons))})",
+            f"with transformers' forward ({'; '.join(sorted(left))})",
             stacklevel=5,
         )
     plan = ExpertsPlan(spec.gated_activation(config), options.recompute_mlp_product)
     return [
         (name, module, batched_experts_forward, {EXPERTS_PLAN_ATTR: plan})
-        for name, module in experts
-        if _activation_reason(module, config, spec) is None
+        for name, module in modules
+        if name in reasons and reasons[name] is None
     ]
 
 

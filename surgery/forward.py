@@ -402,17 +402,16 @@ def _forward(
     # Tokens that transformers lets attend both ways (Gemma 3's images) rule out both shortcuts,
     # which are causal: the attention then runs the mask the multimodal model built.
     causal = wrapper is None or not _bidirectional(wrapper, kwargs, host_reads, config)
+    tokens = input_ids if input_ids is not None else inputs_embeds
     model_mask = attention_mask
     if packed_step and not causal and host_reads:
         # transformers' mask of a packed row with two-way image attention is not each
         # conversation's own (surgery.multimodal): build it from theirs, one at a time.
-        tokens = input_ids if input_ids is not None else inputs_embeds
         dtype = self.get_input_embeddings().weight.dtype if input_ids is not None else tokens.dtype
         types = kwargs[wrapper.bidirectional_tokens]
         masks = _packed_bidirectional_masks(self.model, text_positions, types, dtype)
         model_mask = attention_mask if masks is None else masks
     if packed_step:
-        tokens = input_ids if input_ids is not None else inputs_embeds
         varlen = (
             options.varlen_attention and options.rope and sdpa and not output_attentions and causal
         )
