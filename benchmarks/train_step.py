@@ -64,6 +64,7 @@ import inspect
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -380,6 +381,17 @@ SMOKE_MAX_SEQS = [32, 64]
 # The multimodal smoke rows hold three tiny images (4 to 8 tokens each) and some text.
 SMOKE_VLM_SEQ = 64
 SMOKE_VLM_MAX_SEQS = [64, 128]
+
+
+def parse_scenarios(text: str) -> list[tuple[str, int]]:
+    """``"padded2,packed1"`` -> ``[("padded", 2), ("packed", 1)]``: any batch of either layout."""
+    out = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(padded|packed)([1-9][0-9]*)", item.strip())
+        if match is None:
+            raise argparse.ArgumentTypeError(f"scenario {item!r} is not padded<batch> or packed<batch>")
+        out.append((match.group(1), int(match.group(2))))
+    return out
 
 
 class Unavailable(Exception):
@@ -1044,9 +1056,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="1 warm-up + 2 timed steps, skip batch 4")
     p.add_argument(
         "--scenarios",
-        type=lambda s: s.split(","),
-        default=[f"{kind}{batch}" for kind, batch in SCENARIOS],
-        help="comma list of the scenarios to run, e.g. padded2,packed2 (default: all)",
+        type=parse_scenarios,
+        default=list(SCENARIOS),
+        help="comma list of the scenarios to run, each padded<batch> or packed<batch>, e.g."
+        " padded2,packed2 or padded1,packed1 (default: padded2,packed2,padded4,padded8)",
     )
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per scenario (+1 first)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per scenario")
@@ -1140,9 +1153,7 @@ def main(argv=None) -> int:
         "out": str(out_dir),
         "compile_backend": args.compile_backend,
         "skip_max_seq": args.skip_max_seq,
-        "scenarios": [
-            [kind, batch] for kind, batch in SCENARIOS if f"{kind}{batch}" in args.scenarios
-        ],
+        "scenarios": [list(scenario) for scenario in args.scenarios],
     }
     print(
         f"train_step: models {models}, contenders {contenders}, {warmup}+1 warm-up and {steps}"

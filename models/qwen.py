@@ -170,15 +170,23 @@ _QWEN_VISION_TOKENS = (
 )
 
 
-def _qwen_multimodal(model_type: str, prefix: str, vision: dict, **mini) -> MultimodalWrapper:
+def _qwen_multimodal(
+    model_type: str,
+    prefix: str,
+    vision: dict,
+    vision_attention: str | None = None,
+    **mini,
+) -> MultimodalWrapper:
     """Qwen's multimodal model ``<prefix>ForConditionalGeneration`` of
     ``transformers.models.<model_type>``: its config ``<prefix>Config`` around a vision config
-    ``<prefix>VisionConfig`` of arguments ``vision``, with Qwen's vision tokens; ``mini``: the rest
-    of its ``MiniMultimodalConfig``."""
+    ``<prefix>VisionConfig`` of arguments ``vision``, with Qwen's vision tokens, its vision tower's
+    attention ``vision_attention`` (default ``<prefix>VisionAttention``); ``mini``: the rest of its
+    ``MiniMultimodalConfig``."""
     return MultimodalWrapper(
         model_type=model_type,
         module=f"transformers.models.{model_type}.modeling_{model_type}",
         wrapper=f"{prefix}ForConditionalGeneration",
+        vision_attention=vision_attention or f"{prefix}VisionAttention",
         mini_config=MiniMultimodalConfig(
             f"{prefix}Config",
             f"{prefix}VisionConfig",
@@ -252,6 +260,7 @@ QWEN2_VL_MULTIMODAL = _qwen_multimodal(
     "qwen2_vl",
     "Qwen2VL",
     {**_MINI_QWEN_PATCHES, "embed_dim": 16, "hidden_size": text_hidden_size, "mlp_ratio": 2},
+    vision_attention="VisionAttention",
 )
 
 QWEN2_VL = ArchitectureSpec(

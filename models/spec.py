@@ -87,6 +87,12 @@ class MultimodalWrapper:
     attend both ways (Gemma 4: ``("use_bidirectional_attention", "vision")``); None: whenever the
     wrapper is given them (Gemma 3)."""
 
+    vision_attention: str | None = None
+    """The vision tower's attention class (in ``module``) whose forward takes the tower's
+    ``cu_seqlens`` and, without flash attention, calls the attention once per image, frame or
+    window (the Qwen-VL family): with ``varlen_attention`` it runs them all in one varlen call
+    (``surgery.vision_attention``). None: the vision tower is left as it is."""
+
     @property
     def name(self) -> str:
         return self.model_type
@@ -95,6 +101,12 @@ class MultimodalWrapper:
         """Whether ``module`` is an instance of transformers' ``wrapper`` (see
         ``ArchitectureSpec.is_instance``)."""
         return _is_instance_of(module, self.module, self.wrapper)
+
+    def is_vision_attention(self, module: object) -> bool:
+        """Whether ``module`` is an instance of transformers' ``vision_attention``."""
+        return self.vision_attention is not None and _is_instance_of(
+            module, self.module, self.vision_attention
+        )
 
     def wrapper_class(self) -> type:
         return getattr(importlib.import_module(self.module), self.wrapper)

@@ -68,6 +68,7 @@ from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
 from .signature import in_signature_of
 from .swap import Swap, apply_swaps, plan_swap, restore_swap
+from .vision_attention import VISION_ATTENTION_ATTR, vision_attention_forward
 
 # and apply_<name> for every spec in surgery.models.SPECS (the end of this file)
 __all__ = [
@@ -198,6 +199,11 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
             if spec.is_instance(module, spec.linear_attention):
                 extra = {LINEAR_ATTENTION_ATTR: True}
                 wanted.append((name, module, linear_attention_forward, extra))
+    if options.varlen_attention and wrapper is not None and wrapper.vision_attention:
+        for name, module in lm.named_modules():  # the Qwen-VL vision tower's
+            if wrapper.is_vision_attention(module):
+                extra = {VISION_ATTENTION_ATTR: True}
+                wanted.append((name, module, vision_attention_forward, extra))
     needs = base_model_needs(spec, options)
     state = {STATE_ATTR: PatchState(spec=spec, options=options, wrapper=wrapper)}
     if text is lm:  # a text model on its own: no head; its forward carries the state

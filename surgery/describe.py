@@ -26,11 +26,13 @@ from .experts import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, head_takes_loss
 from .layers import MLP_ATTR, NORM_ATTR
+from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model
 from .options import PatchOptions
 from .recompute import RECOMPUTE_ATTR
 from .registry import UnsupportedModelError, find_causal_lm
 from .swap import is_swapped
+from .vision_attention import VISION_ATTENTION_ATTR
 
 __all__ = ["ModuleGroup", "PatchReport", "describe"]
 
@@ -120,6 +122,10 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         return f"gated_activation ({attrs[MLP_ATTR]})" + (
             ", product recomputed in the backward" if plan is not None and plan.mlp_product else ""
         )
+    if VISION_ATTENTION_ATTR in attrs:
+        return "vision attention: each image, frame or window in one varlen call (CUDA, 16-bit)"
+    if LINEAR_ATTENTION_ATTR in attrs:
+        return "linear attention: transformers' forward, one packed document at a time"
     return "a surgery forward"
 
 

@@ -77,7 +77,9 @@ class PatchOptions:
       loss take them (one device-to-host copy of the position ids per forward; under
       ``torch.compile`` that copy is one graph break before the model, or with ``fullgraph=True``
       an op at run time; either way one graph serves any document count).
-      fp32 layers, attention dropout and attention-logit softcaps keep the mask.
+      fp32 layers, attention dropout and attention-logit softcaps keep the mask. The Qwen-VL
+      vision towers' attention runs every image, frame or window of a block in one varlen call
+      too (``surgery.vision_attention``; half precision on such a GPU).
     - ``experts_implementation``: mixture-of-experts models whose experts dispatch through
       transformers' experts implementations (``use_experts_implementation``), which one runs;
       ``unpatch`` puts the previous one back. ``"auto"`` (the default): surgery's own,

@@ -18,7 +18,7 @@ the documents split further wherever a document's position reaches a multiple of
 
 Flash attention reads 16-byte vectors: a head size of whole vectors is required
 (``flash_head_size``; callers take the masked path otherwise), and a q/k/v whose strides or start
-are not whole vectors (a slice, such as MLA's values) is copied first (``_flash_layout``).
+are not whole vectors (a slice, such as MLA's values) is copied first (``flash_layout``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = [
     "PACKED_KWARG",
     "PackedSequences",
     "flash_head_size",
+    "flash_layout",
     "packed_sequences",
     "split_at_chunks",
     "varlen_attention",
@@ -251,7 +252,7 @@ def flash_head_size(*tensors: torch.Tensor) -> bool:
     return all(x.shape[-1] * x.element_size() % 16 == 0 for x in tensors)
 
 
-def _flash_layout(x: torch.Tensor) -> torch.Tensor:
+def flash_layout(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a contiguous copy where flash attention would read it at a misaligned address:
     its kernels load 16-byte vectors, so besides the head size every stride but the last (which
     must be 1) and the start must be whole vectors. Projections' views always are; a slice such
@@ -286,7 +287,7 @@ def varlen_attention(
     B, H, T, D = query.shape
     # (B, H, T, D) views of (B, T, H, D) projections: these reshapes are free.
     q, k, v = (
-        _flash_layout(x.transpose(1, 2).reshape(B * T, x.shape[1], D)) for x in (query, key, value)
+        flash_layout(x.transpose(1, 2).reshape(B * T, x.shape[1], D)) for x in (query, key, value)
     )
     window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
     cu, n = packed.cu_seqlens, packed.max_length

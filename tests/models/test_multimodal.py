@@ -151,12 +151,15 @@ def test_wrapper_trains_as_transformers(pair):
     assert set(out.keys()) == set(ref.keys()) - {"logits"}
     for field in ref.keys() - {"loss", "logits"}:
         assert_same_value(out[field], ref[field], field)
-    # The language model's layers and the head are patched, the vision tower is not.
+    # The language model's layers and the head are patched; in the vision tower, only the
+    # Qwen-VL attention (one varlen call: surgery.vision_attention), CPU here, so as it was.
     names = swapped(model)
     text = {id(m) for m in language_model(model, wrapper).modules()}
+    vision = {n for n, m in model.named_modules() if wrapper.is_vision_attention(m)}
     text_names = {n for n, m in model.named_modules() if id(m) in text}
     assert "" in names and any(".layers." in n for n in names)
-    assert set(names) - {""} <= text_names | {"lm_head"}
+    assert set(names) - {""} <= text_names | vision | {"lm_head"}
+    assert vision <= set(names) and bool(vision) == (wrapper.vision_attention is not None)
     surgery.unpatch(model)
     assert swapped(model) == [] and not any("forward" in m.__dict__ for m in model.modules())
 

@@ -29,51 +29,9 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
-from tests.utils import assert_close_budget
+from tests.utils import ReferenceVarlen, assert_close_budget
 
 LENGTHS = [9, 6, 3]  # the tiny configs' sliding window is 5: it cuts into the first two
-
-
-def flash_layout(x: torch.Tensor) -> bool:
-    """What flash attention's kernels read without a misaligned address (an H100 stopped with one
-    on a tiny Mistral 4, whose values are a slice of kv_b_proj's output): a head size of whole
-    16-byte vectors, unit last stride, and every other stride and the start on 16 bytes."""
-    vector = 16 // x.element_size()
-    return (
-        x.shape[-1] % vector == 0
-        and x.stride(-1) == 1
-        and all(s % vector == 0 for s in x.stride()[:-1])
-        and x.storage_offset() % vector == 0
-    )
-
-
-class ReferenceVarlen:
-    """``varlen_attn``'s signature, computed document by document in fp32; records its calls."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-
-    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
-        assert cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
-        assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == cu_q[-1]
-        for x in (q, k, v):
-            assert flash_layout(x), (x.shape, x.stride(), x.storage_offset())
-        left, right = window_size
-        self.calls.append(dict(cu=cu_q.tolist(), max=max_q, scale=scale, window=window_size))
-        groups = q.shape[1] // k.shape[1]
-        out = []
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            qq, kk, vv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))
-            kk, vv = kk.repeat_interleave(groups, 0), vv.repeat_interleave(groups, 0)
-            i = torch.arange(b - a)[:, None]
-            j = torch.arange(b - a)[None, :]
-            allowed = j <= i + right
-            if left >= 0:
-                allowed &= j >= i - left
-            scores = (qq @ kk.transpose(1, 2)) * scale
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            out.append((probs @ vv).transpose(0, 1).to(q.dtype))
-        return torch.cat(out)
 
 
 @pytest.fixture

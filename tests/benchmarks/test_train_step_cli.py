@@ -1,0 +1,28 @@
+"""``benchmarks/train_step.py``'s command line: ``--scenarios`` takes any batch of either layout
+(the hybrid's unpatched step fits the H100 at batch 1 only) and refuses anything else."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import train_step
+
+
+def test_scenarios_take_any_batch_of_either_layout():
+    assert train_step.parse_scenarios("padded1,packed1,padded8") == [
+        ("padded", 1),
+        ("packed", 1),
+        ("padded", 8),
+    ]
+
+
+@pytest.mark.parametrize("text", ["padded", "packed0", "varlen2", "padded2,", "padded-1"])
+def test_scenarios_refuse_what_is_not_a_layout_and_a_batch(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        train_step.parse_scenarios(text)

@@ -1,0 +1,188 @@
+"""The Qwen-VL vision towers' attention (``MultimodalWrapper.vision_attention``) in one varlen
+call per layer (``surgery.vision_attention``): the tower of every Qwen-VL wrapper, patched in
+bf16, gives transformers' output and gradients within bf16's budget against fp32, with one
+kernel call per block over exactly the segments transformers hands the block (Qwen2.5-VL's
+windows and its full-attention images), both directions. On CPU the kernel is
+``tests.utils.ReferenceVarlen`` (flash attention needs CUDA); gpu-marked, the real kernel.
+Where the kernel does not apply (fp32, no kernel, a flash implementation) transformers' forward
+runs, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import surgery
+import surgery.vision_attention as vision_attention
+from surgery.describe import describe
+from surgery.swap import ORIGINAL_ATTR
+from tests.utils import ReferenceVarlen, assert_close_budget
+
+from .test_multimodal import PAIRS, WRAPPERS, image_batch, text_config
+
+QWEN_VL = [pair for pair in WRAPPERS if PAIRS[pair][1].vision_attention is not None]
+
+
+def test_the_qwen_vl_wrappers_name_their_vision_attention():
+    assert sorted(PAIRS[p][1].model_type for p in QWEN_VL) == [
+        "qwen2_5_vl",
+        "qwen2_vl",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    ]
+
+
+def tiny_tower_vlm(pair: str):
+    """The pair's mini wrapper with two vision blocks; Qwen2.5-VL's second attends over whole
+    images (``fullatt_block_indexes``), its first over windows of one merged patch."""
+    spec, wrapper = PAIRS[pair]
+    config = wrapper.mini_config.build(text_config(spec, wrapper))
+    config.vision_config.depth = 2
+    if wrapper.model_type == "qwen2_5_vl":
+        config.vision_config.fullatt_block_indexes = [1]
+    torch.manual_seed(0)
+    model = wrapper.wrapper_class()._from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # attention logits of order one: at init they are near zero, and a
+        for block in model.model.visual.blocks:  # near-uniform softmax hides a wrong rotation
+            block.attn.qkv.weight.normal_(0.0, 2.0 / block.attn.dim**0.5)
+    return model.train()
+
+
+def segments_seen(model, batch) -> list[list[int]]:
+    """The ``cu_seqlens`` each vision attention module is called with, in order."""
+    seen = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda _, args, kwargs: seen.append(kwargs["cu_seqlens"].tolist()), with_kwargs=True
+        )
+        for m in model.modules()
+        if PAIRS_BY_TYPE[model.config.model_type].is_vision_attention(m)
+    ]
+    try:
+        tower_step(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+PAIRS_BY_TYPE = {PAIRS[p][1].model_type: PAIRS[p][1] for p in QWEN_VL}
+
+
+def tower_step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's merged output and the gradients of its parameters (flattened, fp32) for a fixed
+    random projection of it."""
+    tower = model.model.visual
+    tower.zero_grad(set_to_none=True)
+    dtype = next(tower.parameters()).dtype
+    out = tower(batch["pixel_values"].to(dtype), grid_thw=batch["image_grid_thw"]).pooler_output
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
+    (out.float() * weight).sum().backward()
+    grads = [p.grad.float().flatten() for p in tower.parameters() if p.grad is not None]
+    return out.detach().float(), torch.cat(grads)
+
+
+def half(model):
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    kernel = ReferenceVarlen()
+    monkeypatch.setattr(vision_attention, "varlen_kernel", lambda device: kernel)
+    return kernel
+
+
+@pytest.mark.parametrize("pair", QWEN_VL)
+def test_vision_attention_is_one_varlen_call_per_block(pair, reference_kernel):
+    fp32 = tiny_tower_vlm(pair)
+    batch = image_batch(fp32, PAIRS[pair][1])
+    eager = half(fp32)
+    patched = surgery.patch(half(fp32))
+    want = segments_seen(eager, batch)
+    assert len(want) == 2 and not reference_kernel.calls
+    (ref, ref_grads), (base, base_grads) = tower_step(fp32, batch), tower_step(eager, batch)
+    got, grads = tower_step(patched, batch)
+    assert [c["cu"] for c in reference_kernel.calls] == want
+    scale = patched.model.visual.blocks[0].attn.scaling
+    assert {(c["window"], c["scale"]) for c in reference_kernel.calls} == {((-1, -1), scale)}
+    assert_close_budget(got, ref, base, torch.bfloat16, what=f"{pair} tower output")
+    assert_close_budget(grads, ref_grads, base_grads, torch.bfloat16, what=f"{pair} tower grads")
+    if PAIRS[pair][1].model_type == "qwen2_5_vl":  # windows, then whole images
+        assert want[0] != want[1] and want[1] == [0, 16, 32]
+
+
+@pytest.mark.parametrize("pair", QWEN_VL)
+def test_wrapper_step_reaches_the_kernel_and_unpatch_restores(pair, reference_kernel):
+    """Through the wrapper's forward: the patched bf16 step's loss within the budget; the swap is
+    described and ``unpatch`` puts transformers' forward back."""
+    spec, wrapper = PAIRS[pair]
+    fp32 = tiny_tower_vlm(pair)
+    batch = image_batch(fp32, wrapper)
+    patched = surgery.patch(half(fp32))
+    attn = patched.model.visual.blocks[0].attn
+    assert ORIGINAL_ATTR in attn.__dict__
+    assert "varlen" in str(describe(patched))
+    batch16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
+    patched(**batch16).loss.backward()
+    assert len(reference_kernel.calls) == 2
+    surgery.unpatch(patched)
+    assert ORIGINAL_ATTR not in attn.__dict__ and "forward" not in attn.__dict__
+
+
+@pytest.mark.parametrize("pair", ["qwen2_5_vl_text-qwen2_5_vl", "qwen3_vl_text-qwen3_vl"])
+def test_where_the_kernel_does_not_apply_transformers_runs(pair, reference_kernel, monkeypatch):
+    """fp32, a vision tower asked for flash attention (transformers' own varlen then), or no
+    kernel on the device: the kernel is not called and the output is transformers' bit for bit;
+    ``varlen_attention=False`` leaves the tower unpatched."""
+    fp32 = tiny_tower_vlm(pair)
+    batch = image_batch(fp32, PAIRS[pair][1])
+    want = tower_step(fp32, batch)
+    got = tower_step(surgery.patch(copy.deepcopy(fp32)), batch)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not reference_kernel.calls
+    off = surgery.patch(half(fp32), varlen_attention=False)
+    assert ORIGINAL_ATTR not in off.model.visual.blocks[0].attn.__dict__
+    flash = surgery.patch(half(fp32))
+    flash.config.vision_config._attn_implementation = "flash_attention_2"
+    attn = flash.model.visual.blocks[0].attn
+    assert attn.config._attn_implementation == "flash_attention_2"
+    hidden = torch.randn(32, attn.dim, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(32, attn.head_dim, dtype=torch.bfloat16)
+    monkeypatch.setattr(type(attn), "forward", lambda self, *a, **k: "transformers")
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32)
+    assert attn(hidden, cu_seqlens=cu, position_embeddings=(cos, sin)) == "transformers"
+    monkeypatch.setattr(vision_attention, "varlen_kernel", lambda device: None)
+    flash.config.vision_config._attn_implementation = "sdpa"
+    assert attn(hidden, cu_seqlens=cu, position_embeddings=(cos, sin)) == "transformers"
+    assert not reference_kernel.calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", QWEN_VL)
+def test_vision_attention_on_the_gpu(pair):
+    """The real kernel (flash attention's varlen) against transformers' per-segment sdpa, bf16 on
+    CUDA, within bf16's budget against fp32; one kernel call per block."""
+    fp32 = tiny_tower_vlm(pair).cuda()
+    batch = {k: v.cuda() for k, v in image_batch(fp32, PAIRS[pair][1]).items()}
+    calls = []
+    real = vision_attention.varlen_kernel
+
+    def counting(device):
+        kernel = real(device)
+        return None if kernel is None else lambda *a, **k: calls.append(1) or kernel(*a, **k)
+
+    eager = half(fp32)
+    patched = surgery.patch(half(fp32))
+    (ref, ref_grads), (base, base_grads) = tower_step(fp32, batch), tower_step(eager, batch)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vision_attention, "varlen_kernel", counting)
+        got, grads = tower_step(patched, batch)
+    assert len(calls) == 2
+    assert_close_budget(got, ref, base, torch.bfloat16, what=f"{pair} tower output")
+    assert_close_budget(grads, ref_grads, base_grads, torch.bfloat16, what=f"{pair} tower grads")
