@@ -389,7 +389,9 @@ def parse_scenarios(text: str) -> list[tuple[str, int]]:
     for item in text.split(","):
         match = re.fullmatch(r"(padded|packed)([1-9][0-9]*)", item.strip())
         if match is None:
-            raise argparse.ArgumentTypeError(f"scenario {item!r} is not padded<batch> or packed<batch>")
+            raise argparse.ArgumentTypeError(
+                f"scenario {item!r} is not padded<batch> or packed<batch>"
+            )
         out.append((match.group(1), int(match.group(2))))
     return out
 

@@ -118,9 +118,9 @@ def test_vision_attention_is_one_varlen_call_per_block(pair, reference_kernel):
 
 @pytest.mark.parametrize("pair", QWEN_VL)
 def test_wrapper_step_reaches_the_kernel_and_unpatch_restores(pair, reference_kernel):
-    """Through the wrapper's forward: the patched bf16 step's loss within the budget; the swap is
-    described and ``unpatch`` puts transformers' forward back."""
-    spec, wrapper = PAIRS[pair]
+    """Through the wrapper's forward: a patched bf16 training step calls the kernel once per
+    block; the swap is described and ``unpatch`` puts transformers' forward back."""
+    wrapper = PAIRS[pair][1]
     fp32 = tiny_tower_vlm(pair)
     batch = image_batch(fp32, wrapper)
     patched = surgery.patch(half(fp32))
