@@ -750,6 +750,7 @@ def profile_step(model, step, inputs, seq, job) -> None:
             "top ops by memory allocated (self)",
             ["self_device_memory_usage", "self_cuda_memory_usage", "self_cpu_memory_usage"],
         ),
+        ("top ops by host time (self): where the GPU may wait", ["self_cpu_time_total"]),
     ]:
         for key in keys:
             try:
