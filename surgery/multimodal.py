@@ -75,10 +75,17 @@ def packed_bidirectional_masks(
 ) -> dict[str, torch.Tensor] | None:
     """The attention masks, by layer type, of a packed (batch, seq) row whose image tokens attend
     both ways (``MultimodalWrapper.bidirectional_tokens``): for each conversation (its text
-    positions restarting at 0), the masks transformers' multimodal model builds for it alone
+    positions restarting at 0), the mask transformers' multimodal model builds for it alone
     (its module's ``create_masks_for_vision_model``), placed on the diagonal; no token attends
     to another conversation's. What ``base_model``'s forward takes as ``attention_mask`` (a dict
     is used as given). One device-to-host copy of the position ids.
+
+    transformers builds them in one call, for the conversations as the rows of a right-padded
+    batch (each row's tokens first, its padding masked): a conversation's own block of that mask
+    is its mask alone (padding is masked as keys only, and a query's positions, windows and
+    image blocks are those of its row). One call instead of one per conversation: the mask
+    functions run under ``torch.vmap``, whose host time per call (several milliseconds on the
+    H100 host) would otherwise hold the GPU idle at every step.
 
     None (transformers' own mask, then) where its module has no such function or its attention
     implementation takes no mask tensor (sdpa and eager do)."""
@@ -91,24 +98,30 @@ def packed_bidirectional_masks(
     batch, seq = token_types.shape
     device = token_types.device
     cu_seqlens = host_cu_seqlens(text_positions, (batch, seq)).tolist()
+    # (row, first token, length) of each conversation
+    documents = [(a // seq, a % seq, b - a) for a, b in itertools.pairwise(cu_seqlens)]
+    longest = max(n for _, _, n in documents)
+    types = token_types.new_zeros(len(documents), longest)
+    present = torch.zeros(len(documents), longest, dtype=torch.long, device=device)
+    for d, (row, first, n) in enumerate(documents):
+        types[d, :n] = token_types[row, first : first + n]
+        present[d, :n] = 1
+    alone = make(
+        config=config,
+        inputs_embeds=torch.empty((len(documents), longest, 0), dtype=dtype, device=device),
+        attention_mask=present,
+        past_key_values=None,
+        position_ids=torch.arange(longest, device=device).expand(len(documents), -1),
+        block_sequence_ids=blocks(types, device=device),
+    )
     masks: dict[str, torch.Tensor] = {}
-    for start, end in itertools.pairwise(cu_seqlens):
-        row, first, n = start // seq, start % seq, end - start
-        alone = make(
-            config=config,
-            inputs_embeds=torch.empty((1, n, 0), dtype=dtype, device=device),
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=torch.arange(n, device=device)[None],
-            block_sequence_ids=blocks(token_types[row : row + 1, first : first + n], device=device),
-        )
-        for layer_type, mask in alone.items():
-            if mask is None:  # sdpa's causal shortcut: transformers found nothing to mask
-                mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
-            if layer_type not in masks:
-                empty = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
-                masks[layer_type] = torch.full(
-                    (batch, 1, seq, seq), empty, dtype=mask.dtype, device=device
-                )
-            masks[layer_type][row, :, first : first + n, first : first + n] = mask[0]
+    for layer_type, mask in alone.items():
+        if mask is None:  # sdpa's causal shortcut: transformers found nothing to mask
+            mask = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()[None, None]
+        empty = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        out = torch.full((batch, 1, seq, seq), empty, dtype=mask.dtype, device=device)
+        for d, (row, first, n) in enumerate(documents):
+            own = mask[d if mask.shape[0] > 1 else 0, :, :n, :n]
+            out[row, :, first : first + n, first : first + n] = own
+        masks[layer_type] = out
     return masks
