@@ -57,8 +57,8 @@ class MultimodalWrapper:
     language model, lm_head) whose language model is the text model of the spec that lists it
     (``ArchitectureSpec.multimodal``; matched at patch time by its ``config.text_config``'s
     ``model_type``). The language model is patched as that spec says, the vision tower and the
-    projector are left to transformers, and the wrapper's forward gets the fused loss with the
-    wrapper's own output class (``surgery.multimodal``)."""
+    projector are left to transformers (but for ``vision_attention``), and the wrapper's forward
+    gets the fused loss with the wrapper's own output class (``surgery.multimodal``)."""
 
     model_type: str
     """``config.model_type`` of the wrapper (``gemma3``)."""

@@ -5,8 +5,9 @@ model and lm_head) whose language model is a registered text architecture
 What ``patch`` does to a wrapper:
 
 - the language model's attention, norms and MLPs are patched as for its text sibling (the causal
-  LM of the same spec); the vision tower and the projector keep transformers' forwards (nothing
-  is looked for outside the language model);
+  LM of the same spec); the vision tower and the projector keep transformers' forwards, but for
+  the Qwen-VL towers' attention (``MultimodalWrapper.vision_attention``), whose per-segment
+  calls become one varlen call (``surgery.vision_attention``);
 - a wrapper holding lm_head (Mistral 3, Gemma 3, Gemma 4) gets the generic causal-LM forward
   (``surgery.forward``), taking the wrapper's arguments in the wrapper's order
   (``surgery.signature.in_signature_of``): every argument that is not the causal LM's (pixel
