@@ -967,7 +967,11 @@ def plot(results: list[dict[str, Any]], path: Path) -> str | None:
     )
     if not groups:
         return "no plot: nothing measured"
-    fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.3 * len(groups)), 12))
+    models = list(dict.fromkeys(r["model"] for r in results))
+    # The longest-sequence panel only where that search ran (not with --skip-max-seq).
+    searched = any((r.get("max_seq") or {}).get("longest") for r in results)
+    rows = 3 if searched else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(max(8, 1.3 * len(groups)), 4 * rows))
     width = 0.8 / max(1, len(contenders))
     for i, c in enumerate(contenders):
         xs, tps, peak = [], [], []
@@ -989,8 +993,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> str | None:
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_title("Training step: throughput and peak memory (bf16, AdamW)")
-    models = list(dict.fromkeys(r["model"] for r in results))
-    for i, c in enumerate(contenders):
+    for i, c in enumerate(contenders if searched else []):
         xs, vals = [], []
         for g, m in enumerate(models):
             for r in results:
@@ -1000,11 +1003,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> str | None:
                         xs.append(g + (i - (len(contenders) - 1) / 2) * width)
                         vals.append(longest)
         axes[2].bar(xs, vals, width, label=c, color=f"C{i}")
-    axes[2].set_yscale("log", base=2)
-    axes[2].set_xticks(range(len(models)))
-    axes[2].set_xticklabels(models)
-    axes[2].set_ylabel("longest seq that fits, batch 1")
-    axes[2].legend(fontsize=8)
+    if searched:
+        axes[2].set_yscale("log", base=2)
+        axes[2].set_xticks(range(len(models)))
+        axes[2].set_xticklabels(models)
+        axes[2].set_ylabel("longest seq that fits, batch 1")
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
