@@ -13,10 +13,11 @@ With ``varlen_attention`` (on by default), ``vision_attention_forward`` runs tra
 (its qkv projection and its own ``apply_rotary_pos_emb_vision``, then the output projection)
 with the attention of every segment in one ``varlen_attn`` call over ``cu_seqlens``, both
 directions (``window_size=(-1, -1)``). It is the attention each segment gets alone: sdpa takes the
-same flash kernel for a bf16 segment. It applies in half precision on a CUDA GPU with flash
-attention (``surgery.varlen.varlen_kernel``) and a head size of whole 16-byte vectors
-(Qwen2.5-VL's 80, Qwen3-VL's 72); elsewhere (fp32, CPU, or a flash implementation, which is
-varlen already) transformers' forward runs as it is.
+same flash kernel for a bf16 segment. It applies in half precision (16-bit weights, or
+fp32 ones under a 16-bit autocast) on a CUDA GPU with flash attention
+(``surgery.varlen.varlen_kernel``) and a head size of whole 16-byte vectors (Qwen2.5-VL's 80,
+Qwen3-VL's 72); elsewhere (fp32, CPU, or a flash implementation, which is varlen already)
+transformers' forward runs as it is.
 
 The longest segment sizes the kernel's grid: eagerly it is read once per layer from
 ``cu_seqlens`` (transformers' sdpa path reads all the lengths per layer) unless the tower passed
@@ -42,6 +43,15 @@ VISION_ATTENTION_ATTR = "_surgery_vision_attention"
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _half_precision(x: torch.Tensor) -> bool:
+    """Whether the projections of ``x`` come out in 16 bits: ``x`` is, or autocast (mixed
+    precision over fp32 weights, as the Trainer's ``bf16=True`` runs it) casts them."""
+    device = x.device.type
+    if x.dtype in _HALF:
+        return True
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in _HALF
+
+
 def vision_attention_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -57,10 +67,10 @@ def vision_attention_forward(
     head_dim = self.head_dim
     if (
         kernel is None
-        or hidden_states.dtype not in _HALF
+        or not _half_precision(hidden_states)
         or is_flash_attention_requested(self.config)
         or (self.training and self.attention_dropout > 0.0)
-        or head_dim * hidden_states.element_size() % 16 != 0
+        or head_dim % 8 != 0  # whole 16-byte vectors of 16-bit channels
     ):
         return type(self).forward(
             self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs

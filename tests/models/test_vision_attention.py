@@ -116,6 +116,21 @@ def test_vision_attention_is_one_varlen_call_per_block(pair, reference_kernel):
         assert want[0] != want[1] and want[1] == [0, 16, 32]
 
 
+@pytest.mark.parametrize("pair", ["qwen2_5_vl_text-qwen2_5_vl", "qwen3_vl_text-qwen3_vl"])
+def test_fp32_weights_under_bf16_autocast_take_the_kernel(pair, reference_kernel):
+    """Mixed precision as the Trainer's ``bf16=True`` runs it (fp32 weights, bf16 autocast): the
+    projections come out in bf16, so the blocks take the kernel, within bf16's budget."""
+    fp32 = tiny_tower_vlm(pair)
+    batch = image_batch(fp32, PAIRS[pair][1])
+    eager, patched = copy.deepcopy(fp32), surgery.patch(copy.deepcopy(fp32))
+    ref = tower_step(fp32, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        base, got = tower_step(eager, batch), tower_step(patched, batch)
+    assert len(reference_kernel.calls) == 2
+    for what, g, r, b in zip(("output", "grads"), got, ref, base):
+        assert_close_budget(g, r, b, torch.bfloat16, what=f"{pair} tower {what}")
+
+
 @pytest.mark.parametrize("pair", QWEN_VL)
 def test_wrapper_step_reaches_the_kernel_and_unpatch_restores(pair, reference_kernel):
     """Through the wrapper's forward: a patched bf16 training step calls the kernel once per
