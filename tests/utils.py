@@ -153,3 +153,22 @@ class ReferenceVarlen:
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
             out.append((probs @ vv).transpose(0, 1).to(q.dtype))
         return torch.cat(out)
+
+
+def dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+    """``varlen_attn``'s signature in fp32 from dense masks, traceable (no host reads), for CPU:
+    each document attends to itself within flash attention's (left, right) window (-1: no limit
+    on that side; (-1, 0) is causal); ``max_q`` may be any upper bound."""
+    left, right = window_size
+    idx = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype)
+    doc = torch.searchsorted(cu_q[1:].contiguous(), idx, right=True)
+    allowed = doc[:, None] == doc[None, :]
+    if right >= 0:
+        allowed &= idx[None, :] <= idx[:, None] + right
+    if left >= 0:
+        allowed &= idx[None, :] >= idx[:, None] - left
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+    kf, vf = kf.repeat_interleave(groups, 0), vf.repeat_interleave(groups, 0)
+    probs = ((qf @ kf.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (probs @ vf).transpose(0, 1).to(q.dtype)

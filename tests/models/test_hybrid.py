@@ -16,9 +16,8 @@ from surgery import varlen
 from surgery.kernels import reduction
 from surgery.linear_attention import packed_documents
 from surgery.swap import ORIGINAL_ATTR
-from tests.surgery.test_compile import dense_varlen
 from tests.utils import FP32_CLOSE as TOL
-from tests.utils import TOLERANCES
+from tests.utils import TOLERANCES, dense_varlen
 
 from .tiny import (
     SPECS,

@@ -18,7 +18,7 @@ import surgery
 import surgery.vision_attention as vision_attention
 from surgery.describe import describe
 from surgery.swap import ORIGINAL_ATTR
-from tests.utils import ReferenceVarlen, assert_close_budget
+from tests.utils import ReferenceVarlen, assert_close_budget, dense_varlen
 
 from .test_multimodal import PAIRS, WRAPPERS, image_batch, text_config
 
@@ -82,7 +82,12 @@ def tower_step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     out = tower(batch["pixel_values"].to(dtype), grid_thw=batch["image_grid_thw"]).pooler_output
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
     (out.float() * weight).sum().backward()
-    grads = [p.grad.float().flatten() for p in tower.parameters() if p.grad is not None]
+    # Every parameter's (zeros where none reached it, e.g. Qwen3-VL's deepstack mergers: a
+    # compiled backward may give them zeros where the eager one gives None).
+    grads = [
+        torch.zeros(p.numel()) if p.grad is None else p.grad.float().flatten().cpu()
+        for p in tower.parameters()
+    ]
     return out.detach().float(), torch.cat(grads)
 
 
@@ -201,3 +206,29 @@ def test_vision_attention_on_the_gpu(pair):
     assert len(calls) == 2
     assert_close_budget(got, ref, base, torch.bfloat16, what=f"{pair} tower output")
     assert_close_budget(grads, ref_grads, base_grads, torch.bfloat16, what=f"{pair} tower grads")
+
+
+@pytest.mark.parametrize("pair", ["qwen2_5_vl_text-qwen2_5_vl", "qwen3_vl_text-qwen3_vl"])
+def test_compiled_tower_matches_and_reads_nothing_on_the_host(pair, monkeypatch):
+    """``torch.compile`` of the patched tower (graph breaks allowed: transformers' own window
+    index is read on the host), with a traceable reference kernel: output and gradients bit for
+    bit the uncompiled patched tower's, and under compile the kernel's grid is sized from the
+    token count (an upper bound), not from a host read of ``cu_seqlens``."""
+    seen = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        seen.append((max_q, q.shape[0], torch.compiler.is_compiling()))
+        return dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    monkeypatch.setattr(vision_attention, "varlen_kernel", lambda device: kernel)
+    fp32 = tiny_tower_vlm(pair)
+    batch = image_batch(fp32, PAIRS[pair][1])
+    patched = surgery.patch(half(fp32))
+    want = tower_step(patched, batch)
+    assert all(m < n and not compiling for m, n, compiling in seen)
+    seen.clear()
+    patched.model.visual.compile(backend="aot_eager")
+    got = tower_step(patched, batch)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert seen and all(m == n and compiling for m, n, compiling in seen)

@@ -38,7 +38,7 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
-from tests.utils import TOLERANCES, assert_close_budget, rel_err
+from tests.utils import TOLERANCES, assert_close_budget, dense_varlen, rel_err
 
 LENGTHS = [9, 6, 3]  # longer than the tiny configs' sliding window (5)
 
@@ -128,23 +128,6 @@ def transformers_hooks_installed(model, batch: dict) -> None:
     if SPECS[model.config.model_type].router_aux_loss:
         with torch.no_grad():
             model(**batch)
-
-
-def dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
-    """``varlen_attn``'s signature in fp32 from dense masks, traceable (no host reads), for CPU:
-    each document attends causally (within the window) to itself; ``max_q`` may be any upper
-    bound."""
-    left, right = window_size
-    idx = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype)
-    doc = torch.searchsorted(cu_q[1:].contiguous(), idx, right=True)
-    allowed = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None] + right)
-    if left >= 0:
-        allowed &= idx[None, :] >= idx[:, None] - left
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
-    kf, vf = kf.repeat_interleave(groups, 0), vf.repeat_interleave(groups, 0)
-    probs = ((qf @ kf.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf")).softmax(-1)
-    return (probs @ vf).transpose(0, 1).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
