@@ -17,6 +17,7 @@ from torch import nn
 from surgery.models import ArchitectureSpec
 
 from .attention import BINDING_ATTR
+from .base_model import BASE_MODEL_ATTR, BaseModelNeeds
 from .experts import (
     EXPERTS_PLAN_ATTR,
     batched_experts_left_alone,
@@ -121,6 +122,21 @@ def _installed(module: nn.Module, state: PatchState) -> str:
     if MLP_ATTR in attrs:
         return f"gated_activation ({attrs[MLP_ATTR]})" + (
             ", product recomputed in the backward" if plan is not None and plan.mlp_product else ""
+        )
+    if BASE_MODEL_ATTR in attrs and STATE_ATTR not in attrs:
+        needs: BaseModelNeeds = attrs[BASE_MODEL_ATTR]
+        given = [
+            what
+            for what, wanted in (
+                ("position ids", needs.positions),
+                ("the rotary module's positions", needs.rope_positions),
+                ("packed documents", needs.documents),
+                ("the chunked layers' packed mask", needs.chunked_mask),
+            )
+            if wanted
+        ]
+        return "base model forward: transformers' own, handing its layers " + (
+            ", ".join(given) or "nothing more"
         )
     if VISION_ATTENTION_ATTR in attrs:
         return "vision attention: each image, frame or window in one varlen call (CUDA, 16-bit)"

@@ -163,3 +163,24 @@ def test_softcap_value_in_the_probe_notes():
     assert any("3 * tanh(lm_head output / 3)" in note for note in notes)
     assert model.config.final_logit_softcapping == 3.0
     assert isinstance(model(input_ids=torch.tensor([[3, 4, 5]])).logits, torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    ("arch", "cls", "what"),
+    [
+        ("llama4_text", "Llama4TextModel", "position ids, the chunked layers' packed mask"),
+        ("qwen3_next", "Qwen3NextModel", "packed documents"),
+    ],
+)
+def test_base_model_and_linear_attention_say_what_they_do(arch, cls, what):
+    """The base model's wrapped forward names what it hands its layers; a hybrid's linear
+    attention says it runs one packed document at a time (no generic "a surgery forward")."""
+    report = surgery.describe(surgery.patch(tiny_model(arch)))
+    assert kernels_of(report, cls) == {
+        f"base model forward: transformers' own, handing its layers {what}"
+    }
+    assert not any(g.what == "a surgery forward" for g in report.patched)
+    if arch == "qwen3_next":
+        assert kernels_of(report, "Qwen3NextGatedDeltaNet") == {
+            "linear attention: transformers' forward, one packed document at a time"
+        }
