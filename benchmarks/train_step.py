@@ -336,8 +336,20 @@ SMOKE_GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6
 CONTENDERS = ["unpatched", "surgery", "liger"]
 # liger_rope_flce: Liger with only RoPE and the fused loss, the same kernels surgery swaps.
 # surgery_masked: surgery with causal_right_padding=False (padded batches keep their mask).
+# surgery_skip_ignored: surgery with loss_skip_ignored=True (the loss's products over the
+# labelled tokens only, for one host read of their count a step).
 # unpatched_grouped_mm: transformers with grouped_mm experts asked for (MoE models).
-EXTRA_CONTENDERS = ["liger_rope_flce", "surgery_masked", "unpatched_grouped_mm"]
+EXTRA_CONTENDERS = [
+    "liger_rope_flce",
+    "surgery_masked",
+    "surgery_skip_ignored",
+    "unpatched_grouped_mm",
+]
+SURGERY_CONTENDERS = {
+    "surgery": {},
+    "surgery_masked": {"causal_right_padding": False},
+    "surgery_skip_ignored": {"loss_skip_ignored": True},
+}
 # Any contender followed by model.compile().
 COMPILED = "_compiled"
 
@@ -470,11 +482,11 @@ def apply_contender(model, contender: str) -> dict[str, Any]:
             raise Unavailable("this transformers has no experts implementations")
         model.set_experts_implementation("grouped_mm")
         return {"experts_implementation": "grouped_mm"}
-    if contender in ("surgery", "surgery_masked"):
+    if contender in SURGERY_CONTENDERS:
         surgery = import_surgery()
         if not hasattr(surgery, "patch"):
             raise Unavailable("surgery.patch does not exist yet")
-        surgery.patch(model, **({"causal_right_padding": False} if contender != "surgery" else {}))
+        surgery.patch(model, **SURGERY_CONTENDERS[contender])
         opts = surgery.patch_options(model) if hasattr(surgery, "patch_options") else None
         if is_dataclass(opts):
             return {k: v for k, v in asdict(opts).items() if not callable(v)}

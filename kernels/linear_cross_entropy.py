@@ -150,6 +150,21 @@ def _autocast_disabled(fn):
     return run
 
 
+def _kept_rows(keep: torch.Tensor) -> torch.Tensor | None:
+    """The indices of the rows ``keep`` marks, or None to compute every row: when none is
+    dropped, or while a CUDA graph is captured (the count is a host read, which capture
+    forbids)."""
+    if keep.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    rows = keep.nonzero().flatten()  # the host read
+    return None if rows.numel() == keep.numel() else rows
+
+
+def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The (n, ...) tensor holding ``part``'s rows at ``rows`` and zeros elsewhere."""
+    return part.new_zeros(n, *part.shape[1:]).index_copy_(0, rows, part)
+
+
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
 @_autocast_disabled
 def lce_fwd(
@@ -165,12 +180,51 @@ def lce_fwd(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    skip_ignored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
     Returns (ce, z, lse, dx, dw, db): per-token fp32 losses and logsumexp, and the gradients for
     unit upstream gradient on ``sum(weights * (ce + z))`` (empty tensors where not requested).
+
+    ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
+    their losses, logsumexp and hidden gradient are 0. Exact: such a row's logit gradient is 0.
     """
+    keep = targets >= 0
+    if weights is not None:
+        keep &= weights != 0
+    rows = _kept_rows(keep) if skip_ignored else None
+    if rows is None:
+        return _lce_fwd_rows(
+            x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw,
+            need_db,
+        )  # fmt: skip
+    n = x.shape[0]
+    ce, zl, lse, dx, dw, db = _lce_fwd_rows(
+        x[rows], w, bias, targets[rows], None if weights is None else weights[rows], softcap,
+        eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
+    )  # fmt: skip
+    ce, zl, lse = (_scatter_rows(t, rows, n) for t in (ce, zl, lse))
+    if dx.dim() == 2:  # requested (an empty 1-D tensor where not)
+        dx = _scatter_rows(dx, rows, n)
+    return ce, zl, lse, dx, dw, db
+
+
+def _lce_fwd_rows(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lce_fwd`` over every row of ``x`` (any number, none included)."""
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
@@ -184,7 +238,9 @@ def lce_fwd(
     zl = torch.empty(n, dtype=torch.float32, device=dev)
     # Outputs of a custom op may not alias each other: distinct empties where not requested.
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
-    if need_dw:
+    if need_dw and n == 0:  # no row to accumulate (every one skipped)
+        dw = torch.zeros_like(w)
+    elif need_dw:
         dw = torch.empty_like(w) if single else torch.zeros(v, d, dtype=torch.float32, device=dev)
     else:
         dw = x.new_empty(0)
@@ -240,12 +296,51 @@ def lce_bwd_recompute(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    skip_ignored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
-    one product; the hidden gradient is accumulated in fp32."""
+    one product; the hidden gradient is accumulated in fp32. ``skip_ignored``: rows without a
+    target or with both coefficients 0 (they contribute nothing) take no part in the products."""
+    keep = (targets >= 0) & ((coef_ce != 0) | (coef_z != 0))
+    rows = _kept_rows(keep) if skip_ignored else None
+    if rows is None:
+        return _lce_bwd_rows(
+            x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes,
+            need_dx, need_dw, need_db,
+        )  # fmt: skip
+    dx, dw, db = _lce_bwd_rows(
+        x[rows], w, bias, targets[rows], lse[rows], coef_ce[rows], coef_z[rows], softcap, eps,
+        z_scale, chunk_bytes, need_dx, need_dw, need_db,
+    )  # fmt: skip
+    if need_dx:
+        dx = _scatter_rows(dx, rows, x.shape[0])
+    return dx, dw, db
+
+
+def _lce_bwd_rows(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lce_bwd_recompute`` over every row of ``x`` (any number, none included)."""
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
+    if n == 0:  # every row skipped: nothing reaches the weight or the bias
+        dw = torch.zeros_like(w) if need_dw else x.new_empty(0)
+        db = torch.zeros_like(bias) if need_db else x.new_empty(0)
+        return x.new_empty(0, d) if need_dx else x.new_empty(0), dw, db
     cols = _rows_for(chunk_bytes, n * x.element_size(), v, MIN_SLICE_COLS)
     dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
@@ -284,7 +379,8 @@ def lce_bwd_recompute(
 
 
 @lce_fwd.register_fake
-def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db):
+def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
+      skip_ignored=False):  # fmt: skip
     n = x.shape[0]
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
@@ -296,7 +392,7 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
 
 @lce_bwd_recompute.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
-      need_dw, need_db):  # fmt: skip
+      need_dw, need_db, skip_ignored=False):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -306,26 +402,27 @@ def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_by
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, low_memory, needs
-    ):
+        ctx, x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, low_memory, needs,
+        skip_ignored,
+    ):  # fmt: skip
         # `needs` is taken before apply(): inside forward grad mode is off, and needs_input_grad
         # does not see an outer torch.no_grad().
         need_dx, need_dw, need_db = needs
         eager = weights is not None and not low_memory and (need_dx or need_dw or need_db)
         ce, zl, lse, dx, dw, db = lce_fwd(
             x, w, bias, targets, weights if eager else None, softcap, eps, z_scale,
-            chunk_bytes, need_dx, need_dw, need_db,
+            chunk_bytes, need_dx, need_dw, need_db, skip_ignored,
         )  # fmt: skip
         ctx.save_for_backward(x, w, bias, targets, weights, lse)
         ctx.eager_grads = (dx, dw, db) if eager else None
-        ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db)
+        ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored)
         ctx.set_materialize_grads(False)
         return reduce_losses(ce, zl, weights)
 
     @staticmethod
     def backward(ctx, g_loss, g_z):
         x, w, bias, targets, weights, lse = ctx.saved_tensors
-        softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db = ctx.opts
+        softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored = ctx.opts
         dx = dw = db = None
         eager = ctx.eager_grads
         ctx.eager_grads = None
@@ -346,12 +443,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 a = torch.zeros_like(a)  # the ce part is already in the eager gradients
             rdx, rdw, rdb = lce_bwd_recompute(
                 x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
-                need_dx, need_dw, need_db,
+                need_dx, need_dw, need_db, skip_ignored,
             )  # fmt: skip
             dx = _add(dx, rdx if need_dx else None)
             dw = _add(dw, rdw if need_dw else None)
             db = _add(db, rdb if need_db else None)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -444,6 +541,7 @@ def linear_cross_entropy(
     shift: bool = False,
     low_memory: bool = False,
     chunk_bytes: int | None = None,
+    skip_ignored: bool = False,
 ) -> LossOutput:
     """Cross entropy of ``hidden @ weight.T + bias`` against ``labels`` without the full logits.
 
@@ -473,6 +571,13 @@ def linear_cross_entropy(
             weight-gradient accumulator and smaller chunks, at the cost of a fourth product.
         chunk_bytes: logits bytes per chunk (default 1 GiB, 64 MiB with ``low_memory``; chunks
             never go below 1024 tokens or 4096 vocabulary columns).
+        skip_ignored: tokens without a target (``ignore_index``, a masked prompt, padding; with
+            reduction "none" also those whose upstream gradient is 0) take no part in the matrix
+            products, forward or backward: exact (their logit gradients are 0; their losses are
+            0 either way), and an SFT batch with half its tokens masked costs about half the
+            products. The price is one host read of the count per call (forward, and the
+            recompute backward), which drains the queue of work the GPU is doing; off while a
+            CUDA graph is captured. Default off: without it no call reads anything on the host.
 
     Returns:
         ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".
@@ -534,6 +639,7 @@ def linear_cross_entropy(
         int(chunk_bytes),
         bool(low_memory),
         needs,
+        bool(skip_ignored),
     )
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)

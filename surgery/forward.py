@@ -491,6 +491,7 @@ def _forward(
                 softcap=softcap,
                 low_memory=options.loss_low_memory,
                 chunk_bytes=options.loss_chunk_bytes,
+                skip_ignored=options.loss_skip_ignored,
                 **loss_options,
             )
         else:

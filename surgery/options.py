@@ -43,6 +43,11 @@ class PatchOptions:
       product: about 1.4x the loss's time) — ``linear_cross_entropy(low_memory=True)``.
     - ``loss_chunk_bytes``: the fused loss's chunk budget (``linear_cross_entropy(chunk_bytes=)``;
       None: its default).
+    - ``loss_skip_ignored``: the fused loss's matrix products run over the tokens with a label
+      only (``linear_cross_entropy(skip_ignored=True)``): exact; an SFT batch whose prompts and
+      images are masked costs that much less of the loss's three products, for one host read of
+      the count per step (which waits for the forward to finish on the GPU). Off by default
+      until measured on the GPU against that wait.
     - ``share_attention_mask``: with ``rope`` (whose attention forward runs the attention) and
       ``attn_implementation="sdpa"``, a boolean 4-D mask is turned into an additive one once per
       forward and that one tensor goes to every layer. sdpa would otherwise build a new
@@ -116,6 +121,7 @@ class PatchOptions:
     recompute_norm_output: bool = True
     loss_low_memory: bool = False
     loss_chunk_bytes: int | None = None
+    loss_skip_ignored: bool = False
     share_attention_mask: bool = True
     causal_right_padding: bool = True
     eager_attention_recompute: bool = True
@@ -140,6 +146,7 @@ class PatchOptions:
             "recompute_mlp_product",
             "recompute_norm_output",
             "loss_low_memory",
+            "loss_skip_ignored",
             "share_attention_mask",
             "causal_right_padding",
             "eager_attention_recompute",

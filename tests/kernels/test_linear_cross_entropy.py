@@ -151,6 +151,73 @@ def test_long_ignored_runs_and_per_token_upstream():
     assert torch.all(gx == 0) and torch.all(gw == 0)
 
 
+SKIP_CASES = {
+    "mean": dict(),
+    "sequence-zloss": dict(reduction="sequence", z_loss_scale=1e-2),
+    "none-zloss": dict(reduction="none", z_loss_scale=1e-2),
+    "everything": dict(z_loss_scale=1e-3, label_smoothing=0.05, softcap=3.0, shift=True),
+    "low_memory": dict(low_memory=True, z_loss_scale=1e-3),
+    "num_items": dict(reduction="sum", num_items_in_batch=50),
+}
+
+
+@pytest.fixture
+def product_rows(monkeypatch):
+    """The row counts of the logits products of every call (forward and backward)."""
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    rows, logits = [], lce._logits
+
+    def counted(x, w, bias):
+        rows.append(x.shape[0])
+        return logits(x, w, bias)
+
+    monkeypatch.setattr(lce, "_logits", counted)
+    return rows
+
+
+@pytest.mark.parametrize("case", list(SKIP_CASES), ids=list(SKIP_CASES))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_skip_ignored_is_exact_and_computes_only_the_targets(case, dtype, product_rows):
+    """``skip_ignored``: the loss, the z-loss and every gradient (any upstream gradient, also on
+    the ignored tokens of reduction "none") are those without it, to the last bits a shorter
+    product may round differently; the logits products run over the tokens with a target only."""
+    kw = SKIP_CASES[case]
+    x, w, b, labels = make_inputs(61, 40, 517, DTYPES[dtype], ignore_frac=0.5, bias=True)
+    labels[10:30] = -100  # a long masked run too
+    if kw.get("reduction") == "sequence":
+        kw = {**kw, "position_ids": torch.arange(61, device=DEVICE) % 20}
+    want = linear_cross_entropy(x, w, labels, b, **kw)
+    gen = torch.Generator().manual_seed(3)
+    g_loss = torch.randn(want.loss.shape, generator=gen).to(DEVICE)
+    g_z = torch.randn(want.loss.shape, generator=gen).to(DEVICE)
+    want_g = grads(want, (x, w, b), g_loss, g_z)
+    product_rows.clear()
+    got = linear_cross_entropy(x, w, labels, b, skip_ignored=True, **kw)
+    got_g = grads(got, (x, w, b), g_loss, g_z)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "fp32" else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(got.loss, want.loss, **tol)
+    torch.testing.assert_close(got.z_loss, want.z_loss, **tol)
+    for a, e in zip(got_g, want_g):
+        torch.testing.assert_close(a.float(), e.float(), **tol)
+    targets = labels[1:] if kw.get("shift") else labels
+    with_target = int((targets != -100).sum())
+    assert product_rows and set(product_rows) == {with_target}
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["eager", "recompute"])
+def test_skip_ignored_with_no_target_at_all(low_memory):
+    """Every token ignored: no product runs, loss and gradients are 0."""
+    x, w, b, labels = make_inputs(16, 24, 100, torch.float32, bias=True)
+    labels[:] = -100
+    out = linear_cross_entropy(
+        x, w, labels, b, z_loss_scale=1e-2, low_memory=low_memory, skip_ignored=True
+    )
+    gs = torch.autograd.grad(out.loss, (x, w, b))
+    assert out.loss == 0 and out.z_loss == 0
+    for g in gs:
+        assert torch.all(g == 0)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "sequence", "none"])
 @pytest.mark.parametrize("fn", ["linear", "logits"])
 def test_all_ignored_gives_zero_loss_and_zero_grads(reduction, fn):

@@ -10,13 +10,22 @@ padding: query rows that attend to no key, whose logits match too (see ``surgery
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers.modeling_utils as modeling_utils
 
 import surgery
 from surgery import forward as surgery_forward
-from tests.models.tiny import ARCHS, padded_batch, sequences, tiny_model, twin
+from tests.models.tiny import (
+    ARCHS,
+    loss_and_grads,
+    padded_batch,
+    sequences,
+    tiny_model,
+    twin,
+)
 from tests.utils import FP32_CLOSE as TOL
 
 LENGTHS = [9, 6, 3]
@@ -64,3 +73,26 @@ def test_logits_to_keep_as_transformers(arch, keep, mode):
 @pytest.mark.skipif(not HAS_HELPER, reason="this transformers release has no helper")
 def test_slice_is_transformers_own():
     assert surgery_forward.slice_logits_to_keep is modeling_utils.slice_logits_to_keep
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_loss_skip_ignored_trains_as_transformers_on_the_labelled_tokens_only(arch, monkeypatch):
+    """``loss_skip_ignored``: a padded SFT batch whose prompts are masked gives transformers' loss
+    and every gradient (fp32), and the loss's logits products run over the labelled tokens only
+    (those whose next-token label is not -100)."""
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    rows, logits = [], lce._logits
+    monkeypatch.setattr(lce, "_logits", lambda x, w, b: rows.append(x.shape[0]) or logits(x, w, b))
+    batch = padded_batch(sequences(LENGTHS))
+    batch.labels[:, :4] = -100  # the prompts
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    surgery.patch(model, loss_skip_ignored=True)
+    loss, grads = loss_and_grads(model, **batch.kwargs())
+    want, want_grads = loss_and_grads(reference, **batch.kwargs())
+    torch.testing.assert_close(loss, want, **TOL)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    labelled = int((batch.labels[:, 1:] != -100).sum())
+    assert rows == [labelled]

@@ -212,17 +212,17 @@ def test_loss_options_reach_the_fused_loss(monkeypatch):
     original = surgery_forward.linear_cross_entropy
 
     def spy(*args, **kwargs):
-        seen.append((kwargs["low_memory"], kwargs["chunk_bytes"]))
+        seen.append((kwargs["low_memory"], kwargs["chunk_bytes"], kwargs["skip_ignored"]))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(surgery_forward, "linear_cross_entropy", spy)
     batch = padded_batch(sequences(LENGTHS)).kwargs()
     model = tiny_model("llama").train()
     reference = twin(model)
-    surgery.patch(model, loss_low_memory=True, loss_chunk_bytes=1 << 12)
+    surgery.patch(model, loss_low_memory=True, loss_chunk_bytes=1 << 12, loss_skip_ignored=True)
     loss, _ = loss_and_grads(model, **batch)
     want, _ = loss_and_grads(surgery.patch(reference), **batch)
-    assert seen[0] == (True, 1 << 12) and seen[1] == (False, None)
+    assert seen[0] == (True, 1 << 12, True) and seen[1] == (False, None, False)
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
 
 
@@ -234,8 +234,9 @@ def test_loss_options_reach_the_fused_loss(monkeypatch):
         {"loss_low_memory": None},
         {"loss_chunk_bytes": 0},
         {"loss_chunk_bytes": 1.5},
+        {"loss_skip_ignored": "yes"},
     ],
-    ids=["mlp-int", "norm-str", "low-memory-none", "chunk-0", "chunk-float"],
+    ids=["mlp-int", "norm-str", "low-memory-none", "chunk-0", "chunk-float", "skip-str"],
 )
 def test_bad_recompute_and_loss_options_raise(options):
     model = tiny_model("llama")
