@@ -159,9 +159,9 @@ class KernelSpy:
     """Stands in for ``linear_cross_entropy`` where the patched lm_head calls it and records the
     weight it was given: its shape, and ZeRO-3's status and full shape for it."""
 
-    def __init__(self, surgery_forward):
-        self.module = surgery_forward
-        self.kernel = surgery_forward.linear_cross_entropy
+    def __init__(self, surgery_head):
+        self.module = surgery_head
+        self.kernel = surgery_head.linear_cross_entropy
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, hidden, weight, labels, **kwargs):
@@ -189,7 +189,7 @@ class Runner:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         self.cuda = device.type == "cuda"
         self.surgery = import_surgery()
-        self.spy = KernelSpy(sys.modules["surgery.forward"])
+        self.spy = KernelSpy(sys.modules["surgery.head"])
         self.scratch = Path(tempfile.mkdtemp(prefix="zero3_"))
         self.engines: list[weakref.ref] = []  # every ZeRO-3 engine so far: each must be freed
 

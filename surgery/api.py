@@ -45,15 +45,13 @@ from .fallback import (
 )
 from .foreign import ForeignForwardError, foreign_kernel_modules, library_of
 from .forward import (
-    LM_HEAD_ATTR,
     STATE_ATTR,
     PatchState,
     causal_lm_forward,
     delegating_forward,
-    head_linears,
-    lm_head_forward,
     moe_causal_lm_forward,
 )
+from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
 from .layers import (
     MLP_ATTR,
     NORM_ATTR,

@@ -25,7 +25,8 @@ from .experts import (
     describe_experts,
 )
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
-from .forward import LM_HEAD_ATTR, STATE_ATTR, PatchState, head_takes_loss
+from .forward import STATE_ATTR, PatchState
+from .head import LM_HEAD_ATTR, head_takes_loss
 from .layers import MLP_ATTR, NORM_ATTR
 from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model

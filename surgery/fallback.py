@@ -48,15 +48,8 @@ from transformers import PreTrainedModel
 from surgery.models import ArchitectureSpec, MiniConfig
 
 from .foreign import ForeignForwardError, foreign_kernel_modules
-from .forward import (
-    LM_HEAD_ATTR,
-    STATE_ATTR,
-    PatchState,
-    causal_lm_forward,
-    head_linears,
-    lm_head_forward,
-    moe_causal_lm_forward,
-)
+from .forward import STATE_ATTR, PatchState, causal_lm_forward, moe_causal_lm_forward
+from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
 from .options import PatchOptions
 from .registry import UnsupportedModelError
 from .swap import Swap, check_signature, plan_swap

@@ -1,5 +1,5 @@
-"""The one generic causal-LM forward every architecture shares, and the lm_head forward that takes
-the loss arguments.
+"""The one generic causal-LM forward every architecture shares (the lm_head forward that takes the
+loss arguments is ``surgery.head``'s).
 
 The causal-LM forward runs the base model (``self.model``), then either the fused loss or logits:
 
@@ -32,14 +32,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
-from surgery.kernels import cross_entropy, linear_cross_entropy
+from surgery.kernels import cross_entropy
 from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 from surgery.multimodal import packed_bidirectional_masks
@@ -47,6 +45,7 @@ from surgery.multimodal import packed_bidirectional_masks
 from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .chunked_attention import packed_chunk_size
 from .compiling import graph_break_allowed, host_read
+from .head import fuse_replaced_head, head_logits, head_takes_loss, warn_unfused
 from .linear_attention import DOCUMENTS_KWARG, documents_of
 from .options import PatchOptions
 from .outputs import (
@@ -56,7 +55,6 @@ from .outputs import (
     causal_lm_output_class,
     with_z_loss,
 )
-from .swap import apply_swaps, is_swapped, plan_swap
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -79,13 +77,11 @@ __all__ = [
     "PatchState",
     "causal_lm_forward",
     "causal_lm_output_class",
-    "lm_head_forward",
     "moe_causal_lm_forward",
     "padding_only_behind",
 ]
 
 STATE_ATTR = "_surgery_state"
-LM_HEAD_ATTR = "_surgery_lm_head"
 
 
 @dataclass(frozen=True)
@@ -121,107 +117,6 @@ class PatchState:
         base = tuple(f.name for f in dataclasses.fields(output) if f.name not in COMPUTED_FIELDS)
         object.__setattr__(self, "output", output)
         object.__setattr__(self, "base_fields", base)
-
-
-def lm_head_forward(
-    self: nn.Linear, input: torch.Tensor, labels: torch.Tensor | None = None, **loss
-):
-    """``nn.Linear.forward`` that, given ``labels``, returns the ``LossOutput`` of
-    ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product. Called
-    through the module, so the weight is whatever the module holds during its forward (FSDP2
-    unshards it there)."""
-    if labels is None:
-        return type(self).forward(self, input)
-    return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
-
-
-def _is_plain_linear(module: nn.Module) -> bool:
-    """``nn.Linear`` itself, not a subclass (a quantised layer, whose weight the fused loss cannot
-    read), or the class FSDP2's ``fully_shard`` swaps in for it, ``FSDPLinear(FSDPModule,
-    nn.Linear)``: a head sharded before ``patch`` is still fused."""
-    cls = type(module)
-    if cls is nn.Linear:
-        return True
-    if cls.__bases__[-1:] != (nn.Linear,):
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return False
-    return cls.__bases__ == (FSDPModule, nn.Linear)
-
-
-def head_linears(lm: nn.Module) -> list[nn.Linear]:
-    """The vocabulary projections under ``lm.lm_head``: the head itself (sharded by FSDP2 or not),
-    or the copies inside a PEFT ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer
-    (whose own A/B projections have other shapes and are left alone). A multimodal wrapper's head
-    projects onto its text config's vocabulary."""
-    config = lm.config.get_text_config()
-    return [
-        m
-        for m in lm.lm_head.modules()
-        if _is_plain_linear(m)
-        and m.out_features == config.vocab_size
-        and m.in_features == config.hidden_size
-    ]
-
-
-def head_takes_loss(head: nn.Module) -> bool:
-    """Whether ``head(hidden, labels=...)`` reaches only patched lm_head Linears: every module
-    under ``head`` that owns parameters is one (PEFT's ``ModulesToSaveWrapper`` dispatches to
-    such copies).
-    A LoRA (or any other adapter) layer on the head owns other parameters: then the loss is computed
-    from the logits the wrapped head returns, so the adapter is trained, never dropped."""
-    for module in head.modules():
-        if module._parameters and LM_HEAD_ATTR not in module.__dict__:
-            return False
-    return True
-
-
-def _logits(self, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = self.lm_head(hidden)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
-def _fuse_replaced_head(lm: nn.Module) -> bool:
-    """Fuse a head that was replaced after ``patch`` (``resize_token_embeddings`` and
-    ``set_output_embeddings`` put a new ``nn.Linear`` there) the way ``patch`` fuses one: its
-    forward is swapped for ``lm_head_forward``, undone by ``unpatch``. Not when anything else
-    under the head owns parameters (an adapter: its logits are used, see ``head_takes_loss``), nor
-    under ``torch.compile`` (no swapping inside a traced forward). True when the head now takes
-    the loss."""
-    if torch.compiler.is_compiling():
-        return False
-    new = [m for m in head_linears(lm) if not is_swapped(m)]
-    if not new:
-        return False
-    for module in lm.lm_head.modules():
-        if module._parameters and LM_HEAD_ATTR not in module.__dict__ and module not in new:
-            return False
-    swaps = [plan_swap(m, lm_head_forward, {LM_HEAD_ATTR: True}, "lm_head") for m in new]
-    apply_swaps([swap for swap in swaps if swap is not None])
-    return head_takes_loss(lm.lm_head)
-
-
-def _warn_unfused(head: nn.Module) -> None:
-    # Python's default warning filter shows it once per process.
-    if torch.compiler.is_compiling():
-        cause = (
-            "was replaced after surgery.patch (resize_token_embeddings?) and cannot be fused "
-            "inside torch.compile; call surgery.patch(model) again before compiling"
-        )
-    else:
-        cause = (
-            f"is a {type(head).__name__} holding parameters of its own (e.g. a LoRA adapter); "
-            "leave lm_head out of the adapter's target_modules (use modules_to_save=['lm_head'] "
-            "to train it)"
-        )
-    warnings.warn(
-        f"surgery: lm_head {cause}. The loss is computed from its logits (correct, but not fused).",
-        stacklevel=3,
-    )
 
 
 def padding_only_behind(
@@ -427,7 +322,7 @@ def _forward(
         and options.fused_linear_cross_entropy
         and not options.return_logits
     )
-    head_fused = fused and (head_takes_loss(self.lm_head) or _fuse_replaced_head(self))
+    head_fused = fused and (head_takes_loss(self.lm_head) or fuse_replaced_head(self))
     if (
         options.causal_right_padding
         and head_fused
@@ -464,7 +359,7 @@ def _forward(
 
     loss = z_loss = logits = None
     if labels is None:
-        logits = _logits(self, hidden, softcap)
+        logits = head_logits(self, hidden, softcap)
     else:
         targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
         targets = targets.to(hidden.device)
@@ -496,8 +391,8 @@ def _forward(
             )
         else:
             if fused:
-                _warn_unfused(self.lm_head)
-            logits = _logits(self, hidden, softcap)
+                warn_unfused(self.lm_head)
+            logits = head_logits(self, hidden, softcap)
             out = cross_entropy(logits, targets, **loss_options)
         loss = out.loss
         if options.z_loss_scale > 0:

@@ -11,6 +11,7 @@ import torch
 import surgery
 from surgery import attention as surgery_attention
 from surgery import forward as surgery_forward
+from surgery import head as surgery_head
 from surgery import layers as surgery_layers
 from tests.utils import FP32_CLOSE as TOL
 
@@ -52,7 +53,7 @@ def spies(monkeypatch):
         monkeypatch.setattr(module, name, wrapper)
 
     count(surgery_attention, "apply_rope")
-    count(surgery_forward, "linear_cross_entropy")
+    count(surgery_head, "linear_cross_entropy")
     count(surgery_forward, "cross_entropy")
     count(surgery_layers, "rms_norm")
     count(surgery_layers, "gated_activation")

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import forward as surgery_forward
+from surgery import head as surgery_head
 from surgery import recompute as surgery_recompute
 from surgery.kernels import linear_cross_entropy
 from surgery.kernels.dispatch import interpreter_enabled, use_triton
@@ -160,7 +160,7 @@ def _args(out_dir: Path, **overrides):
 
 
 class KernelSpy:
-    """Stands in for ``linear_cross_entropy`` in ``surgery.forward`` (what the patched lm_head
+    """Stands in for ``linear_cross_entropy`` in ``surgery.head`` (what the patched lm_head
     calls) and records what the weight looked like inside the call."""
 
     def __init__(self):
@@ -306,7 +306,7 @@ def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # a forked child: the parent keeps the originals
     spy = KernelSpy()
-    surgery_forward.linear_cross_entropy = spy
+    surgery_head.linear_cross_entropy = spy
     rebuilds = RebuildSpy()
     rebuilds.install()
     try:

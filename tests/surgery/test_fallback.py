@@ -14,6 +14,7 @@ from torch import nn
 
 import surgery
 from surgery import forward as surgery_forward
+from surgery import head as surgery_head
 from surgery.fallback import FALLBACK_ATTR, LossFallback, loss_only_options
 from surgery.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
@@ -151,17 +152,17 @@ def surgery_attrs(model: nn.Module) -> list[str]:
 def spies(monkeypatch):
     calls = {"linear_cross_entropy": 0, "cross_entropy": 0}
 
-    def count(name):
-        original = getattr(surgery_forward, name)
+    def count(module, name):
+        original = getattr(module, name)
 
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(surgery_forward, name, wrapper)
+        monkeypatch.setattr(module, name, wrapper)
 
-    count("linear_cross_entropy")
-    count("cross_entropy")
+    count(surgery_head, "linear_cross_entropy")
+    count(surgery_forward, "cross_entropy")
     return calls
 
 

@@ -242,7 +242,7 @@ def test_device_map_with_disk_offloaded_layers(tmp_path):
     surgery.patch(model)
     assert surgery.is_patched(model)
     assert model.lm_head.__dict__["forward"] is head_hook_forward  # the hook is kept
-    assert model.lm_head.__dict__["_old_forward"].__func__ is surgery.forward.lm_head_forward
+    assert model.lm_head.__dict__["_old_forward"].__func__ is surgery.head.lm_head_forward
 
     with torch.no_grad():
         want = reference(**BATCH.kwargs())

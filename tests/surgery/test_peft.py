@@ -10,7 +10,7 @@ import torch
 
 import surgery
 import surgery.experts
-from surgery import forward as surgery_forward
+from surgery import head as surgery_head
 from tests.models.tiny import (
     ARCHS,
     assert_grads_close,
@@ -50,13 +50,13 @@ def peft_model(arch, order, **lora):
 @pytest.fixture
 def lce_calls(monkeypatch):
     calls = []
-    original = surgery_forward.linear_cross_entropy
+    original = surgery_head.linear_cross_entropy
 
     def spy(hidden, weight, labels, **kwargs):
         calls.append(weight)
         return original(hidden, weight, labels, **kwargs)
 
-    monkeypatch.setattr(surgery_forward, "linear_cross_entropy", spy)
+    monkeypatch.setattr(surgery_head, "linear_cross_entropy", spy)
     return calls
 
 

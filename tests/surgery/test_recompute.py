@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import surgery
-from surgery import forward as surgery_forward
+from surgery import head as surgery_head
 from surgery import recompute
 from tests.models.tiny import (
     HIDDEN,
@@ -209,13 +209,13 @@ def test_zero3_parameters_are_not_registered_for_recompute(monkeypatch, zero3):
 
 def test_loss_options_reach_the_fused_loss(monkeypatch):
     seen = []
-    original = surgery_forward.linear_cross_entropy
+    original = surgery_head.linear_cross_entropy
 
     def spy(*args, **kwargs):
         seen.append((kwargs["low_memory"], kwargs["chunk_bytes"], kwargs["skip_ignored"]))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(surgery_forward, "linear_cross_entropy", spy)
+    monkeypatch.setattr(surgery_head, "linear_cross_entropy", spy)
     batch = padded_batch(sequences(LENGTHS)).kwargs()
     model = tiny_model("llama").train()
     reference = twin(model)

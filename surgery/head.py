@@ -1,0 +1,137 @@
+"""The lm_head of a patched model: its ``nn.Linear`` projections onto the vocabulary take the loss
+arguments (``lm_head_forward``: given labels, the fused ``linear_cross_entropy`` instead of the
+logits), called through the module so that its hooks (FSDP2's all-gather, accelerate's) run
+around it and a tied head reads the shared weight.
+
+Which Linears those are (``head_linears``: the head, PEFT's ``ModulesToSaveWrapper`` copies, the
+base layer inside a LoRA layer), whether a call of the head reaches only them
+(``head_takes_loss``: an adapter with parameters of its own makes the forward use its logits
+instead, so the adapter is trained), and a head replaced after ``patch`` (fused on the first call
+that needs it, ``fuse_replaced_head``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from surgery.kernels import linear_cross_entropy
+
+from .swap import apply_swaps, is_swapped, plan_swap
+
+__all__ = [
+    "LM_HEAD_ATTR",
+    "fuse_replaced_head",
+    "head_linears",
+    "head_logits",
+    "head_takes_loss",
+    "lm_head_forward",
+    "warn_unfused",
+]
+
+LM_HEAD_ATTR = "_surgery_lm_head"
+"""Instance attribute of a patched lm_head Linear (True)."""
+
+
+def lm_head_forward(
+    self: nn.Linear, input: torch.Tensor, labels: torch.Tensor | None = None, **loss
+):
+    """``nn.Linear.forward`` that, given ``labels``, returns the ``LossOutput`` of
+    ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product. Called
+    through the module, so the weight is whatever the module holds during its forward (FSDP2
+    unshards it there)."""
+    if labels is None:
+        return type(self).forward(self, input)
+    return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, not a subclass (a quantised layer, whose weight the fused loss cannot
+    read), or the class FSDP2's ``fully_shard`` swaps in for it, ``FSDPLinear(FSDPModule,
+    nn.Linear)``: a head sharded before ``patch`` is still fused."""
+    cls = type(module)
+    if cls is nn.Linear:
+        return True
+    if cls.__bases__[-1:] != (nn.Linear,):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return cls.__bases__ == (FSDPModule, nn.Linear)
+
+
+def head_linears(lm: nn.Module) -> list[nn.Linear]:
+    """The vocabulary projections under ``lm.lm_head``: the head itself (sharded by FSDP2 or not),
+    or the copies inside a PEFT ``ModulesToSaveWrapper``, or the base layer inside a LoRA layer
+    (whose own A/B projections have other shapes and are left alone). A multimodal wrapper's head
+    projects onto its text config's vocabulary."""
+    config = lm.config.get_text_config()
+    return [
+        m
+        for m in lm.lm_head.modules()
+        if _is_plain_linear(m)
+        and m.out_features == config.vocab_size
+        and m.in_features == config.hidden_size
+    ]
+
+
+def head_takes_loss(head: nn.Module) -> bool:
+    """Whether ``head(hidden, labels=...)`` reaches only patched lm_head Linears: every module
+    under ``head`` that owns parameters is one (PEFT's ``ModulesToSaveWrapper`` dispatches to
+    such copies).
+    A LoRA (or any other adapter) layer on the head owns other parameters: then the loss is computed
+    from the logits the wrapped head returns, so the adapter is trained, never dropped."""
+    for module in head.modules():
+        if module._parameters and LM_HEAD_ATTR not in module.__dict__:
+            return False
+    return True
+
+
+def head_logits(lm: nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The logits of ``lm``'s head, capped as the model caps them (``softcap``, or None)."""
+    logits = lm.lm_head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def fuse_replaced_head(lm: nn.Module) -> bool:
+    """Fuse a head that was replaced after ``patch`` (``resize_token_embeddings`` and
+    ``set_output_embeddings`` put a new ``nn.Linear`` there) the way ``patch`` fuses one: its
+    forward is swapped for ``lm_head_forward``, undone by ``unpatch``. Not when anything else
+    under the head owns parameters (an adapter: its logits are used, see ``head_takes_loss``), nor
+    under ``torch.compile`` (no swapping inside a traced forward). True when the head now takes
+    the loss."""
+    if torch.compiler.is_compiling():
+        return False
+    new = [m for m in head_linears(lm) if not is_swapped(m)]
+    if not new:
+        return False
+    for module in lm.lm_head.modules():
+        if module._parameters and LM_HEAD_ATTR not in module.__dict__ and module not in new:
+            return False
+    swaps = [plan_swap(m, lm_head_forward, {LM_HEAD_ATTR: True}, "lm_head") for m in new]
+    apply_swaps([swap for swap in swaps if swap is not None])
+    return head_takes_loss(lm.lm_head)
+
+
+def warn_unfused(head: nn.Module) -> None:
+    # Python's default warning filter shows it once per process.
+    if torch.compiler.is_compiling():
+        cause = (
+            "was replaced after surgery.patch (resize_token_embeddings?) and cannot be fused "
+            "inside torch.compile; call surgery.patch(model) again before compiling"
+        )
+    else:
+        cause = (
+            f"is a {type(head).__name__} holding parameters of its own (e.g. a LoRA adapter); "
+            "leave lm_head out of the adapter's target_modules (use modules_to_save=['lm_head'] "
+            "to train it)"
+        )
+    warnings.warn(
+        f"surgery: lm_head {cause}. The loss is computed from its logits (correct, but not fused).",
+        stacklevel=3,
+    )
