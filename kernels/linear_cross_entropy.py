@@ -190,41 +190,12 @@ def lce_fwd(
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp and hidden gradient are 0. Exact: such a row's logit gradient is 0.
     """
-    keep = targets >= 0
-    if weights is not None:
-        keep &= weights != 0
-    rows = _kept_rows(keep) if skip_ignored else None
-    if rows is None:
-        return _lce_fwd_rows(
-            x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw,
-            need_db,
-        )  # fmt: skip
-    n = x.shape[0]
-    ce, zl, lse, dx, dw, db = _lce_fwd_rows(
-        x[rows], w, bias, targets[rows], None if weights is None else weights[rows], softcap,
-        eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
-    )  # fmt: skip
-    ce, zl, lse = (_scatter_rows(t, rows, n) for t in (ce, zl, lse))
-    if dx.dim() == 2:  # requested (an empty 1-D tensor where not)
-        dx = _scatter_rows(dx, rows, n)
-    return ce, zl, lse, dx, dw, db
-
-
-def _lce_fwd_rows(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    weights: torch.Tensor | None,
-    softcap: float,
-    eps: float,
-    z_scale: float,
-    chunk_bytes: int,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lce_fwd`` over every row of ``x`` (any number, none included)."""
+    n_all, rows = x.shape[0], None
+    if skip_ignored:
+        rows = _kept_rows((targets >= 0) & (True if weights is None else weights != 0))
+    if rows is not None:  # the kept rows only, scattered back at the end
+        x, targets = x[rows], targets[rows]
+        weights = None if weights is None else weights[rows]
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
@@ -276,6 +247,10 @@ def _lce_fwd_rows(
         dw = dw.to(w.dtype)
     if need_db:
         db = db.to(bias.dtype)
+    if rows is not None:
+        ce, zl, lse = (_scatter_rows(t, rows, n_all) for t in (ce, zl, lse))
+        if need_dx:
+            dx = _scatter_rows(dx, rows, n_all)
     return ce, zl, lse, dx, dw, db
 
 
@@ -301,46 +276,19 @@ def lce_bwd_recompute(
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
     one product; the hidden gradient is accumulated in fp32. ``skip_ignored``: rows without a
     target or with both coefficients 0 (they contribute nothing) take no part in the products."""
-    keep = (targets >= 0) & ((coef_ce != 0) | (coef_z != 0))
-    rows = _kept_rows(keep) if skip_ignored else None
-    if rows is None:
-        return _lce_bwd_rows(
-            x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes,
-            need_dx, need_dw, need_db,
-        )  # fmt: skip
-    dx, dw, db = _lce_bwd_rows(
-        x[rows], w, bias, targets[rows], lse[rows], coef_ce[rows], coef_z[rows], softcap, eps,
-        z_scale, chunk_bytes, need_dx, need_dw, need_db,
-    )  # fmt: skip
-    if need_dx:
-        dx = _scatter_rows(dx, rows, x.shape[0])
-    return dx, dw, db
-
-
-def _lce_bwd_rows(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    coef_ce: torch.Tensor,
-    coef_z: torch.Tensor,
-    softcap: float,
-    eps: float,
-    z_scale: float,
-    chunk_bytes: int,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lce_bwd_recompute`` over every row of ``x`` (any number, none included)."""
+    n_all, rows = x.shape[0], None
+    if skip_ignored:
+        rows = _kept_rows((targets >= 0) & ((coef_ce != 0) | (coef_z != 0)))
+    if rows is not None:  # the kept rows only, the hidden gradient scattered back at the end
+        x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
-    if n == 0:  # every row skipped: nothing reaches the weight or the bias
+    if n == 0:  # every row skipped: nothing reaches the hidden states, the weight or the bias
+        dx = x.new_zeros(n_all, d) if need_dx else x.new_empty(0)
         dw = torch.zeros_like(w) if need_dw else x.new_empty(0)
         db = torch.zeros_like(bias) if need_db else x.new_empty(0)
-        return x.new_empty(0, d) if need_dx else x.new_empty(0), dw, db
+        return dx, dw, db
     cols = _rows_for(chunk_bytes, n * x.element_size(), v, MIN_SLICE_COLS)
     dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
@@ -371,6 +319,8 @@ def _lce_bwd_rows(
     dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
     if need_db:
         db = db.to(bias.dtype)
+    if rows is not None and need_dx:
+        dx = _scatter_rows(dx, rows, n_all)
     return dx, dw, db
 
 
