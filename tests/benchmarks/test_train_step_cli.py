@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -26,3 +27,19 @@ def test_scenarios_take_any_batch_of_either_layout():
 def test_scenarios_refuse_what_is_not_a_layout_and_a_batch(text):
     with pytest.raises(argparse.ArgumentTypeError):
         train_step.parse_scenarios(text)
+
+
+@pytest.mark.parametrize(
+    ("contender", "options"),
+    [
+        ("surgery", {}),
+        ("surgery_masked", {"causal_right_padding": False}),
+        ("surgery_skip_ignored", {"loss_skip_ignored": True}),
+    ],
+)
+def test_surgery_contenders_patch_with_their_options(contender, options):
+    import surgery
+
+    model = train_step.build_model("llama", True, torch.device("cpu"), dtype=torch.float32)
+    train_step.apply_contender(model, contender)
+    assert surgery.patch_options(model) == surgery.PatchOptions(**options)
