@@ -1,5 +1,6 @@
 """``benchmarks/train_step.py``'s command line: ``--scenarios`` takes any batch of either layout
-(the hybrid's unpatched step fits the H100 at batch 1 only) and refuses anything else."""
+(the hybrid's unpatched step fits the H100 at batch 1 only) and refuses anything else; each
+surgery contender patches with its own options."""
 
 from __future__ import annotations
 
