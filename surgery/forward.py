@@ -301,7 +301,7 @@ def _forward(
     model_mask = attention_mask
     if packed_step and not causal and host_reads:
         # transformers' mask of a packed row with two-way image attention is not each
-        # conversation's own (surgery.multimodal): build it from theirs, one at a time.
+        # conversation's own (surgery.multimodal): build it from theirs, each conversation alone.
         dtype = self.get_input_embeddings().weight.dtype if input_ids is not None else tokens.dtype
         types = kwargs[wrapper.bidirectional_tokens]
         masks = _packed_bidirectional_masks(self.model, text_positions, types, dtype)

@@ -124,7 +124,8 @@ def flash_layout(x: torch.Tensor) -> bool:
 
 
 class ReferenceVarlen:
-    """``varlen_attn``'s signature, computed document by document in fp32; records its calls."""
+    """``varlen_attn``'s signature in fp32 (``dense_varlen``), checking what flash attention
+    would refuse (layouts, an upper bound below the longest document); records its calls."""
 
     def __init__(self):
         self.calls: list[dict] = []
@@ -135,24 +136,8 @@ class ReferenceVarlen:
         assert max_q >= int(cu_q.diff().max())  # it sizes the grid: an upper bound is exact
         for x in (q, k, v):
             assert flash_layout(x), (x.shape, x.stride(), x.storage_offset())
-        left, right = window_size  # flash attention's: -1 is no limit on that side
         self.calls.append(dict(cu=cu_q.tolist(), max=max_q, scale=scale, window=window_size))
-        groups = q.shape[1] // k.shape[1]
-        out = []
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            qq, kk, vv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))
-            kk, vv = kk.repeat_interleave(groups, 0), vv.repeat_interleave(groups, 0)
-            i = torch.arange(b - a)[:, None]
-            j = torch.arange(b - a)[None, :]
-            allowed = torch.ones(b - a, b - a, dtype=torch.bool)
-            if right >= 0:
-                allowed &= j <= i + right
-            if left >= 0:
-                allowed &= j >= i - left
-            scores = (qq @ kk.transpose(1, 2)) * scale
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            out.append((probs @ vv).transpose(0, 1).to(q.dtype))
-        return torch.cat(out)
+        return dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
 
 
 def dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):

@@ -52,7 +52,7 @@ def tiny_tower_vlm(pair: str):
     return model.train()
 
 
-def segments_seen(model, batch) -> list[list[int]]:
+def segments_seen(model, wrapper, batch) -> list[list[int]]:
     """The ``cu_seqlens`` each vision attention module is called with, in order."""
     seen = []
     hooks = [
@@ -60,7 +60,7 @@ def segments_seen(model, batch) -> list[list[int]]:
             lambda _, args, kwargs: seen.append(kwargs["cu_seqlens"].tolist()), with_kwargs=True
         )
         for m in model.modules()
-        if PAIRS_BY_TYPE[model.config.model_type].is_vision_attention(m)
+        if wrapper.is_vision_attention(m)
     ]
     try:
         tower_step(model, batch)
@@ -68,9 +68,6 @@ def segments_seen(model, batch) -> list[list[int]]:
         for h in hooks:
             h.remove()
     return seen
-
-
-PAIRS_BY_TYPE = {PAIRS[p][1].model_type: PAIRS[p][1] for p in QWEN_VL}
 
 
 def tower_step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +105,7 @@ def test_vision_attention_is_one_varlen_call_per_block(pair, reference_kernel):
     batch = image_batch(fp32, PAIRS[pair][1])
     eager = half(fp32)
     patched = surgery.patch(half(fp32))
-    want = segments_seen(eager, batch)
+    want = segments_seen(eager, PAIRS[pair][1], batch)
     assert len(want) == 2 and not reference_kernel.calls
     (ref, ref_grads), (base, base_grads) = tower_step(fp32, batch), tower_step(eager, batch)
     got, grads = tower_step(patched, batch)
