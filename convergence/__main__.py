@@ -10,7 +10,7 @@ tokenizer) and data, bf16 by default, the sides one after another (``pretrained`
 where its rules differ from the mini configs'. Exits 1 when any check fails.
 
 ``--multimodal``: the mini multimodal wrappers (``--model qwen2_5_vl``, ``gemma3``, ... or
-``all``) on chat samples with images (``multimodal``); packed only where the family packs.
+``all``) on chat samples with images (``multimodal``), padded and packed for every wrapper.
 """
 
 from __future__ import annotations

@@ -50,7 +50,6 @@ from .data import collate as collate_text
 
 __all__ = [
     "MULTIMODAL",
-    "PACKED",
     "ImageDocument",
     "build_multimodal_model",
     "collate_multimodal",
@@ -75,9 +74,6 @@ SUPPORTED = ("qwen2_5_vl", "gemma3", "qwen2_vl", "qwen3_vl", "qwen3_5", "mistral
 MULTIMODAL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
     name: _ALL[name] for name in SUPPORTED if name in _ALL
 }
-# The wrappers trained on packed rows too: every one (text positions restarting at each
-# conversation; the Qwen-VL family's rows carry their multimodal positions, module docstring).
-PACKED = frozenset(MULTIMODAL)
 _MROPE = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
 
 # Image sizes a sample draws from, as the family's processor gives them: Qwen (t, h, w) patch

@@ -39,6 +39,7 @@ __all__ = [
     "PackedSequences",
     "flash_head_size",
     "flash_layout",
+    "flash_takes_heads",
     "packed_sequences",
     "split_at_chunks",
     "varlen_attention",
@@ -247,9 +248,16 @@ _VARLEN_ATTN = _varlen_attn()
 
 
 def flash_head_size(*tensors: torch.Tensor) -> bool:
-    """Whether flash attention's varlen kernel takes heads of these tensors' last size: whole
-    16-byte vectors (8 bf16/fp16 channels). Callers take the masked path otherwise."""
-    return all(x.shape[-1] * x.element_size() % 16 == 0 for x in tensors)
+    """Whether flash attention's varlen kernel takes heads of these tensors' last size
+    (``flash_takes_heads``). Callers take the masked path otherwise."""
+    return all(flash_takes_heads(x.shape[-1], x.element_size()) for x in tensors)
+
+
+def flash_takes_heads(head_dim: int, element_size: int = 2) -> bool:
+    """Whether flash attention's varlen kernel takes heads of ``head_dim`` channels of
+    ``element_size`` bytes: whole 16-byte vectors (8 bf16/fp16 channels). The form for callers
+    that decide before the tensors exist."""
+    return head_dim * element_size % 16 == 0
 
 
 def flash_layout(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers.utils.generic import is_flash_attention_requested
 
-from .varlen import flash_layout, varlen_kernel
+from .varlen import flash_layout, flash_takes_heads, varlen_kernel
 
 __all__ = ["VISION_ATTENTION_ATTR", "vision_attention_forward"]
 
@@ -70,7 +70,7 @@ def vision_attention_forward(
         or not _half_precision(hidden_states)
         or is_flash_attention_requested(self.config)
         or (self.training and self.attention_dropout > 0.0)
-        or head_dim % 8 != 0  # whole 16-byte vectors of 16-bit channels
+        or not flash_takes_heads(head_dim)  # 16-bit channels
     ):
         return type(self).forward(
             self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs

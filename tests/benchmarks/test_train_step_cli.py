@@ -24,6 +24,13 @@ def test_scenarios_take_any_batch_of_either_layout():
     ]
 
 
+def test_quick_drops_batch_4_from_the_defaults_only():
+    asked = train_step.parse_scenarios("padded4,packed2")
+    assert train_step.scenarios_to_run(asked, quick=True) == [("padded", 4), ("packed", 2)]
+    assert ("padded", 4) not in train_step.scenarios_to_run(None, quick=True)
+    assert train_step.scenarios_to_run(None, quick=False) == train_step.SCENARIOS
+
+
 @pytest.mark.parametrize("text", ["padded", "packed0", "varlen2", "padded2,", "padded-1"])
 def test_scenarios_refuse_what_is_not_a_layout_and_a_batch(text):
     with pytest.raises(argparse.ArgumentTypeError):

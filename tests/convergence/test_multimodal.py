@@ -5,6 +5,7 @@ image features fails them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import surgery
@@ -12,7 +13,6 @@ from surgery.convergence.compare import evaluate
 from surgery.convergence.data import IGNORE_INDEX
 from surgery.convergence.multimodal import (
     MULTIMODAL,
-    PACKED,
     build_multimodal_model,
     collate_multimodal,
     multimodal_batches,
@@ -43,12 +43,40 @@ def test_image_chats_are_masked_and_collated():
     assert (packed["position_ids"][0] == 0).sum() == len(docs)  # the text row restarts
     padded = collate_multimodal(docs, "padded", model.config)
     assert torch.equal(padded["mm_token_type_ids"], (padded["input_ids"] == image).long())
-    assert frozenset(MULTIMODAL) == PACKED  # every wrapper trains packed rows too
     gemma = build_multimodal_model("gemma3")
     docs = multimodal_batches(gemma, "tiny", 1)[0][0]
     packed = collate_multimodal(docs, "packed", gemma.config)
     assert packed["position_ids"].shape == (1, sum(len(d) for d in docs))  # text positions
     assert (packed["position_ids"] == 0).sum() == len(docs)
+
+
+@pytest.mark.parametrize("name", sorted(MULTIMODAL))
+def test_every_wrapper_packs_its_conversations(name):
+    """Every wrapper trains packed rows (the CLI's default layouts): one row holding each
+    conversation whole, its text positions restarting at 0, its images' inputs all there, and
+    the Qwen-VL family's rows carrying each conversation's own 3-D positions."""
+    model = build_multimodal_model(name)
+    docs = multimodal_batches(model, "tiny", 1)[0][0]
+    assert len(docs) > 1
+    packed = collate_multimodal(docs, "packed", model.config)
+    padded = collate_multimodal(docs, "padded", model.config)
+    lengths = [len(d) for d in docs]
+    assert packed["input_ids"].shape == (1, sum(lengths))
+    assert torch.equal(packed["input_ids"][0], torch.cat([d.input_ids for d in docs]))
+    positions = packed["position_ids"]
+    text = positions[0] if positions.dim() == 3 else positions  # Qwen-VL: the text row first
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    assert text.shape == (1, sum(lengths)) and (text[0, starts] == 0).all()
+    assert int((text == 0).sum()) == len(docs)
+    real = padded["attention_mask"].bool()
+    for key in ("mm_token_type_ids", "token_type_ids"):  # per token: the padded batch's tokens
+        if key in padded:
+            assert torch.equal(packed[key][0], padded[key][real]), key
+    images = set(padded) - {"input_ids", "labels", "position_ids", "attention_mask",
+                            "mm_token_type_ids", "token_type_ids"}  # fmt: skip
+    assert images and all(torch.equal(packed[k], padded[k]) for k in images)
+    if positions.dim() == 3:  # (4, 1, seq): each conversation's own rope index
+        assert torch.equal(positions[1:, 0], torch.cat([d.rope for d in docs], -1))
 
 
 def test_qwen2_5_vl_trains_like_original_packed():
