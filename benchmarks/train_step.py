@@ -784,6 +784,14 @@ def profile_step(model, step, inputs, seq, job) -> None:
     )
     out.write_text(header + "\n\n".join(sections) + "\n")
     print(f"wrote {out}", flush=True)
+    if device.type == "cuda":
+        # What is alive at the step's peak of memory, and where it was allocated.
+        from memory_peak import peak_table, record_step
+
+        trace, before = record_step(lambda: step(data), device)
+        memory = out.with_name(f"memory_{job['model']}_{job['contender']}_{kind}.txt")
+        memory.write_text(header + peak_table(trace, before))
+        print(f"wrote {memory}", flush=True)
     if job.get("profile_trace"):
         # The step's timeline (chrome://tracing, Perfetto), gzipped: where the GPU waits.
         import gzip
