@@ -338,18 +338,23 @@ CONTENDERS = ["unpatched", "surgery", "liger"]
 # surgery_masked: surgery with causal_right_padding=False (padded batches keep their mask).
 # surgery_skip_ignored: surgery with loss_skip_ignored=True (the loss's products over the
 # labelled tokens only, for one host read of their count a step).
+# surgery_inductor_norm / _inductor_mlp: surgery leaving the RMSNorm / the gated MLP to
+# transformers (and so to Inductor when compiled); surgery_no_recompute: no recompute of the MLP
+# product and the norm output (compile studies, issue 18).
 # unpatched_grouped_mm: transformers with grouped_mm experts asked for (MoE models).
-EXTRA_CONTENDERS = [
-    "liger_rope_flce",
-    "surgery_masked",
-    "surgery_skip_ignored",
-    "unpatched_grouped_mm",
-]
 SURGERY_CONTENDERS = {
     "surgery": {},
     "surgery_masked": {"causal_right_padding": False},
     "surgery_skip_ignored": {"loss_skip_ignored": True},
+    "surgery_inductor_norm": {"rms_norm": False},
+    "surgery_inductor_mlp": {"gated_mlp": False},
+    "surgery_no_recompute": {"recompute_mlp_product": False, "recompute_norm_output": False},
 }
+EXTRA_CONTENDERS = [
+    "liger_rope_flce",
+    *(name for name in SURGERY_CONTENDERS if name != "surgery"),
+    "unpatched_grouped_mm",
+]
 # Any contender followed by model.compile().
 COMPILED = "_compiled"
 
