@@ -276,7 +276,7 @@ def patch(
     recompute_norm_output: bool = True,
     loss_low_memory: bool = False,
     loss_chunk_bytes: int | None = None,
-    loss_skip_ignored: bool = False,
+    loss_skip_ignored: bool = True,
     share_attention_mask: bool = True,
     causal_right_padding: bool = True,
     eager_attention_recompute: bool = True,

@@ -77,9 +77,9 @@ def test_slice_is_transformers_own():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_loss_skip_ignored_trains_as_transformers_on_the_labelled_tokens_only(arch, monkeypatch):
-    """``loss_skip_ignored``: a padded SFT batch whose prompts are masked gives transformers' loss
-    and every gradient (fp32), and the loss's logits products run over the labelled tokens only
-    (those whose next-token label is not -100)."""
+    """``loss_skip_ignored`` (the default): a padded SFT batch whose prompts are masked gives
+    transformers' loss and every gradient (fp32), and the loss's logits products run over the
+    labelled tokens only (those whose next-token label is not -100)."""
     lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
     rows, logits = [], lce._logits
     monkeypatch.setattr(lce, "_logits", lambda x, w, b: rows.append(x.shape[0]) or logits(x, w, b))
@@ -87,7 +87,7 @@ def test_loss_skip_ignored_trains_as_transformers_on_the_labelled_tokens_only(ar
     batch.labels[:, :4] = -100  # the prompts
     model = tiny_model(arch).train()
     reference = twin(model)
-    surgery.patch(model, loss_skip_ignored=True)
+    surgery.patch(model)
     loss, grads = loss_and_grads(model, **batch.kwargs())
     want, want_grads = loss_and_grads(reference, **batch.kwargs())
     torch.testing.assert_close(loss, want, **TOL)

@@ -219,10 +219,10 @@ def test_loss_options_reach_the_fused_loss(monkeypatch):
     batch = padded_batch(sequences(LENGTHS)).kwargs()
     model = tiny_model("llama").train()
     reference = twin(model)
-    surgery.patch(model, loss_low_memory=True, loss_chunk_bytes=1 << 12, loss_skip_ignored=True)
+    surgery.patch(model, loss_low_memory=True, loss_chunk_bytes=1 << 12, loss_skip_ignored=False)
     loss, _ = loss_and_grads(model, **batch)
     want, _ = loss_and_grads(surgery.patch(reference), **batch)
-    assert seen[0] == (True, 1 << 12, True) and seen[1] == (False, None, False)
+    assert seen[0] == (True, 1 << 12, False) and seen[1] == (False, None, True)  # the defaults
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
 
 
