@@ -1,6 +1,7 @@
 """Triton kernels with plain-PyTorch fp32 references beside them. Imports only torch and triton."""
 
 from .cross_entropy import cross_entropy
+from .embedding import embedding, embedding_reference
 from .gated_activation import gated_activation, gated_activation_reference
 from .linear_cross_entropy import linear_cross_entropy
 from .reduction import check_labels
@@ -16,6 +17,8 @@ __all__ = [
     "check_labels",
     "cross_entropy",
     "cross_entropy_reference",
+    "embedding",
+    "embedding_reference",
     "gated_activation",
     "gated_activation_reference",
     "linear_cross_entropy",

@@ -53,9 +53,12 @@ from .forward import (
 )
 from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
 from .layers import (
+    EMBEDDING_ATTR,
     MLP_ATTR,
     NORM_ATTR,
+    embedding_forward,
     gated_mlp_forward_for,
+    input_embeddings,
     rms_norm_forward_for,
 )
 from .linear_attention import LINEAR_ATTENTION_ATTR, linear_attention_forward
@@ -174,6 +177,10 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
                 if _feeds_projections(text, module):
                     extra.update(norm_plan)
                 wanted.append((name, module, rms_norm_forward_for(module), extra))
+    embeddings = input_embeddings(text) if options.embedding_backward else []
+    for name, module in modules:
+        if any(module is e for e in embeddings):
+            wanted.append((name, module, embedding_forward, {EMBEDDING_ATTR: True}))
     if options.gated_mlp and spec.mlp is not None:
         activation = spec.gated_activation(text.config)
         if activation is None:
@@ -272,6 +279,7 @@ def patch(
     return_logits: bool = False,
     rms_norm: bool = True,
     gated_mlp: bool = True,
+    embedding_backward: bool = True,
     recompute_mlp_product: bool = True,
     recompute_norm_output: bool = True,
     loss_low_memory: bool = False,
@@ -311,6 +319,7 @@ def patch(
         return_logits=return_logits,
         rms_norm=rms_norm,
         gated_mlp=gated_mlp,
+        embedding_backward=embedding_backward,
         recompute_mlp_product=recompute_mlp_product,
         recompute_norm_output=recompute_norm_output,
         loss_low_memory=loss_low_memory,

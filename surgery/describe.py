@@ -27,7 +27,7 @@ from .experts import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import STATE_ATTR, PatchState
 from .head import LM_HEAD_ATTR, head_takes_loss
-from .layers import MLP_ATTR, NORM_ATTR
+from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR
 from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model
 from .options import PatchOptions
@@ -139,6 +139,8 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         return "base model forward: transformers' own, handing its layers " + (
             ", ".join(given) or "nothing more"
         )
+    if EMBEDDING_ATTR in attrs:
+        return "input embedding: weight gradient in one op, torch's eager kernel (also compiled)"
     if VISION_ATTENTION_ATTR in attrs:
         return "vision attention: each image, frame or window in one varlen call (CUDA, 16-bit)"
     if LINEAR_ATTENTION_ATTR in attrs:
@@ -166,6 +168,16 @@ def _left_alone_because(
         return "rope=False"
     if spec.rms_norm is not None and spec.is_instance(module, spec.rms_norm):
         return "rms_norm=False"
+    embed = text_model(lm, spec)[0].get_input_embeddings()
+    if module is embed or (
+        type(module) is nn.Embedding and any(module is m for m in embed.modules())
+    ):
+        if not options.embedding_backward:
+            return "embedding_backward=False"
+        return (
+            "input embedding with a forward of its own (Gemma's scaled one), max_norm or sparse "
+            "gradients: transformers' own forward"
+        )
     if spec.mlp is not None and spec.is_instance(module, spec.mlp):
         if not options.gated_mlp:
             return "gated_mlp=False"
@@ -227,7 +239,8 @@ def describe(model: nn.Module) -> PatchReport:
         notes += [f"probe: {check}" for check in proof.checks]
         notes.append(
             "off, as they act on modules the fallback leaves alone: rope, rms_norm, gated_mlp, "
-            "their recomputation, the attention options and causal_right_padding"
+            "embedding_backward, their recomputation, the attention options and "
+            "causal_right_padding"
         )
     else:
         what = spec.causal_lm if state.wrapper is None else f"in {state.wrapper.wrapper}"

@@ -101,7 +101,7 @@ class LossFallback:
 
 def loss_only_options(options: PatchOptions) -> PatchOptions:
     """``options`` with everything off that acts on modules the fallback leaves alone: RoPE,
-    RMSNorm and MLP kernels (and their recomputation), the attention options, and
+    RMSNorm, MLP and embedding kernels (and their recomputation), the attention options, and
     ``causal_right_padding`` (dropping a mask is exact only under causal attention everywhere,
     which the probe does not prove). The loss options are kept."""
     return dataclasses.replace(
@@ -109,6 +109,7 @@ def loss_only_options(options: PatchOptions) -> PatchOptions:
         rope=False,
         rms_norm=False,
         gated_mlp=False,
+        embedding_backward=False,
         recompute_mlp_product=False,
         recompute_norm_output=False,
         share_attention_mask=False,

@@ -1,5 +1,5 @@
-"""The generic RMSNorm and gated-MLP forwards: one each for every architecture, its differences read
-from the spec (the norm's style, the MLP's activation).
+"""The generic RMSNorm, gated-MLP and input-embedding forwards: one each for every architecture, its
+differences read from the spec (the norm's style, the MLP's activation).
 
 The MLP forward calls its projections as modules and never reads their weights, so adapters on
 them (PEFT LoRA), hooks and FSDP2's unsharding all run as in the original forward.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from surgery.kernels import gated_activation, rms_norm
+from surgery.kernels import embedding, gated_activation, rms_norm
 from surgery.kernels.gated_activation import gated_activation_fwd
 from surgery.kernels.rms_norm import rms_norm_fwd
 from surgery.models import RMSNormStyle
@@ -22,13 +22,16 @@ from . import recompute
 from .recompute import RECOMPUTE_ATTR, RecomputePlan
 
 __all__ = [
+    "EMBEDDING_ATTR",
     "MLP_ATTR",
     "NORM_ATTR",
     "RECOMPUTE_ATTR",
     "RecomputePlan",
+    "embedding_forward",
     "gated_mlp_forward",
     "gated_mlp_forward_for",
     "gated_mlp_forward_hidden_states",
+    "input_embeddings",
     "rms_norm_forward",
     "rms_norm_forward_for",
     "rms_norm_forward_x",
@@ -38,6 +41,8 @@ NORM_ATTR = "_surgery_rms_norm"
 """Instance attribute of a patched norm: its ``RMSNormStyle``."""
 MLP_ATTR = "_surgery_gated_mlp"
 """Instance attribute of a patched MLP: the ``gated_activation`` name of its activation."""
+EMBEDDING_ATTR = "_surgery_embedding"
+"""Instance attribute of a patched input embedding (True)."""
 
 
 def _rebuild_rms_norm(x, weight, eps, offset, casting):
@@ -133,3 +138,25 @@ def gated_mlp_forward_for(module: nn.Module) -> Callable:
     ``rms_norm_forward_for``)."""
     params = list(inspect.signature(type(module).forward).parameters)[1:]
     return gated_mlp_forward_hidden_states if params[:1] == ["hidden_states"] else gated_mlp_forward
+
+
+def input_embeddings(text: nn.Module) -> list[nn.Embedding]:
+    """The tables under the text model ``text``'s input embedding that ``embedding_forward``
+    replaces: the embedding itself, or inside a PEFT adapter its base layer, or inside PEFT's
+    ``modules_to_save`` the original and the trained copies; each a plain ``nn.Embedding``
+    without ``max_norm`` or sparse gradients. Gemma's scaled embeddings are subclasses with a
+    forward of their own, and keep it."""
+    embed = text.get_input_embeddings()
+    return [
+        m
+        for m in embed.modules()
+        if type(m) is nn.Embedding
+        and m.weight.shape == embed.weight.shape
+        and m.max_norm is None
+        and not m.sparse
+    ]
+
+
+def embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Embedding.forward`` with the weight's gradient from ``surgery.kernels.embedding``."""
+    return embedding(input, self.weight, self.padding_idx, self.scale_grad_by_freq)

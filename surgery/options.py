@@ -27,6 +27,12 @@ class PatchOptions:
       the architecture's cast points (swaps the norm forwards).
     - ``gated_mlp``: the MLP's ``act(gate) * up`` through the fused ``gated_activation`` kernel
       (swaps the MLP forwards; left alone for an activation without a kernel).
+    - ``embedding_backward``: the text model's input embedding (a plain ``nn.Embedding``, without
+      ``max_norm`` or sparse gradients) computes its weight gradient in one op,
+      ``surgery::embedding_backward``: PyTorch's own eager kernel, so the gradient is bit for bit
+      the unpatched eager one, and a compiled model keeps that kernel instead of Inductor's
+      decomposition, which holds an fp32 copy of the whole table (1.2 GB at Qwen3's vocabulary in
+      bf16) at the end of the backward (``surgery.kernels.embedding``). Eager, nothing changes.
     - ``recompute_mlp_product``: with ``gated_mlp``, the product ``act(gate) * up`` is not kept
       for ``down_proj``'s weight gradient; the backward rebuilds it, bit for bit, from gate and up
       (kept anyway) with the forward's kernel: one (tokens x intermediate) tensor less per layer
@@ -121,6 +127,7 @@ class PatchOptions:
     return_logits: bool = False
     rms_norm: bool = True
     gated_mlp: bool = True
+    embedding_backward: bool = True
     recompute_mlp_product: bool = True
     recompute_norm_output: bool = True
     loss_low_memory: bool = False
@@ -147,6 +154,7 @@ class PatchOptions:
             "return_logits",
             "rms_norm",
             "gated_mlp",
+            "embedding_backward",
             "recompute_mlp_product",
             "recompute_norm_output",
             "loss_low_memory",

@@ -26,6 +26,7 @@ import surgery
 import surgery.varlen as varlen
 from surgery.compiling import graph_break_allowed
 from surgery.kernels import gated_activation, linear_cross_entropy
+from surgery.layers import input_embeddings
 from tests.models.tiny import (
     ARCHS,
     SPECS,
@@ -139,7 +140,8 @@ def test_compiled_steps_match_and_compile_once(arch):
     """``model.compile(fullgraph=True)``: three steps on batches of one shape (right padding,
     left padding, right padding with every padding position trained), each within fp32's budget
     of the uncompiled patched model, one frame compiled; the backward rebuilds norm outputs and
-    MLP products (their kernels run again there) instead of keeping them."""
+    MLP products (their kernels run again there) instead of keeping them; the input embedding's
+    gradient comes from ``surgery::embedding_backward``."""
     model = surgery.patch(tiny_model(arch).train())
     eager = twin(model)
     seqs = sequences(LENGTHS)
@@ -157,6 +159,11 @@ def test_compiled_steps_match_and_compile_once(arch):
     assert backward.count("surgery.rms_norm_fwd.default") >= 2  # the layers' input norms
     if SPECS[arch].mlp is not None:  # Mixtral's experts are its only MLPs
         assert "surgery.gated_activation_fwd.default" in backward
+    # The input embedding's gradient from torch's eager kernel, not a decomposition into an fp32
+    # table (Gemma's scaled embeddings keep transformers' forward).
+    plain = bool(input_embeddings(model.model))
+    assert ("surgery.embedding_backward.default" in backward) is plain
+    assert ("aten.embedding_dense_backward.default" in backward) is not plain
 
 
 # ---------------------------------------------------------------------------------------------

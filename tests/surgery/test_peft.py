@@ -179,3 +179,27 @@ def test_lora_on_lm_head_is_trained_not_dropped(order, lce_calls):
     assert not lce_calls
     torch.testing.assert_close(loss, want_loss, **TOL)
     assert_grads_close(grads, want, **TOL)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {"target_modules": ["embed_tokens", "q_proj"]},
+        {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
+    ],
+    ids=["lora-embedding", "trained-embedding-copy"],
+)
+def test_input_embedding_adapted_or_trained(order, lora, lce_calls):
+    """LoRA on the input embedding (its frozen base layer swapped), or a trained copy of it
+    (``modules_to_save``): loss and every trained gradient as unpatched PEFT's."""
+    model = peft_model("llama", order, **lora)
+    reference = peft_model("llama", "never", **lora)
+    batch = padded_batch(sequences([7, 5, 3]))
+    loss, grads = loss_and_grads(model, **batch.kwargs())
+    want_loss, want = loss_and_grads(reference, **batch.kwargs())
+    assert any("embed_tokens" in n for n in grads) and len(lce_calls) == 1
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want, **TOL)
+    surgery.unpatch(model)
+    assert not surgery.is_patched(model)
