@@ -72,12 +72,30 @@ if triton is not None:
             tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@torch.library.custom_op("surgery::scaled_by_upstream", mutates_args=())
+def scaled_by_upstream(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``t * g`` in a new tensor (``g`` 0-dim, in ``t``'s dtype): ``scale_by_upstream_`` under
+    ``torch.compile``."""
+    return t * g.to(t.dtype)
+
+
+@scaled_by_upstream.register_fake
+def _(t, g):
+    return torch.empty_like(t)
+
+
 def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """In-place ``t *= g`` for a 0-dim upstream gradient ``g`` (a no-op on the device if g == 1)."""
+    """``t`` scaled by a 0-dim upstream gradient ``g``: in place eagerly (a no-op on the device if
+    g == 1). Under ``torch.compile`` a new tensor from one opaque op: the saved gradient is a
+    buffer the compiled backward may reuse for a multiply written in the graph, and a gradient
+    returned in such a buffer is copied again by autograd before it is accumulated (on the H100
+    a second 594 MiB lm_head gradient alive to the end of the compiled Qwen3-MoE backward); a new
+    tensor is taken as it is, and the saved one is freed at once."""
     if t.numel() == 0:
         return t
-    if torch.compiler.is_compiling() or not use_triton(t) or not t.is_contiguous():
-        # Traced graphs fuse the multiply themselves (and cannot trace a raw Triton launch here).
+    if torch.compiler.is_compiling():
+        return scaled_by_upstream(t, g)
+    if not use_triton(t) or not t.is_contiguous():
         return t.mul_(g.to(t.dtype))
     g32 = g.detach().reshape(1).to(torch.float32)
     n = t.numel()

@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+import torch._dynamo.testing
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -358,6 +359,27 @@ def test_inductor_step_matches():
     for _ in range(2):
         assert_same_step(loss_and_grads(compiled, **batch), loss_and_grads(eager, **batch))
     assert counter.frame_count == 1
+
+
+def test_inductor_lm_head_gradient_is_taken_not_copied():
+    """inductor: the fused loss's weight gradient (saved in the forward, scaled by the upstream
+    gradient in the backward) reaches ``lm_head.weight.grad`` as the backward returned it. When
+    the compiled backward scaled it in the saved buffer, autograd copied it before accumulating:
+    a second (vocab x hidden) gradient alive to the end of the backward."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", num_hidden_layers=1), attn_implementation="sdpa"
+    )
+    model = surgery.patch(model.train())
+    assert model.lm_head.weight is not model.get_input_embeddings().weight  # one gradient
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    compiled(**batch).loss.backward()  # compiles
+    model.zero_grad(set_to_none=True)
+    incoming = []
+    model.lm_head.weight.register_hook(lambda g: incoming.append(g.data_ptr()))
+    compiled(**batch).loss.backward()
+    assert incoming == [model.lm_head.weight.grad.data_ptr()]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,8 +237,15 @@ def test_loss_options_reach_the_fused_loss(monkeypatch):
         {"loss_skip_ignored": "yes"},
         {"embedding_backward": 1},
     ],
-    ids=["mlp-int", "norm-str", "low-memory-none", "chunk-0", "chunk-float", "skip-str",
-         "embedding-int"],  # fmt: skip
+    ids=[
+        "mlp-int",
+        "norm-str",
+        "low-memory-none",
+        "chunk-0",
+        "chunk-float",
+        "skip-str",
+        "embedding-int",
+    ],
 )
 def test_bad_recompute_and_loss_options_raise(options):
     model = tiny_model("llama")
