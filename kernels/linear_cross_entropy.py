@@ -381,18 +381,28 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             x, w, bias, targets, weights if eager else None, softcap, eps, z_scale,
             chunk_bytes, need_dx, need_dw, need_db, skip_ignored,
         )  # fmt: skip
-        ctx.save_for_backward(x, w, bias, targets, weights, lse)
-        ctx.eager_grads = (dx, dw, db) if eager else None
+        # The gradients for unit upstream gradient, scaled in the backward. Eagerly they sit on
+        # ctx and are scaled in place; the backward drops them, so a second backward
+        # (retain_graph) recomputes instead of reusing scaled ones. Compiled, that would keep them
+        # to the end of the step (the compiler keeps tensors put on ctx until the graph is freed:
+        # on the H100 a second lm_head gradient beside the real one): there they are saved
+        # tensors, handed to the backward graph, which frees them once scaled out of place
+        # (``scale_by_upstream_``). Compiled graphs have no retain_graph (donated buffers).
+        compiled = torch.compiler.is_compiling()
+        grads = (dx, dw, db) if eager else ()
+        ctx.save_for_backward(x, w, bias, targets, weights, lse, *(grads if compiled else ()))
+        ctx.eager_grads = grads if eager and not compiled else None
+        ctx.saved_grads = eager and compiled
         ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored)
         ctx.set_materialize_grads(False)
         return reduce_losses(ce, zl, weights)
 
     @staticmethod
     def backward(ctx, g_loss, g_z):
-        x, w, bias, targets, weights, lse = ctx.saved_tensors
+        x, w, bias, targets, weights, lse, *saved_grads = ctx.saved_tensors
         softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored = ctx.opts
         dx = dw = db = None
-        eager = ctx.eager_grads
+        eager = tuple(saved_grads) if ctx.saved_grads else ctx.eager_grads
         ctx.eager_grads = None
         if eager is not None:
             if g_loss is not None:
