@@ -71,6 +71,9 @@ def test_registry_patch_reports_what_was_installed():
     assert kernels_of(report, "Linear") == {
         "lm_head: linear_cross_entropy (no logits materialised)"
     }
+    assert kernels_of(report, "Embedding") == {
+        "input embedding: weight gradient in one op, torch's eager kernel (also compiled)"
+    }
     assert "Qwen3DecoderLayer" in counts(report.left_alone)
     assert any("accepts_loss_kwargs is False" in note for note in report.notes)
     text = str(report)
@@ -86,6 +89,9 @@ def test_options_off_are_the_reasons():
         "(gemma cast points, scale (1 + weight))" in k for k in kernels_of(report, "Gemma3RMSNorm")
     )
     assert counts(report.patched) == swapped_classes(model)
+    assert "Gemma's scaled one" in reasons_of(report, "Gemma3TextScaledWordEmbedding").pop()
+    off = surgery.describe(surgery.patch(tiny_model("qwen3"), embedding_backward=False))
+    assert reasons_of(off, "Embedding") == {"embedding_backward=False"}
 
     config = tiny_config("llama")
     config.hidden_act = "relu"
