@@ -10,7 +10,9 @@ it beside the profiler tables (``memory_<model>_<contender>_<scenario>.txt``).
 A block is labelled by the innermost frame of its Python stack outside torch itself (the model's
 code, surgery's, an Inductor-generated graph file, or the ``loss.backward()`` line for builtin
 ops' backward, whose Python stack is the caller's). The report lists the labels by bytes alive at
-the peak, the largest blocks, and the allocation that reached the peak.
+the peak, the largest blocks, and the allocation that reached the peak. A compiled graph reuses a
+dead buffer for a later tensor, so there a block's label says where it was allocated, not what it
+holds at the peak (``saved_activations.py`` says what a compiled graph keeps).
 """
 
 from __future__ import annotations
