@@ -17,6 +17,7 @@ This says what the graph keeps.
 from __future__ import annotations
 
 import argparse
+import operator
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,12 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import import_surgery
 
-_THROUGH = ("getitem", "view", "reshape", "permute", "transpose", "detach", "alias")
+# Views whose schema says they return a new tensor.
+_VIEWS_BY_NAME = {"aten._unsafe_view.default", "aten.reshape.default"}
+
+
+def _is_view(target) -> bool:
+    """``getitem``, or an op whose output aliases its input (a view, ``t``, ``detach``, ...)."""
+    if target is operator.getitem or str(target) in _VIEWS_BY_NAME:
+        return True
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
 
 
 def producer(node):
     """The op that computed ``node``'s value, through views and tuple items."""
-    while node.op == "call_function" and any(k in str(node.target) for k in _THROUGH):
+    while node.op == "call_function" and _is_view(node.target):
         node = node.args[0]
     return str(node.target) if node.op == "call_function" else node.op
 
