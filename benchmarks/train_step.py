@@ -336,8 +336,8 @@ SMOKE_GEMMA2 = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6
 CONTENDERS = ["unpatched", "surgery", "liger"]
 # liger_rope_flce: Liger with only RoPE and the fused loss, the same kernels surgery swaps.
 # surgery_masked: surgery with causal_right_padding=False (padded batches keep their mask).
-# surgery_skip_ignored: surgery with loss_skip_ignored=True (the loss's products over the
-# labelled tokens only, for one host read of their count a step).
+# surgery_every_token: surgery with loss_skip_ignored=False (the loss's products over every token,
+# no host read; before it was the default, this run was "surgery" against "surgery_skip_ignored").
 # surgery_inductor_norm / _inductor_mlp: surgery leaving the RMSNorm / the gated MLP to
 # transformers (and so to Inductor when compiled); surgery_no_recompute: no recompute of the MLP
 # product and the norm output (compile studies, issue 18).
@@ -345,7 +345,7 @@ CONTENDERS = ["unpatched", "surgery", "liger"]
 SURGERY_CONTENDERS = {
     "surgery": {},
     "surgery_masked": {"causal_right_padding": False},
-    "surgery_skip_ignored": {"loss_skip_ignored": True},
+    "surgery_every_token": {"loss_skip_ignored": False},
     "surgery_inductor_norm": {"rms_norm": False},
     "surgery_inductor_mlp": {"gated_mlp": False},
     "surgery_no_recompute": {"recompute_mlp_product": False, "recompute_norm_output": False},

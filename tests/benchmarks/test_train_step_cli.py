@@ -42,7 +42,7 @@ def test_scenarios_refuse_what_is_not_a_layout_and_a_batch(text):
     [
         ("surgery", {}),
         ("surgery_masked", {"causal_right_padding": False}),
-        ("surgery_skip_ignored", {"loss_skip_ignored": True}),
+        ("surgery_every_token", {"loss_skip_ignored": False}),
         ("surgery_inductor_norm", {"rms_norm": False}),
         ("surgery_inductor_mlp", {"gated_mlp": False}),
         ("surgery_no_recompute", {"recompute_mlp_product": False, "recompute_norm_output": False}),
