@@ -2,9 +2,10 @@
 
     python benchmarks/saved_activations.py --model qwen3_moe --layers 2 [--scenario padded]
 
-Builds ``train_step``'s model (``--layers`` of its layers, bf16, CUDA; CPU in fp32 without a GPU),
-patches it with surgery's defaults, compiles it with AOT autograd and the min-cut partitioner (what
-Inductor partitions with) and runs one step on ``train_step``'s 2 x ``--seq`` batch. For each
+Builds ``train_step``'s model (``train_step.build_model``: ``--layers`` of its layers, bf16,
+CUDA; CPU in fp32 without a GPU), patches it with surgery's defaults, compiles it with AOT
+autograd and the min-cut partitioner (what Inductor partitions with) and runs one step on
+``train_step``'s 2 x ``--seq`` batch. For each
 forward graph it prints the tensors handed to the backward, grouped by the op that computed them
 (views and ``getitem`` followed back to it): count and MiB. ``placeholder`` rows are the graph's
 inputs (parameters among them).
@@ -24,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import import_surgery
 
 # Views whose schema says they return a new tensor.
 _VIEWS_BY_NAME = {"aten._unsafe_view.default", "aten.reshape.default"}
@@ -71,22 +71,14 @@ def main(argv=None) -> int:
 
     import torch
     import train_step
-    import transformers
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    surgery = import_surgery()
-    cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    spec = train_step.MODELS[args.model]
-    config = transformers.AutoConfig.for_model(
-        spec["model_type"], **{**spec["config"], "num_hidden_layers": args.layers}
-    )
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=spec["attn"], dtype=dtype
-    )
-    model = surgery.patch(model.to(device).train())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = train_step.build_model(args.model, False, device, dtype, layers=args.layers)
+    train_step.apply_contender(model, "surgery")
     graphs = []
 
     def keep(gm, example_inputs):
@@ -98,7 +90,8 @@ def main(argv=None) -> int:
         bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
         partition_fn=min_cut_rematerialization_partition,
     )
-    data, _ = train_step.make_batch(args.scenario, 2, args.seq, config.vocab_size, device, 0)
+    vocab = model.config.get_text_config().vocab_size
+    data, _ = train_step.make_batch(args.scenario, 2, args.seq, vocab, device, 0)
     with torch.no_grad():
         model(**data)  # transformers' output-capturing hooks, installed eagerly
     model.compile(backend=backend)

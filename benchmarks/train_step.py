@@ -459,15 +459,17 @@ def model_config_kwargs(name: str, smoke: bool) -> dict[str, Any]:
     return kwargs
 
 
-def build_model(name: str, smoke: bool, device, dtype=None):
+def build_model(name: str, smoke: bool, device, dtype=None, layers: int | None = None):
     """``name``'s model with random weights from its config, in ``dtype`` (bf16 by default), in
-    training mode."""
+    training mode; ``layers``: that many of its (text) layers instead."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     dtype = dtype or torch.bfloat16
     spec = MODELS[name]
     cfg_kwargs = model_config_kwargs(name, smoke)
+    if layers is not None:
+        cfg_kwargs.get("text_config", cfg_kwargs)["num_hidden_layers"] = layers
     cfg_kwargs["use_cache"] = False
     if "text_config" in cfg_kwargs:  # the language model reads its own config's use_cache
         cfg_kwargs["text_config"]["use_cache"] = False

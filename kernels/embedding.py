@@ -68,7 +68,7 @@ def embedding(
     dense gradient), its weight's gradient from ``surgery::embedding_backward``. Without a
     gradient to compute, ``F.embedding`` itself."""
     if not (torch.is_grad_enabled() and weight.requires_grad):
-        return F.embedding(indices, weight, padding_idx)
+        return embedding_reference(indices, weight, padding_idx, scale_grad_by_freq)
     if padding_idx is None:
         padding_idx = -1
     elif padding_idx < 0:  # as F.embedding reads it

@@ -392,7 +392,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grads = (dx, dw, db) if eager else ()
         ctx.save_for_backward(x, w, bias, targets, weights, lse, *(grads if compiled else ()))
         ctx.eager_grads = grads if eager and not compiled else None
-        ctx.saved_grads = eager and compiled
         ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored)
         ctx.set_materialize_grads(False)
         return reduce_losses(ce, zl, weights)
@@ -402,7 +401,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         x, w, bias, targets, weights, lse, *saved_grads = ctx.saved_tensors
         softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored = ctx.opts
         dx = dw = db = None
-        eager = tuple(saved_grads) if ctx.saved_grads else ctx.eager_grads
+        eager = tuple(saved_grads) or ctx.eager_grads
         ctx.eager_grads = None
         if eager is not None:
             if g_loss is not None:

@@ -110,7 +110,7 @@ def run_ranks(worker, world: int, out, cases: list) -> dict:
     return torch.load(os.path.join(str(out), "results.pt"), weights_only=False)
 
 
-def flash_layout(x: torch.Tensor) -> bool:
+def _flash_readable(x: torch.Tensor) -> bool:
     """What flash attention's kernels read without a misaligned address (an H100 stopped with one
     on a tiny Mistral 4, whose values are a slice of kv_b_proj's output): a head size of whole
     16-byte vectors, unit last stride, and every other stride and the start on 16 bytes."""
@@ -135,7 +135,7 @@ class ReferenceVarlen:
         assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == cu_q[-1]
         assert max_q >= int(cu_q.diff().max())  # it sizes the grid: an upper bound is exact
         for x in (q, k, v):
-            assert flash_layout(x), (x.shape, x.stride(), x.storage_offset())
+            assert _flash_readable(x), (x.shape, x.stride(), x.storage_offset())
         self.calls.append(dict(cu=cu_q.tolist(), max=max_q, scale=scale, window=window_size))
         return dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
 
