@@ -33,9 +33,12 @@ import torch
 
 from .dispatch import (
     cdiv,
+    hint,
     interpreter_enabled,
+    launchable,
     next_power_of_2,
     on_device,
+    op_traced,
     triton_available,
     use_triton,
 )
@@ -187,9 +190,10 @@ def _sm_count(device_index: int) -> int:
 
 
 def _tiling(launch: RmsNormLaunch, n_rows: int, N: int) -> tuple[int, int, int]:
+    # n_rows only caps the tile for tiny inputs: a hint of it serves (the kernel masks rows).
     block_n = next_power_of_2(N)
     block_m = max(1, launch.tile_elems // block_n)
-    block_m = min(next_power_of_2(block_m), next_power_of_2(max(n_rows, 1)))
+    block_m = min(next_power_of_2(block_m), next_power_of_2(max(hint(n_rows), 1)))
     num_warps = launch.num_warps
     if num_warps is None:
         num_warps = min(16, max(4, block_m * block_n // 512))
@@ -239,10 +243,12 @@ def rms_norm_fwd(
     casting: str = "llama",
     launch: RmsNormLaunch | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise the rows of 2-D ``x2d`` (rows, N; unit stride along N) as validated by
     ``rms_norm`` (no checks here). Returns ``(y, rstd)``: y (rows, N) contiguous in the casting's
-    output dtype, rstd (rows,) fp32; written into ``out`` when given (tests poison it)."""
+    output dtype, rstd (rows,) fp32; written into ``out`` when given (tests poison it).
+    ``traced``: called from the op torch.compile traces (kernels/dispatch.py)."""
     n_rows, N = x2d.shape
     if out is not None:
         y, rstd = out
@@ -252,13 +258,13 @@ def rms_norm_fwd(
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows == 0:
         return y, rstd
-    if not use_triton(x2d):
+    if not use_triton(x2d, traced):
         _fwd_torch(x2d, weight, y, rstd, eps, offset, casting)
         return y, rstd
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
     with on_device(x2d):
-        rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
+        launchable(rms_norm_fwd_kernel, traced)[(cdiv(n_rows, block_m),)](
             x2d,
             weight,
             y,
@@ -288,28 +294,29 @@ def rms_norm_bwd(
     compute_dw: bool = True,
     launch: RmsNormLaunch | None = None,
     out: torch.Tensor | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of ``rms_norm_fwd`` given ``dy`` (rows, N; unit stride along N): ``(dx, dw)``,
     dx (rows, N) in x's dtype (written into ``out`` when given), dw (N,) in the weight's dtype
-    (None unless ``compute_dw``)."""
+    (None unless ``compute_dw``). ``traced`` as in ``rms_norm_fwd``."""
     n_rows, N = x2d.shape
     dev = x2d.device
     dx = torch.empty(n_rows, N, dtype=x2d.dtype, device=dev) if out is None else out
-    if n_rows == 0 or not use_triton(x2d):
+    if n_rows == 0 or not use_triton(x2d, traced):
         dw32 = torch.zeros(N, dtype=torch.float32, device=dev) if compute_dw else None
         if n_rows:
             _bwd_torch(dy, x2d, weight, rstd, dx, dw32, offset, casting)
         return dx, None if dw32 is None else dw32.to(weight.dtype)
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
-    n_tiles = cdiv(n_rows, block_m)
     programs = launch.programs
     if programs is None:
         programs = launch.bwd_programs_per_sm * (_sm_count(dev.index or 0) if x2d.is_cuda else 1)
-    programs = max(1, min(programs, n_tiles))
+    # Programs beyond the row tiles store a zero row: a count from a hint of n_rows serves.
+    programs = max(1, min(programs, cdiv(hint(n_rows), block_m)))
     dw_partial = torch.empty(programs if compute_dw else 1, N, dtype=torch.float32, device=dev)
     with on_device(x2d):
-        rms_norm_bwd_kernel[(programs,)](
+        launchable(rms_norm_bwd_kernel, traced)[(programs,)](
             dy,
             x2d,
             weight,
@@ -334,24 +341,19 @@ def rms_norm_bwd(
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops: opaque to torch.compile, so a model using rms_norm traces with fullgraph=True.
+# torch.library ops, what torch.compile sees: triton_ops, which it traces into graphs that launch
+# the Triton kernels themselves (on CPU, the PyTorch path's operations), so a model using
+# rms_norm traces with fullgraph=True.
 
 
-@torch.library.custom_op("surgery::rms_norm_fwd", mutates_args=())
+@torch.library.triton_op("surgery::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd_op(
     x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x2d, weight, eps, offset, casting)
+    return rms_norm_fwd(x2d, weight, eps, offset, casting, traced=op_traced())
 
 
-@_rms_norm_fwd_op.register_fake
-def _(x2d, weight, eps, offset, casting):
-    n_rows, N = x2d.shape
-    y = x2d.new_empty(n_rows, N, dtype=_out_dtype(x2d.dtype, weight.dtype, casting))
-    return y, x2d.new_empty(n_rows, dtype=torch.float32)
-
-
-@torch.library.custom_op("surgery::rms_norm_bwd", mutates_args=())
+@torch.library.triton_op("surgery::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(
     dy: torch.Tensor,
     x2d: torch.Tensor,
@@ -361,14 +363,9 @@ def _rms_norm_bwd_op(
     casting: str,
     compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, offset, casting, compute_dw)
+    dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, offset, casting, compute_dw, traced=op_traced())
     # An op returns tensors only: an empty dw stands for "not asked for".
     return dx, dw if dw is not None else weight.new_empty(0)
-
-
-@_rms_norm_bwd_op.register_fake
-def _(dy, x2d, weight, rstd, offset, casting, compute_dw):
-    return torch.empty_like(x2d), weight.new_empty(weight.shape[0] if compute_dw else 0)
 
 
 def _save_fwd(ctx, inputs, output):

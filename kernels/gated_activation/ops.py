@@ -1,5 +1,6 @@
-"""Autograd of the gated activation: torch.library ops (what torch.compile sees) and, for the split
-layout, the eager ``torch.autograd.Function`` over the same launchers.
+"""Autograd of the gated activation: torch.library ops (what torch.compile sees: triton_ops, traced
+into graphs that launch the kernels themselves) and, for the split layout, the eager
+``torch.autograd.Function`` over the same launchers.
 
 Each forward op saves only its inputs (gate and up, or gate_up: the tensors themselves, no copy)
 and its backward is the matching ``*_bwd`` op, which recomputes act(gate). The op names
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dispatch import op_traced
 from .launch import (
     gated_activation_bwd,
     gated_activation_fwd,
@@ -21,30 +23,19 @@ __all__ = ["GatedActivationFunction"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True.
+# Split layout: a model using them traces with fullgraph=True.
 
 
-@torch.library.custom_op("surgery::gated_activation_fwd", mutates_args=())
+@torch.library.triton_op("surgery::gated_activation_fwd", mutates_args=())
 def _gated_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation_fwd(gate, up, activation)
+    return gated_activation_fwd(gate, up, activation, traced=op_traced())
 
 
-@_gated_fwd_op.register_fake
-def _(gate, up, activation):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("surgery::gated_activation_bwd", mutates_args=())
+@torch.library.triton_op("surgery::gated_activation_bwd", mutates_args=())
 def _gated_bwd_op(
     dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gated_activation_bwd(dout, gate, up, activation)
-
-
-@_gated_bwd_op.register_fake
-def _(dout, gate, up, activation):
-    like = torch.contiguous_format
-    return torch.empty_like(gate, memory_format=like), torch.empty_like(up, memory_format=like)
+    return gated_activation_bwd(dout, gate, up, activation, traced=op_traced())
 
 
 def _save_fwd(ctx, inputs, output):
@@ -83,24 +74,14 @@ class GatedActivationFunction(torch.autograd.Function):
 # Merged layout: this op alone carries its autograd (one path, eager and compiled alike).
 
 
-@torch.library.custom_op("surgery::gated_activation_merged_fwd", mutates_args=())
+@torch.library.triton_op("surgery::gated_activation_merged_fwd", mutates_args=())
 def _merged_fwd_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation_merged_fwd(gate_up, activation)
+    return gated_activation_merged_fwd(gate_up, activation, traced=op_traced())
 
 
-@_merged_fwd_op.register_fake
-def _(gate_up, activation):
-    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-
-
-@torch.library.custom_op("surgery::gated_activation_merged_bwd", mutates_args=())
+@torch.library.triton_op("surgery::gated_activation_merged_bwd", mutates_args=())
 def _merged_bwd_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation_merged_bwd(dout, gate_up, activation)
-
-
-@_merged_bwd_op.register_fake
-def _(dout, gate_up, activation):
-    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    return gated_activation_merged_bwd(dout, gate_up, activation, traced=op_traced())
 
 
 def _save_merged(ctx, inputs, output):

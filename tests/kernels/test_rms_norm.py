@@ -278,8 +278,11 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(ops.rms_norm_bwd.default, (*args, False), test_utils=quick)
 
 
-def test_traces_with_fullgraph_on_cpu():
-    # Inductor needs a compiler on CPU; aot_eager still checks fake tensors and the graph.
+def test_traces_with_fullgraph_on_cpu(monkeypatch):
+    # Inductor needs a compiler on CPU; aot_eager still checks fake tensors and the graph. Traced,
+    # the op takes the PyTorch path on CPU (the interpreter cannot run on fake tensors): the
+    # uncompiled call is made on that path too.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = make_x((2, 3, 40), torch.bfloat16)
     w = torch.randn(40, device=DEVICE, requires_grad=True)
     fn = torch.compile(lambda a, b: rms_norm(a, b, EPS, 1.0, "gemma"), fullgraph=True,
