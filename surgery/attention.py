@@ -223,10 +223,6 @@ def attention_forward(
     if spec.v_norm and not kv_shared:
         value = self.v_norm(value)
     value = value.transpose(1, 2)
-    if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
-        query = self.q_norm(query)
-        key = key if kv_shared else self.k_norm(key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
 
     # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
     # positions_to_attention); on its layers without RoPE nothing is rotated.
@@ -239,6 +235,7 @@ def attention_forward(
         rope_positions = position_ids
     elif binding.mrope is None:  # a layout apply_rope does not know: transformers' cos/sin
         rope_positions = None
+    rope = inv_freq = None
     if rope_positions is not None and rotated:
         if rope_positions.dim() == 1:
             rope_positions = rope_positions.unsqueeze(0)
@@ -249,18 +246,39 @@ def attention_forward(
             inv_freq = inv_freq.to(query.device)
         rotary_dim = 2 * inv_freq.shape[-1]
         section, interleaved = binding.mrope if binding.mrope is not None else (None, False)
-        query, key = apply_rope(
-            query,
-            key,
-            rope_positions,
-            inv_freq,
+        rope = functools.partial(
+            apply_rope,
             attention_scaling=scaling,
             rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
             layout=spec.rope_layout,
             mrope_section=section,
             mrope_interleaved=interleaved,
         )
-    elif rotated:
+
+    def normed_and_rotated(query, key, rope_positions, inv_freq):
+        if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
+            query = self.q_norm(query)
+            key = key if kv_shared else self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        if rope is not None:
+            query, key = rope(query, key, rope_positions, inv_freq)
+        return query, key
+
+    if (
+        spec.qk_norm
+        and rope is not None
+        and plan is not None
+        and plan.norm_output
+        and recompute.compiling_with_grad()
+    ):
+        # The attention keeps the rotated q and k, and the q/k norms keep the projections they
+        # normalise: compiled, the rotated ones are rebuilt from those in the backward (a norm
+        # and a rotation) instead of being kept as well.
+        args = (query, key, rope_positions, inv_freq)
+        query, key = recompute.compiled_recompute(normed_and_rotated, *args)
+    else:
+        query, key = normed_and_rotated(query, key, rope_positions, inv_freq)
+    if rope is None and rotated:
         cos, sin = position_embeddings
         query, key = binding.fallback_rope(query, key, cos, sin)
     query, key = after_rope(self, spec, query, key, position_ids, rotated)
