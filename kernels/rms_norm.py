@@ -87,6 +87,10 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
     ):
         """One program per tile of BLOCK_M whole rows (BLOCK_N >= N)."""
+        # Float scalars arrive as fp32 from Triton's launcher but as fp64 from inductor's (a
+        # compiled graph): in fp32 either way, or the row math would be promoted to fp64.
+        eps = tl.cast(eps, tl.float32)
+        offset = tl.cast(offset, tl.float32)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         mask_r = rows < n_rows
@@ -125,6 +129,7 @@ if triton is not None:
     ):
         """Program p takes row tiles p, p + P, ... (P programs); it writes their dx and, when
         COMPUTE_DW, the fp32 sum of their dw contributions into row p of ``dw_partial``."""
+        offset = tl.cast(offset, tl.float32)  # fp64 from inductor's launcher (see the forward)
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_rows, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -464,9 +469,10 @@ def rms_norm(
     Differentiable in x and weight: the forward saves x and one fp32 rstd per row; the backward
     recomputes the normalised rows, and sums the weight gradient in fp32 over every row (skipped
     when the weight does not require grad, e.g. under LoRA). Under ``torch.compile(fullgraph=True)``
-    it runs as the op ``torch.ops.surgery.rms_norm_fwd`` (fake tensors and autograd registered).
-    CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; other CPU
-    tensors a PyTorch path with the same fp32 math.
+    it runs as the op ``torch.ops.surgery.rms_norm_fwd``, a triton_op with its autograd: traced
+    into the graph, whose code launches the Triton kernels itself (CPU tensors: the PyTorch path's
+    operations). CUDA tensors (and, uncompiled, CPU tensors under ``TRITON_INTERPRET=1``) run the
+    Triton kernels; other CPU tensors a PyTorch path with the same fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): transformers' norms are
