@@ -1,12 +1,5 @@
 """Where a kernel runs: Triton on CUDA tensors, Triton's interpreter on CPU tensors when
 ``TRITON_INTERPRET=1`` is set, and otherwise a plain PyTorch fallback.
-
-Launchers take ``traced``: True in the bodies of the kernels' ``torch.library.triton_op``s while
-torch.compile traces them (``op_traced``), with fake tensors, possibly of symbolic sizes, into
-graphs that launch the Triton kernels themselves. There a kernel goes through
-``torch.library.wrap_triton`` (``launchable``), launch choices are made from size hints
-(``hint``), and CPU tensors take the PyTorch path even under the interpreter (which cannot run on
-fake tensors).
 """
 
 from __future__ import annotations
@@ -19,13 +12,10 @@ import torch
 
 __all__ = [
     "cdiv",
-    "hint",
     "interpreter_enabled",
-    "launchable",
     "next_power_of_2",
     "off_current_device",
     "on_device",
-    "op_traced",
     "triton_available",
     "use_triton",
 ]
@@ -45,41 +35,13 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def use_triton(t: torch.Tensor, traced: bool = False) -> bool:
-    """Whether a kernel launched on ``t`` goes through Triton (GPU, or the interpreter unless
-    ``traced``)."""
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``t`` goes through Triton (GPU or interpreter)."""
     if not triton_available():
         return False
     if t.is_cuda:
         return True
-    return not traced and t.device.type == "cpu" and interpreter_enabled()
-
-
-def launchable(kernel, traced: bool):
-    """``kernel`` as a launcher writes ``kernel[grid](...)``: wrapped by
-    ``torch.library.wrap_triton`` when ``traced`` (a triton_op body: the compiler sees the launch
-    and makes it itself; run eagerly, the op launches the kernel directly)."""
-    return torch.library.wrap_triton(kernel) if traced else kernel
-
-
-def op_traced() -> bool:
-    """In the body of a ``torch.library.triton_op``: whether it is being traced (fake or functional
-    tensors, torch.compile) rather than run as the op's eager kernel, which turns
-    ``wrap_triton`` off."""
-    from torch._library.triton import is_wrap_triton_enabled
-
-    return is_wrap_triton_enabled()
-
-
-def hint(n) -> int:
-    """A size as a Python int: ``n`` itself, or for a symbolic size (torch.compile with dynamic
-    shapes) the value it has in the example being traced, read without adding a guard. Whatever
-    a launcher derives from a hint (tile sizes, program counts) must be correct for any value of
-    the size; grids and kernel arguments take the size itself."""
-    if isinstance(n, torch.SymInt):
-        value = n.node.hint
-        return 4096 if value is None else int(value)  # unbacked (data-dependent): a typical size
-    return n
+    return t.device.type == "cpu" and interpreter_enabled()
 
 
 _SAME_DEVICE = contextlib.nullcontext()

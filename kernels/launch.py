@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .dispatch import launchable, off_current_device, on_device, triton_available
+from .dispatch import off_current_device, triton_available
 
 __all__ = ["FastLauncher", "keyed_compilation_knobs"]
 
@@ -157,16 +157,10 @@ class FastLauncher:
         tensors: tuple[torch.Tensor, ...],
         scalars: tuple,
         constexprs: tuple[tuple[str, Any], ...],
-        traced: bool = False,
     ) -> None:
         """Launch on the first tensor's CUDA device (made current for the launch if it is not)
-        and that device's current stream. ``traced``: from a triton_op body, through
-        ``torch.library.wrap_triton`` (kernels/dispatch.py); the compiled graph launches it."""
+        and that device's current stream."""
         first = tensors[0]
-        if traced:
-            with on_device(first):
-                launchable(self.fn, True)[grid](*tensors, *scalars, **dict(constexprs))
-            return
         if off_current_device(first):
             with torch.cuda.device(first.device):
                 return self(grid, tensors, scalars, constexprs)

@@ -33,12 +33,9 @@ import torch
 
 from .dispatch import (
     cdiv,
-    hint,
     interpreter_enabled,
-    launchable,
     next_power_of_2,
     on_device,
-    op_traced,
     triton_available,
     use_triton,
 )
@@ -87,10 +84,6 @@ if triton is not None:
         INTERPRETED: tl.constexpr,
     ):
         """One program per tile of BLOCK_M whole rows (BLOCK_N >= N)."""
-        # Float scalars arrive as fp32 from Triton's launcher but as fp64 from inductor's (a
-        # compiled graph): in fp32 either way, or the row math would be promoted to fp64.
-        eps = tl.cast(eps, tl.float32)
-        offset = tl.cast(offset, tl.float32)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         mask_r = rows < n_rows
@@ -129,7 +122,6 @@ if triton is not None:
     ):
         """Program p takes row tiles p, p + P, ... (P programs); it writes their dx and, when
         COMPUTE_DW, the fp32 sum of their dw contributions into row p of ``dw_partial``."""
-        offset = tl.cast(offset, tl.float32)  # fp64 from inductor's launcher (see the forward)
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_rows, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -195,10 +187,9 @@ def _sm_count(device_index: int) -> int:
 
 
 def _tiling(launch: RmsNormLaunch, n_rows: int, N: int) -> tuple[int, int, int]:
-    # n_rows only caps the tile for tiny inputs: a hint of it serves (the kernel masks rows).
     block_n = next_power_of_2(N)
     block_m = max(1, launch.tile_elems // block_n)
-    block_m = min(next_power_of_2(block_m), next_power_of_2(max(hint(n_rows), 1)))
+    block_m = min(next_power_of_2(block_m), next_power_of_2(max(n_rows, 1)))
     num_warps = launch.num_warps
     if num_warps is None:
         num_warps = min(16, max(4, block_m * block_n // 512))
@@ -248,12 +239,10 @@ def rms_norm_fwd(
     casting: str = "llama",
     launch: RmsNormLaunch | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise the rows of 2-D ``x2d`` (rows, N; unit stride along N) as validated by
     ``rms_norm`` (no checks here). Returns ``(y, rstd)``: y (rows, N) contiguous in the casting's
-    output dtype, rstd (rows,) fp32; written into ``out`` when given (tests poison it).
-    ``traced``: called from the op torch.compile traces (kernels/dispatch.py)."""
+    output dtype, rstd (rows,) fp32; written into ``out`` when given (tests poison it)."""
     n_rows, N = x2d.shape
     if out is not None:
         y, rstd = out
@@ -263,13 +252,13 @@ def rms_norm_fwd(
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows == 0:
         return y, rstd
-    if not use_triton(x2d, traced):
+    if not use_triton(x2d):
         _fwd_torch(x2d, weight, y, rstd, eps, offset, casting)
         return y, rstd
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
     with on_device(x2d):
-        launchable(rms_norm_fwd_kernel, traced)[(cdiv(n_rows, block_m),)](
+        rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
             x2d,
             weight,
             y,
@@ -299,29 +288,28 @@ def rms_norm_bwd(
     compute_dw: bool = True,
     launch: RmsNormLaunch | None = None,
     out: torch.Tensor | None = None,
-    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of ``rms_norm_fwd`` given ``dy`` (rows, N; unit stride along N): ``(dx, dw)``,
     dx (rows, N) in x's dtype (written into ``out`` when given), dw (N,) in the weight's dtype
-    (None unless ``compute_dw``). ``traced`` as in ``rms_norm_fwd``."""
+    (None unless ``compute_dw``)."""
     n_rows, N = x2d.shape
     dev = x2d.device
     dx = torch.empty(n_rows, N, dtype=x2d.dtype, device=dev) if out is None else out
-    if n_rows == 0 or not use_triton(x2d, traced):
+    if n_rows == 0 or not use_triton(x2d):
         dw32 = torch.zeros(N, dtype=torch.float32, device=dev) if compute_dw else None
         if n_rows:
             _bwd_torch(dy, x2d, weight, rstd, dx, dw32, offset, casting)
         return dx, None if dw32 is None else dw32.to(weight.dtype)
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
+    n_tiles = cdiv(n_rows, block_m)
     programs = launch.programs
     if programs is None:
         programs = launch.bwd_programs_per_sm * (_sm_count(dev.index or 0) if x2d.is_cuda else 1)
-    # Programs beyond the row tiles store a zero row: a count from a hint of n_rows serves.
-    programs = max(1, min(programs, cdiv(hint(n_rows), block_m)))
+    programs = max(1, min(programs, n_tiles))
     dw_partial = torch.empty(programs if compute_dw else 1, N, dtype=torch.float32, device=dev)
     with on_device(x2d):
-        launchable(rms_norm_bwd_kernel, traced)[(programs,)](
+        rms_norm_bwd_kernel[(programs,)](
             dy,
             x2d,
             weight,
@@ -346,19 +334,24 @@ def rms_norm_bwd(
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops, what torch.compile sees: triton_ops, which it traces into graphs that launch
-# the Triton kernels themselves (on CPU, the PyTorch path's operations), so a model using
-# rms_norm traces with fullgraph=True.
+# torch.library ops: opaque to torch.compile, so a model using rms_norm traces with fullgraph=True.
 
 
-@torch.library.triton_op("surgery::rms_norm_fwd", mutates_args=())
+@torch.library.custom_op("surgery::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd_op(
     x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x2d, weight, eps, offset, casting, traced=op_traced())
+    return rms_norm_fwd(x2d, weight, eps, offset, casting)
 
 
-@torch.library.triton_op("surgery::rms_norm_bwd", mutates_args=())
+@_rms_norm_fwd_op.register_fake
+def _(x2d, weight, eps, offset, casting):
+    n_rows, N = x2d.shape
+    y = x2d.new_empty(n_rows, N, dtype=_out_dtype(x2d.dtype, weight.dtype, casting))
+    return y, x2d.new_empty(n_rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("surgery::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(
     dy: torch.Tensor,
     x2d: torch.Tensor,
@@ -368,9 +361,14 @@ def _rms_norm_bwd_op(
     casting: str,
     compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, offset, casting, compute_dw, traced=op_traced())
+    dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, offset, casting, compute_dw)
     # An op returns tensors only: an empty dw stands for "not asked for".
     return dx, dw if dw is not None else weight.new_empty(0)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x2d, weight, rstd, offset, casting, compute_dw):
+    return torch.empty_like(x2d), weight.new_empty(weight.shape[0] if compute_dw else 0)
 
 
 def _save_fwd(ctx, inputs, output):
@@ -469,10 +467,9 @@ def rms_norm(
     Differentiable in x and weight: the forward saves x and one fp32 rstd per row; the backward
     recomputes the normalised rows, and sums the weight gradient in fp32 over every row (skipped
     when the weight does not require grad, e.g. under LoRA). Under ``torch.compile(fullgraph=True)``
-    it runs as the op ``torch.ops.surgery.rms_norm_fwd``, a triton_op with its autograd: traced
-    into the graph, whose code launches the Triton kernels itself (CPU tensors: the PyTorch path's
-    operations). CUDA tensors (and, uncompiled, CPU tensors under ``TRITON_INTERPRET=1``) run the
-    Triton kernels; other CPU tensors a PyTorch path with the same fp32 math.
+    it runs as the op ``torch.ops.surgery.rms_norm_fwd`` (fake tensors and autograd registered).
+    CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; other CPU
+    tensors a PyTorch path with the same fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): transformers' norms are

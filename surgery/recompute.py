@@ -280,7 +280,7 @@ def compiled_recompute(fn: Callable, *args):
     anyway (by its own backward, or shared, as an attention mask), so that the rebuild keeps
     nothing more. A DeepSpeed ZeRO-3 parameter among them (released after its module's call)
     makes it a plain call."""
-    if any(hasattr(t, "ds_id") for t in args):
+    if any(isinstance(t, torch.Tensor) and hasattr(t, "ds_id") for t in args):
         return fn(*args)
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=False

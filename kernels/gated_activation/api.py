@@ -46,9 +46,8 @@ def gated_activation(
         Inputs are never written.
 
     Differentiable in gate and up; the forward saves only gate and up. Under
-    ``torch.compile(fullgraph=True)`` it runs as ``torch.ops.surgery.gated_activation_fwd``, a
-    triton_op traced into the graph, whose code launches the Triton kernels itself. CUDA tensors
-    (and, uncompiled, CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels, other CPU
+    ``torch.compile(fullgraph=True)`` it runs as ``torch.ops.surgery.gated_activation_fwd``. CUDA
+    tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels, other CPU
     tensors a PyTorch path with the same fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's

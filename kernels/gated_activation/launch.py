@@ -16,15 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import (
-    cdiv,
-    hint,
-    interpreter_enabled,
-    launchable,
-    next_power_of_2,
-    on_device,
-    use_triton,
-)
+from ..dispatch import cdiv, interpreter_enabled, next_power_of_2, on_device, use_triton
 from .kernel import (
     gated_activation_bwd_kernel,
     gated_activation_fwd_kernel,
@@ -135,12 +127,12 @@ def _launch_config(launch, t):
     return launch or (DEFAULT_LAUNCH if t.is_cuda else INTERPRETER_LAUNCH)
 
 
-def _launch_flat(kernel, args, numel, activation, launch, device_of, traced):
+def _launch_flat(kernel, args, numel, activation, launch, device_of):
     # ``kernel(*args, numel, BLOCK, ...)`` over ``numel`` flat elements, on ``device_of``'s GPU.
     launch = _launch_config(launch, device_of)
-    block = min(launch.block, next_power_of_2(hint(numel)))
+    block = min(launch.block, next_power_of_2(numel))
     with on_device(device_of):
-        launchable(kernel, traced)[(cdiv(numel, block),)](
+        kernel[(cdiv(numel, block),)](
             *args,
             numel,
             BLOCK=block,
@@ -154,16 +146,16 @@ def _merged_tiles(launch: GatedActivationLaunch, rows: int, width: int) -> tuple
     # (BLOCK_M, BLOCK_N): about ``launch.block`` elements per program, a row split into column
     # tiles of at most block / 8 (256 on a GPU: an expert width of 768 is three whole tiles).
     block_n = min(next_power_of_2(width), max(16, launch.block // 8))
-    block_m = min(max(1, launch.block // block_n), next_power_of_2(hint(rows)))
+    block_m = min(max(1, launch.block // block_n), next_power_of_2(rows))
     return block_m, block_n
 
 
-def _launch_merged(kernel, args, rows, width, activation, launch, device_of, traced):
+def _launch_merged(kernel, args, rows, width, activation, launch, device_of):
     # ``kernel(*args, rows, width, BLOCK_M, BLOCK_N, ...)`` over the (rows, width) output tiles.
     launch = _launch_config(launch, device_of)
     block_m, block_n = _merged_tiles(launch, rows, width)
     with on_device(device_of):
-        launchable(kernel, traced)[(cdiv(rows, block_m), cdiv(width, block_n))](
+        kernel[(cdiv(rows, block_m), cdiv(width, block_n))](
             *args,
             rows,
             width,
@@ -185,7 +177,6 @@ def gated_activation_fwd(
     activation: str,
     launch: GatedActivationLaunch | None = None,
     out: torch.Tensor | None = None,
-    traced: bool = False,
 ) -> torch.Tensor:
     """``act(gate) * up`` for contiguous ``gate`` and ``up`` of one shape and dtype (as validated
     by ``gated_activation``; no checks here), into ``out`` (contiguous) when given."""
@@ -194,11 +185,10 @@ def gated_activation_fwd(
     numel = gate.numel()
     if numel == 0:
         return out
-    if not use_triton(gate, traced):
+    if not use_triton(gate):
         _fwd_torch(gate, up, out, activation)
         return out
-    args = (gate, up, out)
-    _launch_flat(gated_activation_fwd_kernel, args, numel, activation, launch, gate, traced)
+    _launch_flat(gated_activation_fwd_kernel, (gate, up, out), numel, activation, launch, gate)
     return out
 
 
@@ -209,7 +199,6 @@ def gated_activation_bwd(
     activation: str,
     launch: GatedActivationLaunch | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dgate, dup)`` given the output gradient (contiguous, gate's shape): new contiguous
     tensors, or the pair ``out`` when given."""
@@ -221,11 +210,11 @@ def gated_activation_bwd(
     numel = gate.numel()
     if numel == 0:
         return dg, du
-    if not use_triton(gate, traced):
+    if not use_triton(gate):
         _bwd_torch(dout, gate, up, dg, du, activation)
         return dg, du
     args = (dout, gate, up, dg, du)
-    _launch_flat(gated_activation_bwd_kernel, args, numel, activation, launch, gate, traced)
+    _launch_flat(gated_activation_bwd_kernel, args, numel, activation, launch, gate)
     return dg, du
 
 
@@ -234,7 +223,6 @@ def gated_activation_merged_fwd(
     activation: str,
     launch: GatedActivationLaunch | None = None,
     out: torch.Tensor | None = None,
-    traced: bool = False,
 ) -> torch.Tensor:
     """``act(gate) * up`` of a contiguous merged (..., 2 I) ``gate_up`` (as validated by
     ``gated_activation_merged``; no checks here): a new contiguous (..., I) tensor, or ``out``
@@ -244,12 +232,12 @@ def gated_activation_merged_fwd(
         out = gate_up.new_empty((*gate_up.shape[:-1], width))
     if out.numel() == 0:
         return out
-    if not use_triton(gate_up, traced):
+    if not use_triton(gate_up):
         _merged_fwd_torch(gate_up, out, activation)
         return out
     rows = out.numel() // width
     kernel = gated_activation_merged_fwd_kernel
-    _launch_merged(kernel, (gate_up, out), rows, width, activation, launch, gate_up, traced)
+    _launch_merged(kernel, (gate_up, out), rows, width, activation, launch, gate_up)
     return out
 
 
@@ -259,7 +247,6 @@ def gated_activation_merged_bwd(
     activation: str,
     launch: GatedActivationLaunch | None = None,
     out: torch.Tensor | None = None,
-    traced: bool = False,
 ) -> torch.Tensor:
     """The gradient of ``gate_up`` (dgate then dup, one new contiguous tensor of its shape, or
     ``out``) given the contiguous output gradient ``dout`` (..., I)."""
@@ -268,12 +255,12 @@ def gated_activation_merged_bwd(
         dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
     if dout.numel() == 0:
         return dgate_up
-    if not use_triton(gate_up, traced):
+    if not use_triton(gate_up):
         _merged_bwd_torch(dout, gate_up, dgate_up, activation)
         return dgate_up
     width = gate_up.shape[-1] // 2
     rows = dout.numel() // width
     args = (dout, gate_up, dgate_up)
     kernel = gated_activation_merged_bwd_kernel
-    _launch_merged(kernel, args, rows, width, activation, launch, gate_up, traced)
+    _launch_merged(kernel, args, rows, width, activation, launch, gate_up)
     return dgate_up

@@ -1,6 +1,5 @@
-"""Autograd of the gated activation: torch.library ops (what torch.compile sees: triton_ops, traced
-into graphs that launch the kernels themselves) and, for the split layout, the eager
-``torch.autograd.Function`` over the same launchers.
+"""Autograd of the gated activation: torch.library ops (what torch.compile sees) and, for the split
+layout, the eager ``torch.autograd.Function`` over the same launchers.
 
 Each forward op saves only its inputs (gate and up, or gate_up: the tensors themselves, no copy)
 and its backward is the matching ``*_bwd`` op, which recomputes act(gate). The op names
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import op_traced
 from .launch import (
     gated_activation_bwd,
     gated_activation_fwd,
@@ -23,19 +21,30 @@ __all__ = ["GatedActivationFunction"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Split layout: a model using them traces with fullgraph=True.
+# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True.
 
 
-@torch.library.triton_op("surgery::gated_activation_fwd", mutates_args=())
+@torch.library.custom_op("surgery::gated_activation_fwd", mutates_args=())
 def _gated_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation_fwd(gate, up, activation, traced=op_traced())
+    return gated_activation_fwd(gate, up, activation)
 
 
-@torch.library.triton_op("surgery::gated_activation_bwd", mutates_args=())
+@_gated_fwd_op.register_fake
+def _(gate, up, activation):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("surgery::gated_activation_bwd", mutates_args=())
 def _gated_bwd_op(
     dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gated_activation_bwd(dout, gate, up, activation, traced=op_traced())
+    return gated_activation_bwd(dout, gate, up, activation)
+
+
+@_gated_bwd_op.register_fake
+def _(dout, gate, up, activation):
+    like = torch.contiguous_format
+    return torch.empty_like(gate, memory_format=like), torch.empty_like(up, memory_format=like)
 
 
 def _save_fwd(ctx, inputs, output):
@@ -74,14 +83,24 @@ class GatedActivationFunction(torch.autograd.Function):
 # Merged layout: this op alone carries its autograd (one path, eager and compiled alike).
 
 
-@torch.library.triton_op("surgery::gated_activation_merged_fwd", mutates_args=())
+@torch.library.custom_op("surgery::gated_activation_merged_fwd", mutates_args=())
 def _merged_fwd_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation_merged_fwd(gate_up, activation, traced=op_traced())
+    return gated_activation_merged_fwd(gate_up, activation)
 
 
-@torch.library.triton_op("surgery::gated_activation_merged_bwd", mutates_args=())
+@_merged_fwd_op.register_fake
+def _(gate_up, activation):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("surgery::gated_activation_merged_bwd", mutates_args=())
 def _merged_bwd_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    return gated_activation_merged_bwd(dout, gate_up, activation, traced=op_traced())
+    return gated_activation_merged_bwd(dout, gate_up, activation)
+
+
+@_merged_bwd_op.register_fake
+def _(dout, gate_up, activation):
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
 
 
 def _save_merged(ctx, inputs, output):

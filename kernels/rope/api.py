@@ -185,10 +185,9 @@ def apply_rope(
 
     Differentiable in q and k (the backward is the inverse rotation, also out of place);
     ``position_ids`` and ``inv_freq`` get no gradient. Under ``torch.compile(fullgraph=True)`` it
-    runs as the op ``torch.ops.surgery.rope_fwd``, a triton_op with its autograd: traced into the
-    graph, whose code launches the Triton kernel itself. CUDA tensors (and, uncompiled, CPU
-    tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; other CPU tensors a PyTorch path
-    with the same fp32 math. Shapes, dtypes and devices are checked before
+    runs as the op ``torch.ops.surgery.rope_fwd`` (fake tensors and autograd registered). CUDA
+    tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; other CPU
+    tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices are checked before
     anything runs.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's

@@ -256,9 +256,6 @@ if triton is not None:
         MROPE 0: one position per token. 1 (sections contiguous) or 2 (interleaved): three
         position rows (temporal, height, width; ``spos_s`` apart), frequency j taking its
         position from the row ``_mrope_positions`` gives it."""
-        # fp32 from Triton's launcher, fp64 from inductor's (a compiled graph): the rotation in
-        # fp32 either way.
-        scale = tl.cast(scale, tl.float32)
         pid_b = tl.program_id(2).to(tl.int64)
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T

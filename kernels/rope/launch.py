@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from ..dispatch import cdiv, hint, interpreter_enabled, next_power_of_2, use_triton
+from ..dispatch import cdiv, interpreter_enabled, next_power_of_2, use_triton
 from ..launch import FastLauncher
 from .kernel import rope_cos_sin_kernel, rope_fwd_kernel
 
@@ -118,12 +118,6 @@ def _plan(launch, B, T, Hq, Hk, D, rotary_dim, sm_count):
 
 def _launch_plan(launch, q, k, rotary_dim):
     B, Hq, T, D = q.shape
-    if isinstance(B, torch.SymInt) or isinstance(T, torch.SymInt):
-        # Traced with dynamic shapes: the plan of the example's sizes (any head split is
-        # correct), over a grid of the symbolic ones.
-        (_, groups, _), meta = _plan(launch or DEFAULT_LAUNCH, hint(B), hint(T), Hq, k.shape[1],
-                                     D, rotary_dim, _sm_count(q.device.index or 0))  # fmt: skip
-        return (cdiv(T, dict(meta)["BLOCK_T"]), groups, B), meta
     if q.is_cuda:
         return _plan(launch or DEFAULT_LAUNCH, B, T, Hq, k.shape[1], D, rotary_dim,
                      _sm_count(q.device.index or 0))  # fmt: skip
@@ -194,7 +188,7 @@ def _outputs(q, k, out):
 
 
 def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse, launch,
-          out, mrope_section=None, mrope_interleaved=False, traced=False):  # fmt: skip
+          out, mrope_section=None, mrope_interleaved=False):  # fmt: skip
     oq, ok = _outputs(q, k, out)
     _, Hq, T, _ = q.shape
     Hk = k.shape[1]
@@ -204,7 +198,7 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, i
     if inverse:
         # The transpose of "read pairs one way, write them another" reads the other way round.
         in_il, out_il = out_il, in_il
-    if not use_triton(q, traced):
+    if not use_triton(q):
         pos = _positions_fp32(position_ids, rotary_dim // 2, mrope_section, mrope_interleaved)
         angle = pos * inv_freq.to(device=q.device, dtype=torch.float32)
         cos = angle.cos() * attention_scaling
@@ -231,7 +225,7 @@ def _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, i
     sfu = not interpreted and torch.version.hip is None
     flags = (("IN_INTERLEAVED", in_il), ("OUT_INTERLEAVED", out_il), ("INVERSE", inverse),
              *positions, ("SFU_TRIG", sfu), ("INTERPRETED", interpreted))  # fmt: skip
-    _launch_rope(grid, (q, k, oq, ok, position_ids, inv_freq), scalars, meta + flags, traced)
+    _launch_rope(grid, (q, k, oq, ok, position_ids, inv_freq), scalars, meta + flags)
     return oq, ok
 
 
@@ -275,7 +269,7 @@ def rope_bwd(
                  True, launch, out, mrope_section, mrope_interleaved)  # fmt: skip
 
 
-def _rope_cos_sin(q, k, cos, sin, transpose, launch, out, traced=False):
+def _rope_cos_sin(q, k, cos, sin, transpose, launch, out):
     oq, ok = _outputs(q, k, out)
     _, Hq, T, _ = q.shape
     Hk = k.shape[1]
@@ -283,7 +277,7 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch, out, traced=False):
         return oq, ok
     rotary_dim = cos.shape[-1]
     half = rotary_dim // 2
-    if not use_triton(q, traced):
+    if not use_triton(q):
         c, s = cos.float()[:, None], sin.float()[:, None]  # (B|1, 1, T, r)
         c_lo, c_hi, s_lo, s_hi = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
         if transpose:
@@ -296,7 +290,7 @@ def _rope_cos_sin(q, k, cos, sin, transpose, launch, out, traced=False):
                cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
                sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2))  # fmt: skip
     flags = (("TRANSPOSE", transpose), ("INTERPRETED", interpreter_enabled()))
-    _launch_cos_sin(grid, (q, k, oq, ok, cos, sin), scalars, meta + flags, traced)
+    _launch_cos_sin(grid, (q, k, oq, ok, cos, sin), scalars, meta + flags)
     return oq, ok
 
 

@@ -1,6 +1,5 @@
-"""Autograd of the rotary maps: torch.library ops (what torch.compile sees: triton_ops, traced into
-graphs that launch the kernels themselves) and the eager ``torch.autograd.Function``s over the same
-launchers.
+"""Autograd of the rotary maps: torch.library ops (what torch.compile sees) and the eager
+``torch.autograd.Function``s over the same launchers.
 
 Both maps are linear in q and k, and each one's transpose is its partner: ``rope_fwd`` and
 ``rope_bwd`` (same layout), ``rope_cos_sin_fwd`` and ``rope_cos_sin_bwd``. So each op's backward is
@@ -11,14 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import op_traced
-from .launch import _rope, _rope_cos_sin
+from .launch import _rope, _rope_cos_sin, rope_bwd, rope_cos_sin_bwd, rope_cos_sin_fwd, rope_fwd
 
 __all__ = ["RopeCosSinFunction", "RopeFunction"]
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library ops (fullgraph=True traces through them; kernels/dispatch.py). The op names
+# torch.library ops: opaque to torch.compile (fullgraph=True traces through them). The op names
 # (``torch.ops.surgery.rope_*``) are stable; ``layout`` and the multimodal arguments have
 # defaults so that calls written before they existed keep their meaning.
 
@@ -28,7 +26,7 @@ def _section(mrope_section):
     return None if mrope_section is None else tuple(mrope_section)
 
 
-@torch.library.triton_op("surgery::rope_fwd", mutates_args=())
+@torch.library.custom_op("surgery::rope_fwd", mutates_args=())
 def _rope_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,11 +38,12 @@ def _rope_fwd_op(
     mrope_section: list[int] | None = None,
     mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, False, None,
-                 None, _section(mrope_section), mrope_interleaved, traced=op_traced())  # fmt: skip
+    section = _section(mrope_section)
+    return rope_fwd(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout,
+                  mrope_section=section, mrope_interleaved=mrope_interleaved)  # fmt: skip
 
 
-@torch.library.triton_op("surgery::rope_bwd", mutates_args=())
+@torch.library.custom_op("surgery::rope_bwd", mutates_args=())
 def _rope_bwd_op(
     grad_q: torch.Tensor,
     grad_k: torch.Tensor,
@@ -57,22 +56,30 @@ def _rope_bwd_op(
     mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     section = _section(mrope_section)
-    return _rope(grad_q, grad_k, position_ids, inv_freq, attention_scaling, rotary_dim, layout,
-                 True, None, None, section, mrope_interleaved, traced=op_traced())  # fmt: skip
+    return rope_bwd(grad_q, grad_k, position_ids, inv_freq, attention_scaling, rotary_dim, layout,
+                  mrope_section=section, mrope_interleaved=mrope_interleaved)  # fmt: skip
 
 
-@torch.library.triton_op("surgery::rope_cos_sin_fwd", mutates_args=())
+@torch.library.custom_op("surgery::rope_cos_sin_fwd", mutates_args=())
 def _rope_cos_sin_fwd_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope_cos_sin(q, k, cos, sin, False, None, None, traced=op_traced())
+    return rope_cos_sin_fwd(q, k, cos, sin)
 
 
-@torch.library.triton_op("surgery::rope_cos_sin_bwd", mutates_args=())
+@torch.library.custom_op("surgery::rope_cos_sin_bwd", mutates_args=())
 def _rope_cos_sin_bwd_op(
     grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope_cos_sin(grad_q, grad_k, cos, sin, True, None, None, traced=op_traced())
+    return rope_cos_sin_bwd(grad_q, grad_k, cos, sin)
+
+
+def _fake_like(x, y, *args):
+    return torch.empty_like(x), torch.empty_like(y)
+
+
+for _op in (_rope_fwd_op, _rope_bwd_op, _rope_cos_sin_fwd_op, _rope_cos_sin_bwd_op):
+    _op.register_fake(_fake_like)
 
 
 def _save_rope_args(ctx, inputs, output):

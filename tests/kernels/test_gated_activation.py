@@ -258,11 +258,8 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(ops.gated_activation_bwd.default, bwd_args, test_utils=quick)
 
 
-def test_traces_with_fullgraph_on_cpu(monkeypatch):
-    # Inductor needs a compiler on CPU; aot_eager still checks fake tensors and the graph. Traced,
-    # the op takes the PyTorch path on CPU (the interpreter cannot run on fake tensors): the
-    # uncompiled call is made on that path too.
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_traces_with_fullgraph_on_cpu():
+    # Inductor needs a compiler on CPU; aot_eager still checks fake tensors and the graph.
     gate, up = make_inputs((2, 3, 40), torch.bfloat16)
     fn = torch.compile(
         lambda g, u: gated_activation(g, u, "gelu_tanh"), fullgraph=True, backend="aot_eager"
@@ -434,9 +431,7 @@ def test_merged_empty_and_bad_input():
         gated_activation_merged(torch.randn(4, 8, device=DEVICE).double())
 
 
-def test_merged_ops_pass_opcheck_and_trace_with_fullgraph(monkeypatch):
-    # Traced on CPU the ops take the PyTorch path (see test_traces_with_fullgraph_on_cpu).
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_merged_ops_pass_opcheck_and_trace_with_fullgraph():
     gate_up = make_merged((5, 24), torch.float32)
     ops = torch.ops.surgery
     torch.library.opcheck(ops.gated_activation_merged_fwd.default, (gate_up, "silu"))

@@ -512,10 +512,7 @@ def test_op_passes_opcheck():
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
-def test_traces_with_fullgraph_on_cpu(interleaved, monkeypatch):
-    # Traced on CPU the ops take the PyTorch path (the interpreter cannot run on fake tensors):
-    # the uncompiled call is made on that path too.
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_traces_with_fullgraph_on_cpu(interleaved):
     torch._dynamo.reset()
     model = MODELS["interleaved-d40" if interleaved else "contiguous-d40"]
     module = rotary_module(model)

@@ -376,6 +376,10 @@ def test_compiled_step_rebuilds_and_keeps_less():
         model.compile(backend=recorder, fullgraph=True)
         loss_and_grads(model, **batch)
         saved[implementation] = recorder.saved_bytes()
+        rebuilt = recorder.ops(recorder.backward).count(
+            "surgery.gated_activation_merged_fwd.default"
+        )
+        assert rebuilt == (len(experts_modules(model)) if implementation == "auto" else 0)
     torch._dynamo.reset()
     config = model.config
     rows = batch["input_ids"].numel() * config.num_experts_per_tok
