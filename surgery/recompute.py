@@ -25,7 +25,9 @@ what the backward keeps: it never recomputes an op it cannot see into (our kerne
 its kernel inside a one-op activation-checkpoint region instead (``compiled_recompute``), which
 the partitioner honours: the region's output is rebuilt in the backward from its inputs, which
 the kernel's own backward keeps anyway (the norm's input and weight; gate and up). The compiled
-graph then keeps what the eager scope keeps.
+graph then keeps what the eager scope keeps. One region has no eager counterpart: behind q/k norms
+the attention's rotated queries and keys are rebuilt from the projections the q/k norms keep (a
+norm and a rotation, ``surgery.attention``), which eager keeps twice.
 
 Anything unexpected saves normally: the scope is not opened when other saved-tensor hooks are
 active (activation checkpointing and CPU offload install theirs: the outer hooks own every saved
