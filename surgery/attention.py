@@ -270,14 +270,13 @@ def attention_forward(
         and plan is not None
         and plan.norm_output
         and recompute.compiling_with_grad()
-        # ZeRO-3 releases the norms' weights after their calls (see compiled_recompute).
-        and not any(hasattr(p, "ds_id") for p in self.q_norm.parameters())
     ):
         # The attention keeps the rotated q and k, and the q/k norms keep the projections they
         # normalise: compiled, the rotated ones are rebuilt from those in the backward (a norm
         # and a rotation) instead of being kept as well.
         args = (query, key, rope_positions, inv_freq)
-        query, key = recompute.compiled_recompute(normed_and_rotated, *args)
+        norms = (self.q_norm, getattr(self, "k_norm", None))
+        query, key = recompute.compiled_recompute(normed_and_rotated, *args, modules=norms)
     else:
         query, key = normed_and_rotated(query, key, rope_positions, inv_freq)
     if rope is None and rotated:

@@ -168,8 +168,9 @@ def _left_alone_because(
         return "rope=False"
     if spec.rms_norm is not None and spec.is_instance(module, spec.rms_norm):
         return "rms_norm=False"
-    embed = text_model(lm, spec)[0].get_input_embeddings()
-    if isinstance(module, nn.Embedding) and any(module is m for m in embed.modules()):
+    if isinstance(module, nn.Embedding) and any(
+        module is m for m in text_model(lm, spec)[0].get_input_embeddings().modules()
+    ):
         if not options.embedding_backward:
             return "embedding_backward=False"
         return (

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 __all__ = [
     "RECOMPUTE_ATTR",
@@ -275,14 +276,16 @@ def compiling_with_grad() -> bool:
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
-def compiled_recompute(fn: Callable, *args):
+def compiled_recompute(fn: Callable, *args, modules: tuple[nn.Module | None, ...] = ()):
     """``fn(*args)`` traced as an activation-checkpoint region of its own, so that the compiler's
     partitioner rebuilds its output in the backward (from ``args``) instead of keeping it. Call it
     only where ``compiling_with_grad()``, with ``fn`` deterministic and its tensor arguments kept
     anyway (by its own backward, or shared, as an attention mask), so that the rebuild keeps
-    nothing more. A DeepSpeed ZeRO-3 parameter among them (released after its module's call)
-    makes it a plain call."""
-    if any(isinstance(t, torch.Tensor) and hasattr(t, "ds_id") for t in args):
+    nothing more. ``modules``: those ``fn`` calls, whose parameters it reads without taking them
+    as arguments. A DeepSpeed ZeRO-3 parameter among the arguments or those (released after its
+    module's call) makes it a plain call."""
+    params = [p for m in modules if m is not None for p in m.parameters()]
+    if any(isinstance(t, torch.Tensor) and hasattr(t, "ds_id") for t in (*args, *params)):
         return fn(*args)
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=False

@@ -343,8 +343,8 @@ def test_compiled_graph_rebuilds_rotated_queries_behind_qk_norms(monkeypatch):
     rebuilt = compiled_saved_bytes("qwen3", batch)
     region = recompute.compiled_recompute
 
-    def plain_rotation(fn, *args):
-        return fn(*args) if fn.__name__ == "normed_and_rotated" else region(fn, *args)
+    def plain_rotation(fn, *args, **kwargs):
+        return fn(*args) if fn.__name__ == "normed_and_rotated" else region(fn, *args, **kwargs)
 
     monkeypatch.setattr(recompute, "compiled_recompute", plain_rotation)
     kept = compiled_saved_bytes("qwen3", batch)
