@@ -3,6 +3,7 @@
 from .cross_entropy import cross_entropy
 from .embedding import embedding, embedding_reference
 from .gated_activation import gated_activation, gated_activation_reference
+from .gather_sum import gather_sum, gather_sum_reference
 from .linear_cross_entropy import linear_cross_entropy
 from .reduction import check_labels
 from .reference import LossOutput, cross_entropy_reference, linear_cross_entropy_reference
@@ -21,6 +22,8 @@ __all__ = [
     "embedding_reference",
     "gated_activation",
     "gated_activation_reference",
+    "gather_sum",
+    "gather_sum_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "rms_norm",

@@ -14,26 +14,33 @@ experts module it may fuse with an ``ExpertsPlan`` (a plain instance attribute).
 computes, with its grouped GEMMs (``_grouped_linear``: ``torch.nn.functional.grouped_mm`` where
 torch can run it, transformers' own per-expert loop op elsewhere, CPU included): rows sorted by
 expert, one grouped GEMM up, ``act(gate) * up``, one grouped GEMM down, the routing weights, the
-rows put back and summed per token in transformers' order. Four things differ; the first changes
-roundings only (one instead of two), the second is the one place where surgery's experts round in
-another order than transformers', the others change nothing:
+rows put back and summed per token in transformers' order. Five things differ; the first two
+change roundings (fewer, and in another order), the others change nothing but the kernels the
+backward runs:
 
 - ``act(gate) * up`` is ``gated_activation_merged`` on the GEMM's (rows, 2 I) output: computed in
   fp32 and rounded once (transformers rounds act(gate) and the product), and only that output is
   kept for the backward (transformers keeps it and act(gate));
-- the down GEMM and the routing weights are one autograd step, ``y = (h @ W_e^T) * w`` (h the
-  product, W_e the row's expert's ``down_proj``, w its routing weight), whose backward needs only
-  h, W and w, never the GEMM's (rows, hidden) output that autograd keeps for transformers'
-  ``out * w``: with g = dy @ W_e (the grouped GEMM the backward runs anyway), dw = <g, h> per row,
-  dh = g * w and dW_e = sum over the expert's rows of (dy * w)^T h. The same GEMMs as
-  transformers; the same math, rounded in another order: transformers scales dy by w before the
-  GEMM for dh (``(dy * w) @ W_e``) and takes dw as <dy, out>;
+- the down GEMM, the routing weights and the per-token sum are one autograd step,
+  ``y_t = sum_k w_r (h_r @ W_e^T)`` over the token's rows r (h the product, W_e the row's expert's
+  ``down_proj``, w its routing weight), the weighting and the sum one kernel (``gather_sum``: in
+  fp32, rounded once, where transformers rounds ``out * w`` and then the sum). Its backward needs
+  only h, W and w, never the GEMM's (rows, hidden) output that autograd keeps for transformers'
+  ``out * w``: with dy_r the row's token's gradient (a gather) and g = dy @ W_e (the grouped GEMM
+  the backward runs anyway), dw = <g, h> per row, dh = g * w and dW_e = sum over the expert's rows
+  of dy^T (w h). The same GEMMs as transformers; the same math, rounded in another order:
+  transformers scales dy by w before both GEMMs (``(dy * w) @ W_e``, ``(dy * w)^T h``) and takes dw
+  as <dy, out>;
 - the product, kept for the down GEMM's weight gradient and for dw, is rebuilt in the backward
   from the gated activation's kept input with the same kernel, bit for bit (``surgery.recompute``;
   ``recompute_mlp_product``);
 - the token rows gathered for the up GEMM (rows = tokens x top_k, hidden wide), kept for its
   weight gradient, are gathered again in the backward from the layer's input, which the router
-  keeps anyway (``surgery.recompute``; always, it is a copy).
+  keeps anyway (``surgery.recompute``; always, it is a copy);
+- the gather of the token rows and the per-token sum are adjoint, and each one's backward is the
+  other (``_token_rows``, ``_DownProjectionAndSum``): a gather, where autograd's backward of an
+  index scatter-adds into zeros (atomics and a zero fill on a GPU). The same values: the
+  gradient rows a token receives are summed in fp32 in slot order and rounded once.
 
 Per layer that is (rows x 2 (hidden + I)) elements less kept for the backward. A module surgery has
 not marked, or one that is expert-parallel or in a dtype without a kernel, runs transformers'
@@ -62,6 +69,7 @@ import torch
 from torch import nn
 
 from surgery.kernels.gated_activation import gated_activation_merged, gated_activation_merged_fwd
+from surgery.kernels.gather_sum import gather_sum
 
 from . import recompute
 
@@ -156,21 +164,58 @@ def _expert_offsets(expert_ids_sorted: torch.Tensor, num_experts: int) -> torch.
     return torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
-def _gather_rows(hidden_states: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype):
-    return hidden_states[rows].to(dtype)
+def _sum_slots(values: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(tokens, hidden): each token's ``top_k`` rows of ``values`` (rows in expert order, slot j =
+    token x top_k + k at row ``inverse[j]``) summed in slot order, in fp32, rounded once."""
+    return gather_sum(values, inverse, top_k)
 
 
-def _gathered(hidden_states, rows, dtype: torch.dtype, top_k: int, record: bool):
-    """``hidden_states[rows]`` in the weights' dtype, registered (``record``) to be gathered again
-    in the backward where holding ``hidden_states`` instead never costs more (top_k rows per
-    token)."""
+# An op, not an autograd.Function: inside the activation-checkpoint region that rebuilds the rows
+# in the backward (``_gathered``), torch 2.11's partitioner keeps a Function's output instead.
+@torch.library.custom_op("surgery::token_rows", mutates_args=())
+def _token_rows(
+    hidden_states: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``hidden_states[rows]``: each token's row once per slot, in expert order (``rows`` = perm //
+    top_k, ``inverse`` the slots' rows). The backward sums each token's slots (``_sum_slots``), a
+    gather, where autograd's backward of an index scatter-adds into zeros (atomics, and a zero
+    fill of the input's size)."""
+    return hidden_states[rows]
+
+
+@_token_rows.register_fake
+def _(hidden_states, rows, inverse, top_k):
+    return hidden_states.new_empty((rows.shape[0], *hidden_states.shape[1:]))
+
+
+def _token_rows_context(ctx, inputs, output):
+    _, _, inverse, top_k = inputs
+    ctx.save_for_backward(inverse)
+    ctx.top_k = top_k
+
+
+def _token_rows_backward(ctx, grad):
+    (inverse,) = ctx.saved_tensors
+    return _sum_slots(grad, inverse, ctx.top_k), None, None, None
+
+
+_token_rows.register_autograd(_token_rows_backward, setup_context=_token_rows_context)
+
+
+def _gather_rows(hidden_states, rows, inverse, top_k: int, dtype: torch.dtype):
+    return _token_rows(hidden_states, rows, inverse, top_k).to(dtype)
+
+
+def _gathered(hidden_states, rows, inverse, dtype: torch.dtype, top_k: int, record: bool):
+    """``hidden_states[rows]`` in the weights' dtype (``_token_rows``), registered (``record``) to
+    be gathered again in the backward where holding ``hidden_states`` instead never costs more
+    (top_k rows per token)."""
+    gather = functools.partial(_gather_rows, top_k=top_k, dtype=dtype)
     if recompute.compiling_with_grad():
-        return recompute.compiled_recompute(
-            functools.partial(_gather_rows, dtype=dtype), hidden_states, rows
-        )
-    x = _gather_rows(hidden_states, rows, dtype)
+        return recompute.compiled_recompute(gather, hidden_states, rows, inverse)
+    x = gather(hidden_states, rows, inverse)
     if record and hidden_states.element_size() <= top_k * x.element_size():
-        recompute.register(x, functools.partial(_gather_rows, dtype=dtype), hidden_states, rows)
+        recompute.register(x, gather, hidden_states, rows, inverse)
     return x
 
 
@@ -218,43 +263,47 @@ def _grouped_weight_grad(
     return _grouped_weight_grad_loop(a, b, offs)
 
 
-class _WeightedDownProjection(torch.autograd.Function):
-    """``_grouped_linear(product, weight, offsets) * row_weights[:, None]`` whose backward keeps
-    only its inputs (not the GEMM's output, which ``out * w`` would keep for dw); the module
-    docstring gives the math and its one difference in rounding from transformers'."""
+class _DownProjectionAndSum(torch.autograd.Function):
+    """Each token's ``top_k`` rows of ``_grouped_linear(product, weight, offsets)`` times their
+    routing weights, summed (``gather_sum``), whose backward keeps only its inputs (not the GEMM's
+    output, which ``out * w`` would keep for dw); the module docstring gives the math and its
+    differences in rounding from transformers'."""
 
     @staticmethod
-    def forward(ctx, product, weight, offsets, row_weights, is_transposed: bool):
+    def forward(
+        ctx, product, weight, offsets, row_weights, inverse, rows, top_k: int, is_transposed: bool
+    ):
         out = _grouped_linear(product, weight, offsets, is_transposed=is_transposed)
         # Saved inside the caller's recompute scope: the product is kept as a reference to what
         # rebuilds it.
-        ctx.save_for_backward(product, weight, offsets, row_weights)
+        ctx.save_for_backward(product, weight, offsets, row_weights, rows)
         ctx.is_transposed = is_transposed
-        return out * row_weights.unsqueeze(-1)
+        return gather_sum(out, inverse, top_k, row_weights)
 
     @staticmethod
     def backward(ctx, grad_output):
-        product, weight, offsets, row_weights = ctx.saved_tensors
-        needs_product, needs_weight, _, needs_row_weights, _ = ctx.needs_input_grad
+        product, weight, offsets, row_weights, rows = ctx.saved_tensors
+        needs_product, needs_weight, _, needs_row_weights = ctx.needs_input_grad[:4]
         grad_product = grad_weight = grad_row_weights = None
         scale = row_weights.unsqueeze(-1)
+        dy = grad_output[rows]  # each row's token's gradient (the sum's adjoint): a gather
         if needs_weight:
-            scaled = grad_output * scale
+            # sum over an expert's rows of (w dy)^T h, as dy^T (w h): the scaled operand is the
+            # narrower one (expert width, not hidden)
+            scaled = product * scale
             if ctx.is_transposed:  # weight (experts, I, hidden)
-                grad_weight = _grouped_weight_grad(product, scaled, offsets, weight)
+                grad_weight = _grouped_weight_grad(scaled, dy, offsets, weight)
             else:  # weight (experts, hidden, I)
-                grad_weight = _grouped_weight_grad(scaled, product, offsets, weight)
+                grad_weight = _grouped_weight_grad(dy, scaled, offsets, weight)
             del scaled
         if needs_product or needs_row_weights:
-            grad = _grouped_linear(
-                grad_output, weight, offsets, is_transposed=not ctx.is_transposed
-            )
+            grad = _grouped_linear(dy, weight, offsets, is_transposed=not ctx.is_transposed)
             if needs_row_weights:
                 dot = (grad * product).sum(-1, dtype=torch.float32)
                 grad_row_weights = dot.to(row_weights.dtype)
             if needs_product:
                 grad_product = grad.mul_(scale).to(product.dtype)  # the GEMM's output: ours
-        return grad_product, grad_weight, None, grad_row_weights, None
+        return grad_product, grad_weight, None, grad_row_weights, None, None, None, None
 
 
 def fused_grouped_mm_experts_forward(
@@ -277,24 +326,24 @@ def fused_grouped_mm_experts_forward(
         or weight.dtype not in _KERNEL_DTYPES
     ):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
     top_k = top_k_index.size(-1)
     # Rows (token, slot) sorted by expert, each expert's rows one group of the grouped GEMMs.
     expert_ids_sorted, perm = torch.sort(top_k_index.reshape(-1))
     offsets = _expert_offsets(expert_ids_sorted, self.num_experts)
     weights_sorted = top_k_weights.reshape(-1)[perm]
+    inverse = torch.empty_like(perm)  # slot j (token j // top_k) sits at sorted row inverse[j]
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    rows = perm // top_k  # the token of each sorted row
     record = recompute.recording()  # read before the scope, whose hooks it would count
     with recompute.saved_tensor_scope(record):
-        x = _gathered(hidden_states, perm // top_k, weight.dtype, top_k, record)
+        x = _gathered(hidden_states, rows, inverse, weight.dtype, top_k, record)
         gate_up = _grouped_linear(x, weight, offsets, is_transposed=self.is_transposed)
         product = _gated(gate_up, plan, record)
-        weighted = _WeightedDownProjection.apply(
-            product, self.down_proj, offsets, weights_sorted, self.is_transposed
-        )
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
-    # transformers' reduction: the top_k rows of a token summed in slot order (deterministic).
-    per_token = weighted[inverse].view(num_tokens, top_k, hidden_dim).sum(dim=1)
+        # transformers' reduction: the top_k rows of a token summed in slot order (deterministic).
+        per_token = _DownProjectionAndSum.apply(
+            product, self.down_proj, offsets, weights_sorted, inverse, rows, top_k,
+            self.is_transposed,
+        )  # fmt: skip
     return per_token.to(hidden_states.dtype)
 
 

@@ -354,23 +354,44 @@ def test_saved_bytes_per_layer(dtype):
     assert gate_up <= ours < gate_up + rows * width * size
 
 
-@pytest.mark.skipif(
-    not hasattr(torch.ops.transformers, "grouped_mm_fallback_backward"),
-    reason="this transformers' grouped GEMM fallback (fp32 on CPU under torch.compile) has a "
-    "backward the compiler cannot trace, for its own grouped_mm too (later releases make it an op)",
-)
-def test_compiled_step_rebuilds_and_keeps_less():
-    """Under ``torch.compile`` (fullgraph, inductor's partitioner) the backward rebuilds the
-    product and regathers the rows, and has no down GEMM output to receive: at least
-    (rows x (2 hidden + expert width)) fp32 values fewer per MoE layer than with transformers'
-    grouped_mm compiled (whose act(gate) the partitioner already recomputes)."""
+class IndexPuts(TorchDispatchMode):
+    """The index_put ops (scatters) run under it whose values are rows (2-D or more)."""
+
+    def __init__(self):
+        super().__init__()
+        self.row_scatters: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "index_put" in func.name() and args[2].dim() >= 2:
+            self.row_scatters.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_gathers_the_routed_rows():
+    """The backward of the gather of the token rows and of the per-token sum at the end are
+    gathers, each the other's adjoint: no scatter of (tokens x top_k) rows into zeros, which
+    autograd runs for an index (atomics and a zero fill on a GPU) and transformers' grouped_mm
+    runs twice; the gradients stay transformers' (``test_experts_match_transformers_...``)."""
+    module = experts_modules(surgery.patch(build("qwen3_moe")))[0]
+    hidden, index, weights, dout = inputs_for(module)
+    scatters = {}
+    for name, fn in (("theirs", transformers_grouped_mm), ("ours", dispatched)):
+        out = fn(module, hidden.detach().requires_grad_(), index, weights.requires_grad_())
+        with IndexPuts() as mode:
+            out.backward(dout)
+        scatters[name] = mode.row_scatters
+    assert len(scatters["theirs"]) == 2  # the probe sees them
+    assert scatters["ours"] == []
+
+
+def assert_compiled_step_rebuilds_and_keeps_less(dtype: torch.dtype) -> None:
     from tests.surgery.test_compile import GraphRecorder, transformers_hooks_installed
 
     batch = padded_batch(sequences([9, 6, 3])).to(DEVICE).kwargs()
     saved = {}
     for implementation in ("auto", "grouped_mm"):
         torch._dynamo.reset()
-        model = surgery.patch(build("qwen3_moe"), experts_implementation=implementation)
+        model = surgery.patch(build("qwen3_moe", dtype), experts_implementation=implementation)
         transformers_hooks_installed(model, batch)
         recorder = GraphRecorder()
         model.compile(backend=recorder, fullgraph=True)
@@ -383,8 +404,28 @@ def test_compiled_step_rebuilds_and_keeps_less():
     torch._dynamo.reset()
     config = model.config
     rows = batch["input_ids"].numel() * config.num_experts_per_tok
-    per_layer = rows * (2 * config.hidden_size + config.moe_intermediate_size) * 4
+    per_layer = rows * (2 * config.hidden_size + config.moe_intermediate_size) * dtype.itemsize
     assert saved["grouped_mm"] - saved["auto"] >= len(experts_modules(model)) * per_layer
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.ops.transformers, "grouped_mm_fallback_backward"),
+    reason="this transformers' grouped GEMM fallback (fp32 on CPU under torch.compile) has a "
+    "backward the compiler cannot trace, for its own grouped_mm too (later releases make it an op)",
+)
+def test_compiled_step_rebuilds_and_keeps_less():
+    """Under ``torch.compile`` (fullgraph, inductor's partitioner) the backward rebuilds the
+    product and regathers the rows, and has no down GEMM output to receive: at least
+    (rows x (2 hidden + expert width)) fp32 values fewer per MoE layer than with transformers'
+    grouped_mm compiled (whose act(gate) the partitioner already recomputes)."""
+    assert_compiled_step_rebuilds_and_keeps_less(torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_rebuilds_and_keeps_less():
+    """The same in bf16 with torch's grouped GEMM, on the GPU machine's torch (whose partitioner
+    kept the rows an autograd.Function gathered inside the rebuild's checkpoint region)."""
+    assert_compiled_step_rebuilds_and_keeps_less(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
