@@ -27,7 +27,7 @@ from .experts import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import STATE_ATTR, PatchState
 from .head import LM_HEAD_ATTR, head_takes_loss
-from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR
+from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_down_projection
 from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model
 from .options import PatchOptions
@@ -121,9 +121,15 @@ def _installed(module: nn.Module, state: PatchState) -> str:
     if EXPERTS_PLAN_ATTR in attrs:
         return describe_batched_experts(attrs[EXPERTS_PLAN_ATTR])
     if MLP_ATTR in attrs:
-        return f"gated_activation ({attrs[MLP_ATTR]})" + (
-            ", product recomputed in the backward" if plan is not None and plan.mlp_product else ""
-        )
+        what = f"gated_activation ({attrs[MLP_ATTR]})"
+        if plan is None or not plan.mlp_product:
+            return what
+        if plain_down_projection(module.down_proj):
+            return (
+                what
+                + ", with down_proj one step (gated_linear): product rebuilt in the backward kernel"
+            )
+        return what + ", product recomputed in the backward"
     if BASE_MODEL_ATTR in attrs and STATE_ATTR not in attrs:
         needs: BaseModelNeeds = attrs[BASE_MODEL_ATTR]
         given = [

@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from surgery.kernels import embedding, gated_activation, rms_norm
-from surgery.kernels.gated_activation import gated_activation_fwd
+from surgery.kernels.gated_activation import gated_activation_fwd, gated_linear, gated_linear_fuses
 from surgery.kernels.rms_norm import rms_norm_fwd
 from surgery.models import RMSNormStyle
 
@@ -32,6 +33,7 @@ __all__ = [
     "gated_mlp_forward_for",
     "gated_mlp_forward_hidden_states",
     "input_embeddings",
+    "plain_down_projection",
     "rms_norm_forward",
     "rms_norm_forward_for",
     "rms_norm_forward_x",
@@ -95,9 +97,40 @@ def rms_norm_forward_for(module: nn.Module) -> Callable:
     return rms_norm_forward_x if params[:1] == ["x"] else rms_norm_forward
 
 
+def plain_down_projection(linear: nn.Module) -> bool:
+    """Whether the MLP may read ``linear``'s weight itself (``gated_linear``) instead of calling
+    it: a plain ``nn.Linear`` without bias, hooks (its own or global ones: DeepSpeed's gathers),
+    a forward of the instance's own (accelerate's) or a weight that is not a plain tensor (ZeRO-3
+    partitions, DTensors). Anything else (a LoRA layer, a quantized linear) is called."""
+    module_hooks = torch.nn.modules.module
+    return (
+        type(linear) is nn.Linear
+        and linear.bias is None
+        and "forward" not in linear.__dict__
+        and not (linear._forward_hooks or linear._forward_pre_hooks)
+        and not (linear._backward_hooks or linear._backward_pre_hooks)
+        and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
+        and not hasattr(linear.weight, "ds_id")
+        and not isinstance(linear.weight, DTensor)
+    )
+
+
+def _fused_down(module: nn.Module, plan: RecomputePlan, gate, up) -> bool:
+    # With the product rebuilt anyway, rebuild it in the activation's backward (gated_linear).
+    down = module.down_proj
+    return (
+        plan.mlp_product
+        and plain_down_projection(down)
+        and gated_linear_fuses(gate, up, down.weight)
+    )
+
+
 def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the product through ``gated_activation``:
-    act(gate) is neither materialised for backward nor rounded on its own."""
+    act(gate) is neither materialised for backward nor rounded on its own. With
+    ``recompute_mlp_product`` and a plain ``down_proj`` the product and the down projection are
+    one step (``gated_linear``), whose backward rebuilds the product in the activation's backward
+    kernel; otherwise the product is rebuilt on its own before the backward needs it."""
     activation = self.__dict__[MLP_ATTR]
     plan: RecomputePlan | None = self.__dict__.get(RECOMPUTE_ATTR)
     if plan is None:
@@ -106,6 +139,8 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # The compiler's partitioner decides what is kept; the norm that produced x marked its
         # output for rebuilding itself (see surgery.recompute).
         gate, up = self.gate_proj(x), self.up_proj(x)
+        if _fused_down(self, plan, gate, up):
+            return gated_linear(gate, up, self.down_proj.weight, activation)
         if plan.mlp_product:
             product = recompute.compiled_recompute(gated_activation, gate, up, activation)
         else:
@@ -115,6 +150,8 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # down_proj, the product (rebuilt from gate and up, which gated_activation keeps).
     with recompute.saved_tensor_scope(plan.norm_output):
         gate, up = self.gate_proj(x), self.up_proj(x)
+    if _fused_down(self, plan, gate, up):
+        return gated_linear(gate, up, self.down_proj.weight, activation)
     product = gated_activation(gate, up, activation)
     record = plan.mlp_product and recompute.recording()
     if (

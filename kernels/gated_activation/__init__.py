@@ -24,8 +24,9 @@ Modules, in the order of STYLE.md 2: ``kernel`` (Triton kernels, split and merge
 ``launch`` (host launchers ``gated_activation_fwd``, ``gated_activation_bwd``,
 ``gated_activation_merged_fwd``, ``gated_activation_merged_bwd``, the launch configuration and the
 PyTorch path) -> ``ops`` (torch.library ops and autograd) -> ``api`` (``gated_activation``,
-``gated_activation_merged``), with the fp32 reference ``gated_activation_reference`` in
-``reference``.
+``gated_activation_merged``) -> ``linear`` (``gated_linear``: the product and the down
+projection after it as one step, the product rebuilt inside the activation's backward kernel),
+with the fp32 reference ``gated_activation_reference`` in ``reference``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from .launch import (
 )
 from .launch import _merged_bwd_torch as _merged_bwd_torch  # names tests/surgery/test_experts.py
 from .launch import _merged_fwd_torch as _merged_fwd_torch  # looks up (setattr needs them here)
+from .linear import gated_linear, gated_linear_fuses
 from .reference import gated_activation_reference
 
 __all__ = [
@@ -69,4 +71,6 @@ __all__ = [
     "gated_activation_merged_fwd",
     "gated_activation_merged_fwd_kernel",
     "gated_activation_reference",
+    "gated_linear",
+    "gated_linear_fuses",
 ]

@@ -27,6 +27,21 @@ def _check_float(what: str, names: str, *tensors: torch.Tensor) -> None:
         raise TypeError(f"{what}: {names} must be float32, bfloat16 or float16; got {got}")
 
 
+def check_gate_and_up(what: str, gate, up, activation: str) -> None:
+    """Raise unless gate and up are float tensors of one shape and device and ``activation`` has
+    a kernel."""
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        raise TypeError(f"{what}: gate and up must be tensors, got {type(gate)}")
+    _check_activation(what, activation)
+    _check_float(what, "gate and up", gate, up)
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"{what}: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape"
+        )
+    if gate.device != up.device:
+        raise ValueError(f"{what}: gate is on {gate.device} but up is on {up.device}")
+
+
 def gated_activation(
     gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"
 ) -> torch.Tensor:
@@ -57,17 +72,7 @@ def gated_activation(
     the autocast projections hand over gate and up in the autocast dtype, and the product keeps
     it). No op inside depends on autocast: the result is that of the call without it, bit for bit.
     """
-    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
-        raise TypeError(f"gated_activation: gate and up must be tensors, got {type(gate)}")
-    _check_activation("gated_activation", activation)
-    _check_float("gated_activation", "gate and up", gate, up)
-    if gate.shape != up.shape:
-        raise ValueError(
-            f"gated_activation: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the "
-            "same shape"
-        )
-    if gate.device != up.device:
-        raise ValueError(f"gated_activation: gate is on {gate.device} but up is on {up.device}")
+    check_gate_and_up("gated_activation", gate, up, activation)
     if gate.dtype != up.dtype:
         dtype = torch.promote_types(gate.dtype, up.dtype)
         gate, up = gate.to(dtype), up.to(dtype)

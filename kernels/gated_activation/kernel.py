@@ -114,18 +114,24 @@ if triton is not None:
         u_ptr,
         dg_ptr,
         du_ptr,
+        out_ptr,
         numel,
         BLOCK: tl.constexpr,
         ACTIVATION: tl.constexpr,
+        STORE_OUT: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
-        """dg and du from dout, recomputing act(g); one program per BLOCK elements."""
+        """dg and du from dout, recomputing act(g); with STORE_OUT also the forward's output
+        act(g) * u (the same bits), for a caller that needs it again (``gated_linear``'s weight
+        gradient); one program per BLOCK elements."""
         offs, mask = _flat_block(numel, BLOCK)
         dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g, u = _load_fp32(g_ptr + offs, u_ptr + offs, mask)
         dg, du = _gated_grads(dout, g, u, ACTIVATION)
         _store_rounded(dg_ptr + offs, dg, mask, INTERPRETED)
         _store_rounded(du_ptr + offs, du, mask, INTERPRETED)
+        if STORE_OUT:
+            _store_rounded(out_ptr + offs, _gated_product(g, u, ACTIVATION), mask, INTERPRETED)
 
     @triton.jit
     def gated_activation_merged_fwd_kernel(

@@ -80,21 +80,24 @@ def _fwd_chunks(g, u, o, step, activation):
         o[sl] = (_act_torch(g[sl].float(), activation) * u[sl].float()).to(o.dtype)
 
 
-def _bwd_chunks(d, g, u, dg, du, step, activation):
+def _bwd_chunks(d, g, u, dg, du, step, activation, o=None):
     for i in range(0, d.shape[0], step):
         sl = slice(i, i + step)
         gf, df = g[sl].float(), d[sl].float()
         dg[sl] = _act_backward_torch(df * u[sl].float(), gf, activation).to(dg.dtype)
         du[sl] = (df * _act_torch(gf, activation)).to(du.dtype)
+        if o is not None:
+            o[sl] = (_act_torch(gf, activation) * u[sl].float()).to(o.dtype)
 
 
 def _fwd_torch(gate, up, out, activation):
     _fwd_chunks(gate.view(-1), up.view(-1), out.view(-1), FALLBACK_ELEMS, activation)
 
 
-def _bwd_torch(dout, gate, up, dg, du, activation):
+def _bwd_torch(dout, gate, up, dg, du, activation, out=None):
     flat = (dout.reshape(-1), gate.view(-1), up.view(-1), dg.view(-1), du.view(-1))
-    _bwd_chunks(*flat, FALLBACK_ELEMS, activation)
+    o = None if out is None else out.view(-1)
+    _bwd_chunks(*flat, FALLBACK_ELEMS, activation, o)
 
 
 def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +130,7 @@ def _launch_config(launch, t):
     return launch or (DEFAULT_LAUNCH if t.is_cuda else INTERPRETER_LAUNCH)
 
 
-def _launch_flat(kernel, args, numel, activation, launch, device_of):
+def _launch_flat(kernel, args, numel, activation, launch, device_of, **constexprs):
     # ``kernel(*args, numel, BLOCK, ...)`` over ``numel`` flat elements, on ``device_of``'s GPU.
     launch = _launch_config(launch, device_of)
     block = min(launch.block, next_power_of_2(numel))
@@ -139,6 +142,7 @@ def _launch_flat(kernel, args, numel, activation, launch, device_of):
             ACTIVATION=ACTIVATIONS[activation],
             INTERPRETED=interpreter_enabled(),
             num_warps=launch.num_warps,
+            **constexprs,
         )
 
 
@@ -199,9 +203,11 @@ def gated_activation_bwd(
     activation: str,
     launch: GatedActivationLaunch | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    forward_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dgate, dup)`` given the output gradient (contiguous, gate's shape): new contiguous
-    tensors, or the pair ``out`` when given."""
+    tensors, or the pair ``out`` when given. ``forward_out`` (contiguous, gate's shape): written
+    with the forward's output ``act(gate) * up`` too, bit for bit ``gated_activation_fwd``'s."""
     if out is not None:
         dg, du = out
     else:
@@ -211,10 +217,12 @@ def gated_activation_bwd(
     if numel == 0:
         return dg, du
     if not use_triton(gate):
-        _bwd_torch(dout, gate, up, dg, du, activation)
+        _bwd_torch(dout, gate, up, dg, du, activation, forward_out)
         return dg, du
-    args = (dout, gate, up, dg, du)
-    _launch_flat(gated_activation_bwd_kernel, args, numel, activation, launch, gate)
+    store = forward_out is not None
+    args = (dout, gate, up, dg, du, forward_out if store else dg)
+    kernel = gated_activation_bwd_kernel
+    _launch_flat(kernel, args, numel, activation, launch, gate, STORE_OUT=store)
     return dg, du
 
 

@@ -142,9 +142,10 @@ def transformers_hooks_installed(model, batch: dict) -> None:
 def test_compiled_steps_match_and_compile_once(arch):
     """``model.compile(fullgraph=True)``: three steps on batches of one shape (right padding,
     left padding, right padding with every padding position trained), each within fp32's budget
-    of the uncompiled patched model, one frame compiled; the backward rebuilds norm outputs and
-    MLP products (their kernels run again there) instead of keeping them; the input embedding's
-    gradient comes from ``surgery::embedding_backward``."""
+    of the uncompiled patched model, one frame compiled; the backward rebuilds norm outputs (their
+    kernel runs again there) and MLP products (inside the activation's backward kernel, no
+    forward kernel again) instead of keeping them; the input embedding's gradient comes from
+    ``surgery::embedding_backward``."""
     model = surgery.patch(tiny_model(arch).train())
     eager = twin(model)
     seqs = sequences(LENGTHS)
@@ -161,7 +162,8 @@ def test_compiled_steps_match_and_compile_once(arch):
     backward = recorder.ops(recorder.backward)
     assert backward.count("surgery.rms_norm_fwd.default") >= 2  # the layers' input norms
     if SPECS[arch].mlp is not None:  # Mixtral's experts are its only MLPs
-        assert "surgery.gated_activation_fwd.default" in backward
+        assert "surgery.gated_activation_bwd_with_output.default" in backward
+        assert "surgery.gated_activation_fwd.default" not in backward
     # The input embedding's gradient from torch's eager kernel, not a decomposition into an fp32
     # table (Gemma's scaled embeddings keep transformers' forward).
     plain = bool(input_embeddings(model.model))

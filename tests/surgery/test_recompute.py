@@ -198,12 +198,12 @@ def test_zero3_parameters_are_not_registered_for_recompute(monkeypatch, zero3):
     monkeypatch.setattr(recompute._Source, "__init__", spy)
     model = surgery.patch(tiny_model("llama").train())
     if zero3:
-        for name, norm in model.named_modules():
-            if name.endswith("layernorm"):
-                norm.weight.ds_id = 0  # what ZeRO-3 puts on every parameter it partitions
+        for param in model.parameters():
+            param.ds_id = 0  # what ZeRO-3 puts on every parameter it partitions
     model(**padded_batch(sequences(LENGTHS)).kwargs()).loss.backward()
     from_norms = [inputs for inputs in registered if any(t.dim() == 1 for t in inputs)]
-    assert registered  # the MLP products still are
+    # The MLP products still are (under ZeRO-3 down_proj is called, not read: gated_linear is off)
+    assert registered
     assert bool(from_norms) is not zero3
 
 
@@ -252,3 +252,34 @@ def test_bad_recompute_and_loss_options_raise(options):
     with pytest.raises((ValueError, TypeError)):
         surgery.patch(model, **options)
     assert not surgery.is_patched(model)
+
+
+def test_mlp_reads_down_proj_only_where_it_is_plain(monkeypatch):
+    """With the product rebuilt, a plain ``down_proj`` (``nn.Linear``, no bias, no hooks, a plain
+    weight) runs with the product as one step (``gated_linear``: the product rebuilt inside the
+    activation's backward kernel); a hooked one is called as a module, its hook runs, and its
+    product is rebuilt as before; ``recompute_mlp_product=False`` calls every one."""
+    from surgery import layers
+
+    calls = []
+    original = layers.gated_linear
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "gated_linear", spy)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    model = surgery.patch(tiny_model("llama").train())
+    mlps = [layer.mlp for layer in model.model.layers]
+    model(**batch).loss.backward()
+    assert [w is m.down_proj.weight for w, m in zip(calls, mlps)] == [True] * len(mlps)
+    calls.clear()
+    hooked = []
+    mlps[0].down_proj.register_forward_hook(lambda *args: hooked.append(True))
+    model(**batch).loss.backward()
+    assert len(calls) == len(mlps) - 1 and hooked == [True]
+    calls.clear()
+    model = surgery.patch(tiny_model("llama").train(), recompute_mlp_product=False)
+    model(**batch).loss.backward()
+    assert calls == []
