@@ -35,8 +35,11 @@ class PatchOptions:
       bf16) at the end of the backward (``surgery.kernels.embedding``). Eager, nothing changes.
     - ``recompute_mlp_product``: with ``gated_mlp``, the product ``act(gate) * up`` is not kept
       for ``down_proj``'s weight gradient; the backward rebuilds it, bit for bit, from gate and up
-      (kept anyway) with the forward's kernel: one (tokens x intermediate) tensor less per layer
-      for one elementwise pass.
+      (kept anyway): one (tokens x intermediate) tensor less per layer. Where ``down_proj`` is a
+      plain bias-free ``nn.Linear`` (no hooks, adapters or partitioned weight) the product and the
+      down projection are one step (``surgery.kernels.gated_activation.gated_linear``) and the
+      activation's backward kernel writes the product as it goes: no cost but that write;
+      elsewhere the forward's kernel runs again (one elementwise pass).
     - ``recompute_norm_output``: with ``rms_norm``, an RMSNorm's output is not kept for the
       projections after it (q/k/v, gate/up; needs ``rope`` and ``gated_mlp`` respectively, whose
       forwards run those projections); the backward rebuilds it from the norm's input and weight
