@@ -164,12 +164,6 @@ def _expert_offsets(expert_ids_sorted: torch.Tensor, num_experts: int) -> torch.
     return torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
-def _sum_slots(values: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(tokens, hidden): each token's ``top_k`` rows of ``values`` (rows in expert order, slot j =
-    token x top_k + k at row ``inverse[j]``) summed in slot order, in fp32, rounded once."""
-    return gather_sum(values, inverse, top_k)
-
-
 # An op, not an autograd.Function: inside the activation-checkpoint region that rebuilds the rows
 # in the backward (``_gathered``), torch 2.11's partitioner keeps a Function's output instead.
 @torch.library.custom_op("surgery::token_rows", mutates_args=())
@@ -177,9 +171,10 @@ def _token_rows(
     hidden_states: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """``hidden_states[rows]``: each token's row once per slot, in expert order (``rows`` = perm //
-    top_k, ``inverse`` the slots' rows). The backward sums each token's slots (``_sum_slots``), a
-    gather, where autograd's backward of an index scatter-adds into zeros (atomics, and a zero
-    fill of the input's size)."""
+    top_k; slot j = token x top_k + k sits at row ``inverse[j]``). The backward sums each token's
+    slots in slot order (``gather_sum``, in fp32, rounded once), a gather, where autograd's
+    backward of an index scatter-adds into zeros (atomics, and a zero fill of the input's
+    size)."""
     return hidden_states[rows]
 
 
@@ -196,7 +191,7 @@ def _token_rows_context(ctx, inputs, output):
 
 def _token_rows_backward(ctx, grad):
     (inverse,) = ctx.saved_tensors
-    return _sum_slots(grad, inverse, ctx.top_k), None, None, None
+    return gather_sum(grad, inverse, ctx.top_k), None, None, None
 
 
 _token_rows.register_autograd(_token_rows_backward, setup_context=_token_rows_context)

@@ -1,8 +1,10 @@
 """The generic RMSNorm, gated-MLP and input-embedding forwards: one each for every architecture, its
 differences read from the spec (the norm's style, the MLP's activation).
 
-The MLP forward calls its projections as modules and never reads their weights, so adapters on
-them (PEFT LoRA), hooks and FSDP2's unsharding all run as in the original forward.
+The MLP forward calls its projections as modules, so adapters on them (PEFT LoRA), hooks and
+FSDP2's unsharding all run as in the original forward. The one weight it reads itself is a plain
+``down_proj``'s (``plain_down_projection``: an ``nn.Linear`` of its own class, without bias, hooks
+or a partitioned weight), inside the module whose call unsharded it, as ``nn.Linear`` would.
 """
 
 from __future__ import annotations
