@@ -33,7 +33,7 @@ from .attention import (
     mrope_layout,
 )
 from .base_model import BASE_MODEL_ATTR, BaseModelNeeds, base_model_forward_for, base_model_needs
-from .experts import batched_experts_swaps, install_experts, restore_experts
+from .experts_install import batched_experts_swaps, install_experts, restore_experts
 from .fallback import (
     FALLBACK_ATTR,
     FALLBACKS,

@@ -18,8 +18,8 @@ from surgery.models import ArchitectureSpec
 
 from .attention import BINDING_ATTR
 from .base_model import BASE_MODEL_ATTR, BaseModelNeeds
-from .experts import (
-    EXPERTS_PLAN_ATTR,
+from .experts import EXPERTS_PLAN_ATTR
+from .experts_install import (
     batched_experts_left_alone,
     describe_batched_experts,
     describe_experts,

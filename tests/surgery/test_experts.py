@@ -24,7 +24,8 @@ from transformers.integrations import moe as transformers_moe
 
 import surgery
 from surgery import experts as surgery_experts
-from surgery.experts import EXPERTS_PLAN_ATTR, SURGERY_EXPERTS, experts_modules
+from surgery.experts import EXPERTS_PLAN_ATTR, SURGERY_EXPERTS
+from surgery.experts_install import experts_modules
 from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
 from surgery.swap import is_swapped
 from tests.models.tiny import (
