@@ -41,6 +41,7 @@ def spies(monkeypatch):
         "cross_entropy": 0,
         "rms_norm": 0,
         "gated_activation": 0,
+        "gated_linear": 0,
     }
 
     def count(module, name):
@@ -57,6 +58,7 @@ def spies(monkeypatch):
     count(surgery_forward, "cross_entropy")
     count(surgery_layers, "rms_norm")
     count(surgery_layers, "gated_activation")
+    count(surgery_layers, "gated_linear")  # the product and a plain down_proj as one step
     return calls
 
 
@@ -111,7 +113,8 @@ def test_padded_batch_matches_unpatched(arch, attn, options, spies, interpreted)
     assert norms >= 2 * layers + 1 and len(norm_calls) >= norms
     assert spies["rms_norm"] == (len(norm_calls) if patched.rms_norm else 0)
     mlps = sum(spec.is_instance(m, spec.mlp) for m in model.modules()) if spec.mlp else 0
-    assert spies["gated_activation"] == (mlps if patched.gated_mlp else 0)
+    fused_mlps = spies["gated_activation"] + spies["gated_linear"]
+    assert fused_mlps == (mlps if patched.gated_mlp else 0)
     assert model(**batch.kwargs()).logits is None
 
 

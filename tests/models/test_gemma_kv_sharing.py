@@ -81,10 +81,10 @@ def test_gemma3n_sparse_mlps_keep_their_forward(monkeypatch):
     mlps = [layer.mlp for layer in model.model.layers]
     assert [type(m).forward is m.forward.__func__ for m in mlps] == [True] + [False] * (layers - 1)
     calls = []
-    original = surgery_layers.gated_activation
-    monkeypatch.setattr(
-        surgery_layers, "gated_activation", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
+    for name in ("gated_activation", "gated_linear"):  # either one per fused MLP
+        original = getattr(surgery_layers, name)
+        spy = lambda *a, _original=original, **k: calls.append(1) or _original(*a, **k)
+        monkeypatch.setattr(surgery_layers, name, spy)
     batch = padded_batch(sequences(LENGTHS)).kwargs()
     loss, grads = loss_and_grads(model, **batch)
     want_loss, want_grads = loss_and_grads(reference, **batch)
