@@ -44,7 +44,13 @@ if triton_available():
 else:  # pragma: no cover - CPU installs without triton use the PyTorch path
     triton = None
 
-__all__ = ["DEFAULT_LAUNCH", "GatherSumLaunch", "gather_sum", "gather_sum_reference"]
+__all__ = [
+    "DEFAULT_LAUNCH",
+    "INTERPRETER_LAUNCH",
+    "GatherSumLaunch",
+    "gather_sum",
+    "gather_sum_reference",
+]
 
 
 if triton is not None:
@@ -91,11 +97,16 @@ DEFAULT_LAUNCH = GatherSumLaunch()
 INTERPRETER_LAUNCH = GatherSumLaunch(block=1 << 14)
 
 
-def _gather_sum_torch(values, index, group: int, weights=None) -> torch.Tensor:
-    rows = values[index].float()
+def _group_sum(values, index, group: int, weights, dtype: torch.dtype) -> torch.Tensor:
+    # The gathered rows (times their weights) summed per group in ``dtype``.
+    rows = values[index].to(dtype)
     if weights is not None:
-        rows = rows * weights[index].float()[:, None]
-    return rows.view(-1, group, values.shape[-1]).sum(dim=1).to(values.dtype)
+        rows = rows * weights[index].to(dtype)[:, None]
+    return rows.view(-1, group, values.shape[-1]).sum(dim=1)
+
+
+def _gather_sum_torch(values, index, group: int, weights=None) -> torch.Tensor:
+    return _group_sum(values, index, group, weights, torch.float32).to(values.dtype)
 
 
 def _gather_sum(values, index, group: int, weights=None) -> torch.Tensor:
@@ -148,7 +159,4 @@ def gather_sum_reference(
 ) -> torch.Tensor:
     """What ``gather_sum`` computes, in fp64 (each row and weight as stored, multiplied and summed
     exactly enough to measure a kernel's error against)."""
-    rows = values.double()[index]
-    if weights is not None:
-        rows = rows * weights.double()[index][:, None]
-    return rows.view(-1, group, values.shape[-1]).sum(dim=1)
+    return _group_sum(values, index, group, weights, torch.float64)
