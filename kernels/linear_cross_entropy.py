@@ -47,6 +47,7 @@ if triton_available():
     import triton.language as tl
 else:  # pragma: no cover
     triton = None
+    scale_by_upstream_kernel = None
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "LOW_MEMORY_CHUNK_BYTES", "linear_cross_entropy"]
 
@@ -60,23 +61,43 @@ SCALE_BLOCK = 4096
 if triton is not None:
 
     @triton.jit
-    def scale_by_upstream_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
-        """x *= g in place, g read from device memory. The upstream gradient of a training loss
-        is almost always exactly 1: then every program returns at once and the weight-gradient
-        pass (V x D, read and written) costs nothing, with no host synchronisation to find out."""
+    def scale_by_upstream_kernel(x_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr,
+                                 IN_PLACE: tl.constexpr):  # fmt: skip
+        """out = x * g, g read from device memory (fp32 product, rounded once). IN_PLACE (out is
+        x): the upstream gradient of a training loss is almost always exactly 1, and then every
+        program returns at once: the weight-gradient pass (V x D, read and written) costs
+        nothing, with no host synchronisation to find out."""
         g = tl.load(g_ptr).to(tl.float32)
-        if g != 1.0:
+        if not IN_PLACE or g != 1.0:
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-            tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offs, (x * g).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_launch(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> bool:
+    """``out = t * g`` through ``scale_by_upstream_kernel`` (in place where ``out`` is ``t``);
+    False (nothing done) where the kernel does not apply."""
+    if scale_by_upstream_kernel is None or not use_triton(t) or not t.is_contiguous():
+        return False
+    g32 = g.detach().reshape(1).to(torch.float32)
+    n = t.numel()
+    with on_device(t):
+        scale_by_upstream_kernel[(cdiv(n, SCALE_BLOCK),)](
+            t, out, g32, n, BLOCK=SCALE_BLOCK, IN_PLACE=out is t
+        )
+    return True
 
 
 @torch.library.custom_op("surgery::scaled_by_upstream", mutates_args=())
 def scaled_by_upstream(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``t * g`` in a new tensor (``g`` 0-dim, in ``t``'s dtype): ``scale_by_upstream_`` under
-    ``torch.compile``."""
-    return t * g.to(t.dtype)
+    """``t * g`` in a new tensor (``g`` 0-dim): ``scale_by_upstream_`` under ``torch.compile``,
+    through the same kernel, out of place: one vectorised pass (on the H100 PyTorch's multiply
+    by a 0-dim tensor took 0.68 ms over Llama's lm_head gradient, twice a copy's time)."""
+    out = torch.empty_like(t)
+    if not _scale_launch(t, out, g):
+        torch.mul(t, g.to(t.dtype), out=out)
+    return out
 
 
 @scaled_by_upstream.register_fake
@@ -95,12 +116,8 @@ def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return t
     if torch.compiler.is_compiling():
         return scaled_by_upstream(t, g)
-    if not use_triton(t) or not t.is_contiguous():
-        return t.mul_(g.to(t.dtype))
-    g32 = g.detach().reshape(1).to(torch.float32)
-    n = t.numel()
-    with on_device(t):
-        scale_by_upstream_kernel[(cdiv(n, SCALE_BLOCK),)](t, g32, n, BLOCK=SCALE_BLOCK)
+    if not _scale_launch(t, t, g):
+        t.mul_(g.to(t.dtype))
     return t
 
 

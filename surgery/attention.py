@@ -27,6 +27,7 @@ from surgery.models import ArchitectureSpec
 from . import recompute
 from .chunked_attention import POSITIONS_KWARG, after_rope, chunked_layer_mask, is_chunked_layer
 from .eager_attention import lean_eager_attention
+from .layers import projections
 from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
 from .shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
@@ -207,19 +208,21 @@ def attention_forward(
     # the norm registered it (surgery.recompute).
     plan = self.__dict__.get(RECOMPUTE_ATTR)
     gate = None
+    # No key heads in a kv-sharing layer; no v_proj in Gemma 4's attention_k_eq_v layers (the
+    # values are the key projection).
+    linears = (self.q_proj,) if kv_shared else (self.q_proj, self.k_proj, self.v_proj)
     with recompute.saved_tensor_scope(plan is not None and plan.norm_output):
-        if spec.attention_output_gate:  # per head: the query, then its output gate
-            query_and_gate = self.q_proj(hidden_states).view(*input_shape, -1, 2 * self.head_dim)
-            query, gate = query_and_gate.chunk(2, dim=-1)
-            gate = gate.reshape(*input_shape, -1)
-        else:
-            query = self.q_proj(hidden_states).view(hidden_shape)
-        if kv_shared:  # no key heads: RoPE below rotates the query alone
-            key = value = query[..., :0, :]
-        else:
-            key = self.k_proj(hidden_states).view(hidden_shape)
-            # No v_proj (Gemma 4's attention_k_eq_v): the values are the key projection.
-            value = key if self.v_proj is None else self.v_proj(hidden_states).view(hidden_shape)
+        q, *kv = projections(hidden_states, *(m for m in linears if m is not None))
+    if spec.attention_output_gate:  # per head: the query, then its output gate
+        query, gate = q.view(*input_shape, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+    else:
+        query = q.view(hidden_shape)
+    if kv_shared:  # RoPE below rotates the query alone
+        key = value = query[..., :0, :]
+    else:
+        key = kv[0].view(hidden_shape)
+        value = key if len(kv) == 1 else kv[1].view(hidden_shape)
     if spec.v_norm and not kv_shared:
         value = self.v_norm(value)
     value = value.transpose(1, 2)

@@ -2,9 +2,11 @@
 differences read from the spec (the norm's style, the MLP's activation).
 
 The MLP forward calls its projections as modules, so adapters on them (PEFT LoRA), hooks and
-FSDP2's unsharding all run as in the original forward. The one weight it reads itself is a plain
-``down_proj``'s (``plain_down_projection``: an ``nn.Linear`` of its own class, without bias, hooks
-or a partitioned weight), inside the module whose call unsharded it, as ``nn.Linear`` would.
+FSDP2's unsharding all run as in the original forward. It reads the weights of plain projections
+itself (``plain_linear``: an ``nn.Linear`` of its own class, without hooks or a partitioned
+weight), inside the module whose call unsharded them, as ``nn.Linear`` would: a bias-free
+``down_proj``'s (``plain_down_projection``, for ``gated_linear``) and, through ``projections``
+(also the attention's q/k/v), those of layers that share one input (``shared_input_linear``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from surgery.kernels import embedding, gated_activation, rms_norm
 from surgery.kernels.gated_activation import gated_activation_fwd, gated_linear, gated_linear_fuses
 from surgery.kernels.rms_norm import rms_norm_fwd
+from surgery.kernels.shared_input_linear import shared_input_linear
 from surgery.models import RMSNormStyle
 
 from . import recompute
@@ -36,6 +39,8 @@ __all__ = [
     "gated_mlp_forward_hidden_states",
     "input_embeddings",
     "plain_down_projection",
+    "plain_linear",
+    "projections",
     "rms_norm_forward",
     "rms_norm_forward_for",
     "rms_norm_forward_x",
@@ -99,15 +104,16 @@ def rms_norm_forward_for(module: nn.Module) -> Callable:
     return rms_norm_forward_x if params[:1] == ["x"] else rms_norm_forward
 
 
-def plain_down_projection(linear: nn.Module) -> bool:
-    """Whether the MLP may read ``linear``'s weight itself (``gated_linear``) instead of calling
-    it: a plain ``nn.Linear`` without bias, hooks (its own or global ones: DeepSpeed's gathers),
-    a forward of the instance's own (accelerate's) or a weight that is not a plain tensor (ZeRO-3
-    partitions, DTensors). Anything else (a LoRA layer, a quantized linear) is called."""
+def plain_linear(linear: nn.Module | None, bias: bool = False) -> bool:
+    """Whether a forward may read ``linear``'s weight (and bias, where ``bias`` allows one)
+    itself instead of calling it: a plain ``nn.Linear`` without hooks (its own or global ones:
+    DeepSpeed's gathers), a forward of the instance's own (accelerate's) or a weight that is not a
+    plain tensor (ZeRO-3 partitions, DTensors). Anything else (a LoRA layer, a quantized linear)
+    is called."""
     module_hooks = torch.nn.modules.module
     return (
         type(linear) is nn.Linear
-        and linear.bias is None
+        and (bias or linear.bias is None)
         and "forward" not in linear.__dict__
         and not (linear._forward_hooks or linear._forward_pre_hooks)
         and not (linear._backward_hooks or linear._backward_pre_hooks)
@@ -115,6 +121,28 @@ def plain_down_projection(linear: nn.Module) -> bool:
         and not hasattr(linear.weight, "ds_id")
         and not isinstance(linear.weight, DTensor)
     )
+
+
+def plain_down_projection(linear: nn.Module) -> bool:
+    """Whether the MLP may run ``linear`` as the down projection of ``gated_linear``: a bias-free
+    ``plain_linear``."""
+    return plain_linear(linear)
+
+
+def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)``; where there are several, all ``plain_linear``
+    (biases allowed) of ``x``'s dtype, and a gradient is to be taken outside autocast, through
+    ``shared_input_linear``: the same outputs, and the input's gradient summed inside the matrix
+    products of the backward instead of by adds after them."""
+    if (
+        len(linears) > 1
+        and torch.is_grad_enabled()
+        and not torch.is_autocast_enabled(x.device.type)
+        and all(plain_linear(m, bias=True) and m.weight.dtype == x.dtype for m in linears)
+        and all(m.bias is None or m.bias.dtype == x.dtype for m in linears)
+    ):
+        return shared_input_linear(x, [m.weight for m in linears], [m.bias for m in linears])
+    return tuple(m(x) for m in linears)
 
 
 def _fused_down(module: nn.Module, plan: RecomputePlan, gate, up) -> bool:
@@ -136,11 +164,12 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     activation = self.__dict__[MLP_ATTR]
     plan: RecomputePlan | None = self.__dict__.get(RECOMPUTE_ATTR)
     if plan is None:
-        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), activation))
+        gate, up = projections(x, self.gate_proj, self.up_proj)
+        return self.down_proj(gated_activation(gate, up, activation))
     if recompute.compiling_with_grad():
         # The compiler's partitioner decides what is kept; the norm that produced x marked its
         # output for rebuilding itself (see surgery.recompute).
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = projections(x, self.gate_proj, self.up_proj)
         if _fused_down(self, plan, gate, up):
             return gated_linear(gate, up, self.down_proj.weight, activation)
         if plan.mlp_product:
@@ -151,7 +180,7 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Saved by the projections: the input (a norm's output, rebuilt if registered) and, for
     # down_proj, the product (rebuilt from gate and up, which gated_activation keeps).
     with recompute.saved_tensor_scope(plan.norm_output):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = projections(x, self.gate_proj, self.up_proj)
     if _fused_down(self, plan, gate, up):
         return gated_linear(gate, up, self.down_proj.weight, activation)
     product = gated_activation(gate, up, activation)
