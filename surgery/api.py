@@ -31,6 +31,7 @@ from .attention import (
     attention_forward,
     attention_forward_for,
     mrope_layout,
+    read_path,
 )
 from .base_model import BASE_MODEL_ATTR, BaseModelNeeds, base_model_forward_for, base_model_needs
 from .experts_install import batched_experts_swaps, install_experts, restore_experts
@@ -210,7 +211,12 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
                 extra = {VISION_ATTENTION_ATTR: True}
                 wanted.append((name, module, vision_attention_forward, extra))
     needs = base_model_needs(spec, options)
-    state = {STATE_ATTR: PatchState(spec=spec, options=options, wrapper=wrapper)}
+    padding_free = _padding_free(spec, options, wrapper, needs, modules)
+    state = {
+        STATE_ATTR: PatchState(
+            spec=spec, options=options, wrapper=wrapper, padding_free=padding_free
+        )
+    }
     if text is lm:  # a text model on its own: no head; its forward carries the state
         extra = {BASE_MODEL_ATTR: needs or BaseModelNeeds(False, False, False), **state}
         wanted.append(("", lm, base_model_forward_for(lm), extra))
@@ -228,6 +234,43 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
         wanted.append(("", lm, forward, state))
     swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
     return [swap for swap in swaps if swap is not None]
+
+
+def _padding_free(
+    spec: ArchitectureSpec,
+    options: PatchOptions,
+    wrapper,
+    needs: BaseModelNeeds | None,
+    modules: list[tuple[str, nn.Module]],
+) -> bool:
+    """Whether a right-padded training batch of this model may run padding-free
+    (``PatchOptions.padding_free``, ``surgery.unpadding``): the option and what it rests on
+    (``causal_right_padding``; ``rope``, whose attention forward pads again) are on, and no layer
+    reads the layout beyond the attention: no sliding window or chunks, linear attention,
+    shared keys and values, latent attention, multimodal positions, a base-model forward of
+    surgery's (Llama 4's positions) or a multimodal wrapper. Decided at patch time."""
+    if not (options.padding_free and options.causal_right_padding and options.rope):
+        return False
+    if wrapper is not None or needs is not None:
+        return False
+    if (
+        spec.linear_attention is not None
+        or spec.kv_sharing
+        or spec.latent_attention
+        or spec.mrope
+        or spec.chunked_attention
+        or spec.positions_to_attention
+        or spec.position_query_scale
+        or spec.attention_temperature
+        or spec.rope_layer_attr is not None
+        or spec.rope_per_layer_type
+    ):
+        return False
+    attentions = [m for _, m in modules if spec.is_instance(m, spec.attention)]
+    windows = [path for name, path in spec.attention_kwargs if name == "sliding_window"]
+    return bool(attentions) and not any(
+        read_path(m, path) is not None for m in attentions for path in windows
+    )
 
 
 def _install(
@@ -287,6 +330,7 @@ def patch(
     loss_skip_ignored: bool = True,
     share_attention_mask: bool = True,
     causal_right_padding: bool = True,
+    padding_free: bool = True,
     eager_attention_recompute: bool = True,
     varlen_attention: bool = True,
     experts_implementation: str | None = "auto",
@@ -327,6 +371,7 @@ def patch(
         loss_skip_ignored=loss_skip_ignored,
         share_attention_mask=share_attention_mask,
         causal_right_padding=causal_right_padding,
+        padding_free=padding_free,
         eager_attention_recompute=eager_attention_recompute,
         varlen_attention=varlen_attention,
         experts_implementation=experts_implementation,

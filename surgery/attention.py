@@ -32,6 +32,7 @@ from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
 from .shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
 from .signature import in_signature_of
+from .unpadding import UNPADDED_KWARG, Unpadded
 from .varlen import (
     PACKED_KWARG,
     PackedSequences,
@@ -52,6 +53,7 @@ __all__ = [
     "mrope_layout",
     "packed_sequences",
     "position_query_scale",
+    "read_path",
     "shared_sdpa_mask",
     "varlen_attention",
 ]
@@ -92,7 +94,8 @@ unmasked whatever mask the base model built (transformers builds a plain causal 
 ``torch.compile`` before torch 2.14 instead of letting sdpa's ``is_causal`` take it)."""
 
 
-def _read_path(obj, path: str):
+def read_path(obj, path: str):
+    """The attribute at the dotted ``path`` of ``obj``, or None where one along it is missing."""
     for name in path.split("."):
         obj = getattr(obj, name, None)
         if obj is None:
@@ -230,6 +233,10 @@ def attention_forward(
     # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
     # positions_to_attention); on its layers without RoPE nothing is rotated.
     position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
+    # A padding-free step (surgery.unpadding): one row of real tokens, each at its own position.
+    unpadded: Unpadded | None = kwargs.pop(UNPADDED_KWARG, None)
+    if unpadded is not None:
+        position_ids = unpadded.positions
     rotated = spec.rope_layer_attr is None or bool(getattr(self, spec.rope_layer_attr))
     # Multimodal RoPE: the positions of the rotary module (3-D over images), not the text ones
     # the decoder layers pass (or None where only 3-D ones exist).
@@ -298,7 +305,7 @@ def attention_forward(
         shared_kv_states[_shared_kv_key(self, reading=False)] = key, value
 
     dropout = self.attention_dropout if self.training else 0.0
-    extra = {name: _read_path(self, path) for name, path in spec.attention_kwargs}
+    extra = {name: read_path(self, path) for name, path in spec.attention_kwargs}
     packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
     chunked = is_chunked_layer(self, spec)  # Llama 4: a packed batch's chunks come with it
     attention_mask = chunked_layer_mask(chunked, attention_mask, past_key_values, kwargs)
@@ -326,10 +333,15 @@ def attention_forward(
             attn_output = attn_output * torch.sigmoid(gate)
         return self.o_proj(attn_output), None
 
+    if unpadded is not None:  # back in the (batch, seq) layout for sdpa's causal kernel
+        query, key, value = (unpadded.pad(t) for t in (query, key, value))
+        attention_mask = None
     attn_output, attn_weights, shared = attention_interface(
         self, binding, query, key, value, attention_mask,
         dropout=dropout, scaling=self.scaling, **extra, **kwargs,
     )  # fmt: skip
+    if unpadded is not None:
+        attn_output = unpadded.unpad(attn_output)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         attn_output = attn_output * torch.sigmoid(gate)

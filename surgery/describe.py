@@ -244,12 +244,19 @@ def describe(model: nn.Module) -> PatchReport:
         notes += [f"probe: {check}" for check in proof.checks]
         notes.append(
             "off, as they act on modules the fallback leaves alone: rope, rms_norm, gated_mlp, "
-            "embedding_backward, their recomputation, the attention options and "
-            "causal_right_padding"
+            "embedding_backward, their recomputation, the attention options, "
+            "causal_right_padding and padding_free"
         )
     else:
         what = spec.causal_lm if state.wrapper is None else f"in {state.wrapper.wrapper}"
         notes.append(f"architecture {spec.model_type} ({what}) from the registry")
+        if state.options.padding_free:
+            notes.append(
+                "padding_free: right-padded training batches run their real tokens only"
+                if state.padding_free
+                else "padding_free is off for this model: its layers read the padded layout "
+                "beyond the attention (or causal_right_padding / rope is off)"
+            )
     if state.options.loss_reduction == "sequence":
         notes.append("accepts_loss_kwargs is False: the Trainer passes no num_items_in_batch")
     return PatchReport(

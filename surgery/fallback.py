@@ -102,8 +102,8 @@ class LossFallback:
 def loss_only_options(options: PatchOptions) -> PatchOptions:
     """``options`` with everything off that acts on modules the fallback leaves alone: RoPE,
     RMSNorm, MLP and embedding kernels (and their recomputation), the attention options, and
-    ``causal_right_padding`` (dropping a mask is exact only under causal attention everywhere,
-    which the probe does not prove). The loss options are kept."""
+    ``causal_right_padding`` and ``padding_free`` (dropping a mask is exact only under causal
+    attention everywhere, which the probe does not prove). The loss options are kept."""
     return dataclasses.replace(
         options,
         rope=False,
@@ -114,6 +114,7 @@ def loss_only_options(options: PatchOptions) -> PatchOptions:
         recompute_norm_output=False,
         share_attention_mask=False,
         causal_right_padding=False,
+        padding_free=False,
         eager_attention_recompute=False,
         varlen_attention=False,
     )

@@ -55,6 +55,7 @@ from .outputs import (
     causal_lm_output_class,
     with_z_loss,
 )
+from .unpadding import UNPADDED_KWARG, unpadded_layout
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -78,7 +79,6 @@ __all__ = [
     "causal_lm_forward",
     "causal_lm_output_class",
     "moe_causal_lm_forward",
-    "padding_only_behind",
 ]
 
 STATE_ATTR = "_surgery_state"
@@ -93,6 +93,9 @@ class PatchState:
     wrapper: MultimodalWrapper | None = None
     """The multimodal wrapper whose forward this is (``surgery.multimodal``), or None: the causal
     LM's (or, on a text model patched on its own, no forward's)."""
+    padding_free: bool = False
+    """A right-padded training batch may run its real tokens only (``PatchOptions.padding_free``,
+    ``surgery.unpadding``): the option is on and every layer of the model allows it."""
     output: type = dataclasses.field(init=False, compare=False, repr=False)
     """The class the forward returns: the causal LM's own (``causal_lm_output_class``) plus
     ``z_loss``. Found once, when the state is made (at patch time)."""
@@ -119,21 +122,6 @@ class PatchState:
         object.__setattr__(self, "base_fields", base)
 
 
-def padding_only_behind(
-    attention_mask: torch.Tensor, targets: torch.Tensor, ignore_index: int
-) -> bool:
-    """Whether a (batch, seq) ``attention_mask`` is right padding only (each row: ones, then
-    zeros) and every padding position's target is ``ignore_index``. Then, under causal attention,
-    no position that carries a loss ever sees a padding position, nor does anything it depends
-    on, and the mask can be dropped. One device-to-host read."""
-    if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
-        return False
-    real = attention_mask.to(targets.device) != 0
-    right = (real[:, 1:] <= real[:, :-1]).all()
-    return bool(right & (real | (targets == ignore_index)).all())
-
-
-_padding_only_behind = host_read(padding_only_behind)
 _packed_bidirectional_masks = host_read(packed_bidirectional_masks)
 
 
@@ -323,6 +311,7 @@ def _forward(
         and not options.return_logits
     )
     head_fused = fused and (head_takes_loss(self.lm_head) or fuse_replaced_head(self))
+    right_padded, unpadded = False, None
     if (
         options.causal_right_padding
         and head_fused
@@ -334,15 +323,33 @@ def _forward(
         and not kwargs.get("output_hidden_states", config.output_hidden_states)
         and not output_attentions
         and host_reads
-        and _padding_only_behind(
-            attention_mask, labels if shift_labels is None else shift_labels, ignore_index
-        )
     ):
+        targets = labels if shift_labels is None else shift_labels
+        whole_rows = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        unpad = state.padding_free and whole_rows and tokens.dim() >= 2
+        right_padded, unpadded = unpadded_layout(attention_mask, targets, ignore_index, unpad)
+    if right_padded:
         # See PatchOptions.causal_right_padding. A multimodal model keeps the mask, as it may read
         # it for more than the attention (Qwen2-VL's 3-D positions): the layers drop it.
         if wrapper is None:
             attention_mask = None
         kwargs[CAUSAL_KWARG] = True
+    if unpadded is not None:
+        # PatchOptions.padding_free: the real tokens as one row; each attention layer pads its
+        # queries, keys and values again (surgery.unpadding). The loss takes each row's end as a
+        # sequence boundary from the positions; the load-balancing loss counts every token left.
+        if input_ids is not None:
+            input_ids = unpadded.take(input_ids)
+        else:
+            inputs_embeds = unpadded.take(inputs_embeds)
+        if shift_labels is not None:
+            shift_labels = unpadded.take(shift_labels.to(unpadded.index.device))
+        else:
+            labels = unpadded.take(labels.to(unpadded.index.device))
+        text_positions = unpadded.positions
+        model_mask = router_mask = None
+        use_cache = False  # a cache of the one-row layout would be of no use to the caller
+        kwargs[UNPADDED_KWARG] = unpadded
 
     outputs = self.model(
         input_ids=input_ids,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import surgery
-from surgery.attention import _read_path, mrope_layout
+from surgery.attention import mrope_layout, read_path
 from surgery.convergence.configs import ARCHITECTURES, FALLBACK_SPECS, SIZES, make_config
 from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
 
@@ -65,7 +65,7 @@ def test_every_registered_model_is_tested(spec):
     if spec.router_aux_loss:
         assert config.output_router_logits, "the mini config leaves the router's aux loss out"
     for name, path in spec.attention_kwargs:
-        values = [_read_path(module, path) for module in attentions]
+        values = [read_path(module, path) for module in attentions]
         assert any(v is not None for v in values), f"no layer of the mini model sets {name}"
     # A layer that reuses an earlier layer's keys and values has no key projection or norm.
     own_kv = [m for m in attentions if not (spec.kv_sharing and m.is_kv_shared_layer)]

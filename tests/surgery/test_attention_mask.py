@@ -10,7 +10,8 @@ on eager attention (which spreads a fully masked row evenly over every key inste
 
 ``causal_right_padding``: a right-padded training batch with ignored padding labels runs as plain
 causal attention (no mask) with the same loss and gradients as the masked run; every other batch
-keeps its mask.
+keeps its mask. ``padding_free``: where the model allows it, such a batch runs its real tokens only
+(the attention pads them again): the same loss and gradients as unpatched transformers.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 
 import surgery
 from surgery.attention import lean_eager_attention, shared_sdpa_mask
+from surgery.forward import STATE_ATTR
 from tests.models.tiny import (
     ARCHS,
+    SPECS,
     attn_for,
+    causal_lm_from_config,
     left_padded_batch,
     loss_and_grads,
     packed_batch,
@@ -160,21 +164,38 @@ def test_option_is_validated():
 # causal_right_padding
 
 
-def test_padding_only_behind():
-    from surgery.forward import padding_only_behind
+def test_right_padding_verdict_and_layout():
+    from surgery.unpadding import right_padding
+
+    def verdict(mask, labels, ignore_index=-100):
+        return right_padding(mask, labels, ignore_index, unpad=False)[0]
 
     labels = torch.tensor([[5, 6, 7, -100], [5, 6, -100, -100]])
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    assert padding_only_behind(right, labels, -100)
-    assert padding_only_behind(right.bool(), labels, -100)
-    assert padding_only_behind(torch.ones(2, 4), labels, -100)  # no padding at all
-    assert not padding_only_behind(right, labels.masked_fill(labels == -100, 0), -100)
-    assert not padding_only_behind(right, labels, 0)  # another ignore_index
-    assert not padding_only_behind(right.flip(1), labels.flip(1), -100)  # left padding
+    assert verdict(right, labels)
+    assert verdict(right.bool(), labels)
+    assert verdict(torch.ones(2, 4), labels)  # no padding at all
+    assert not verdict(right, labels.masked_fill(labels == -100, 0))
+    assert not verdict(right, labels, 0)  # another ignore_index
+    assert not verdict(right.flip(1), labels.flip(1))  # left padding
     holes = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])
-    assert not padding_only_behind(holes, labels.masked_fill(holes == 0, -100), -100)
-    assert not padding_only_behind(right[:, :3], labels, -100)  # shapes differ
-    assert not padding_only_behind(torch.ones(2, 1, 4, 4), labels, -100)  # a 4-D mask
+    assert not verdict(holes, labels.masked_fill(holes == 0, -100))
+    assert not verdict(right[:, :3], labels)  # shapes differ
+    assert not verdict(torch.ones(2, 1, 4, 4), labels)  # a 4-D mask
+
+    ok, layout = right_padding(right, labels, -100, unpad=True)
+    assert ok and layout.batch == 2 and layout.seq == 4
+    assert layout.index.tolist() == [0, 1, 2, 4, 5]
+    assert layout.positions.tolist() == [[0, 1, 2, 0, 1]]
+    assert layout.take(labels).tolist() == [[5, 6, 7, 5, 6]]
+    assert right_padding(torch.ones(2, 4), labels, -100, unpad=True) == (True, None)
+    assert right_padding(right.flip(1), labels.flip(1), -100, unpad=True) == (False, None)
+    # pad puts (1, H, T, D) rows back at their places, zeros elsewhere; unpad takes them again
+    rows = torch.arange(1.0, 6.0).view(1, 1, 5, 1)
+    padded = layout.pad(rows)
+    assert padded.shape == (2, 1, 4, 1)
+    assert padded[:, 0, :, 0].tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]]
+    assert torch.equal(layout.unpad(padded.transpose(1, 2)), rows.transpose(1, 2))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
@@ -461,3 +482,112 @@ def test_left_padding_bf16_within_the_boolean_mask_budget(arch, backend):
     for what, got, on_boolean, want in zip(("loss", "grads"), shared, boolean, reference):
         err, budget = rel_err(got, want), factor * rel_err(on_boolean, want)
         assert err <= budget, f"{arch} {what}: rel err {err:.3e} > {budget:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# padding_free
+
+
+def base_model_rows(model) -> list[tuple[int, ...]]:
+    """The (batch, seq) shape of every base-model call of ``model``, in order."""
+    seen: list[tuple[int, ...]] = []
+
+    def hook(module, args, kwargs):
+        tokens = kwargs.get("input_ids")
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        seen.append(tuple(tokens.shape[:2]))
+
+    model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+# The tiny configs give most architectures sliding-window layers (which keep the padded batch);
+# these architectures are also built without them, where every layer allows the padding-free step.
+UNWINDOWED = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma"]
+FREE_CASES = [(a, True) for a in ARCHS] + [(a, False) for a in UNWINDOWED]
+
+
+def windowless(arch: str):
+    torch.manual_seed(0)
+    config = tiny_config(arch, sliding_window=None, layer_types=None, use_sliding_window=False)
+    return causal_lm_from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize(
+    ("arch", "windows"),
+    FREE_CASES,
+    ids=[f"{a}-{'tiny' if w else 'windowless'}" for a, w in FREE_CASES],
+)
+def test_padding_free_same_loss_and_grads_as_transformers(arch, windows):
+    """Patched (every option at its default) against unpatched transformers with the mask, fp32,
+    on a right-padded batch: where the model allows it the base model runs the real tokens alone
+    (one row of 18 instead of 3 x 9), with the same loss (a MoE's load-balancing loss included)
+    and gradients; elsewhere it runs the padded batch."""
+    model = (tiny_model(arch) if windows else windowless(arch)).train()
+    reference = twin(model)
+    surgery.patch(model)
+    free = model.__dict__[STATE_ATTR].padding_free
+    assert free or windows  # every windowless one is padding-free
+    rows = base_model_rows(model)
+    batch = batch_of("padded")
+    extra = {"output_router_logits": True} if SPECS[arch].router_aux_loss else {}
+    loss, grads = loss_and_grads(model, **batch, **extra)
+    want_loss, want_grads = loss_and_grads(reference, **batch, **extra)
+    assert rows == ([(1, sum(LENGTHS))] if free else [(len(LENGTHS), max(LENGTHS))])
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(loss, want_loss, rtol=tol["rtol"], atol=tol["atol"])
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=tol["rtol"], atol=tol["atol"], msg=name)
+
+
+def test_padding_free_off_where_the_layers_read_the_layout():
+    """Off for sliding windows (the tiny Qwen3's), Gemma 3's per-layer-type RoPE, latent
+    attention (Mistral 4), chunked attention (Llama 4), linear attention (Qwen3.5), and where
+    the option or what it rests on is switched off."""
+
+    def free(model, **options):
+        return surgery.patch(model, **options).__dict__[STATE_ATTR].padding_free
+
+    assert free(windowless("qwen3"))
+    assert not free(tiny_model("qwen3"))
+    for arch in ("gemma3_text", "mistral4", "llama4_text", "qwen3_5_text"):
+        assert not free(tiny_model(arch)), arch
+    assert not free(tiny_model("llama"), padding_free=False)
+    assert not free(tiny_model("llama"), causal_right_padding=False)
+    assert not free(tiny_model("llama"), rope=False)
+
+
+@pytest.mark.parametrize(
+    "variant", ["sequence", "shift_labels", "inputs_embeds", "z_loss", "num_items_in_batch"]
+)
+def test_padding_free_variants_match_the_padded_step(variant):
+    """The loss options and inputs that reach the padding-free step give what the padded (causal,
+    unmasked) step gives, loss and gradients."""
+    options = {"loss_reduction": "sequence"} if variant == "sequence" else {}
+    if variant == "z_loss":
+        options["z_loss_scale"] = 1e-2
+    model = surgery.patch(tiny_model("llama").train(), **options)
+    padded = surgery.patch(twin(model), padding_free=False, **options)
+    rows = base_model_rows(model)
+    batch = batch_of("padded")
+    if variant == "shift_labels":  # transformers' shifted labels beside the labels
+        batch["shift_labels"] = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    if variant == "num_items_in_batch":
+        batch["num_items_in_batch"] = torch.tensor(40)
+
+    def step(m):
+        if variant != "inputs_embeds":
+            return loss_and_grads(m, **batch)
+        m.zero_grad(set_to_none=True)
+        ids = batch["input_ids"]
+        embeds = m.get_input_embeddings()(ids)
+        out = m(inputs_embeds=embeds, **{k: v for k, v in batch.items() if k != "input_ids"})
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    loss, grads = step(model)
+    want_loss, want_grads = step(padded)
+    assert rows == [(1, sum(LENGTHS))]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)

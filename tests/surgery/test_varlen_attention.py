@@ -85,7 +85,7 @@ def test_packed_bf16_within_budget_of_the_masked_path(arch, reference_kernel):
     loss, grads = loss_and_grads(surgery.patch(bf16), **batch)
 
     attentions = attention_modules(bf16, arch)
-    scaling = surgery.attention._read_path(attentions[0], "scaling")
+    scaling = surgery.attention.read_path(attentions[0], "scaling")
     assert reference_kernel.calls == expected_calls(arch, LENGTHS, scaling)
     assert len(reference_kernel.calls) == len(attentions)  # every layer, chunked ones too
 
