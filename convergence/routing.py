@@ -133,16 +133,23 @@ class Routing(TorchFunctionMode):
         finally:
             self._again = None
 
-    def _tokens_first(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (topk's dimension already last) as (batch * seq, ..., E)."""
+    def _tokens_first(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (topk's dimension already last) as (tokens, ..., E), and the rows of its real
+        tokens: the batch's (batch * seq) tokens, or the real tokens alone, in order, where
+        the forward ran them alone (surgery's ``padding_free``)."""
         b, t = self.shape
+        n = self.real.numel()
         if x.dim() >= 2 and x.shape[0] == b * t:
-            return x
+            return x, self.real
         if x.dim() >= 3 and tuple(x.shape[:2]) == (b, t):
-            return x.flatten(0, 1)
+            return x.flatten(0, 1), self.real
+        if n < b * t and x.dim() >= 2 and x.shape[0] == n:
+            return x, torch.arange(n, device=x.device)
+        if n < b * t and x.dim() >= 3 and tuple(x.shape[:2]) == (1, n):
+            return x.flatten(0, 1), torch.arange(n, device=x.device)
         raise RuntimeError(
             f"router replay: topk over a tensor of shape {tuple(x.shape)}, whose leading "
-            f"dimensions are not the batch's {b}x{t} tokens"
+            f"dimensions are neither the batch's {b}x{t} tokens nor its {n} real ones"
         )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -152,9 +159,9 @@ class Routing(TorchFunctionMode):
         x, k, dim, largest, _ = _topk_args(*args, **kwargs)
         free = func(*args, **kwargs)
         dim = dim % x.dim()
-        scores = self._tokens_first(x.movedim(dim, -1))
-        own = self._tokens_first(free.indices.movedim(dim, -1))
-        mine = Decision(scores[self.real].detach(), own[self.real], largest)
+        scores, real = self._tokens_first(x.movedim(dim, -1))
+        own, _ = self._tokens_first(free.indices.movedim(dim, -1))
+        mine = Decision(scores[real].detach(), own[real], largest)
         if self._again is not None:
             if not self._again:
                 raise RuntimeError("router replay: more topk calls than the ones repeated")
@@ -176,7 +183,7 @@ class Routing(TorchFunctionMode):
                 f"(k={forced.k}, largest={forced.largest})"
             )
         indices = own.clone()
-        indices[self.real] = forced.indices.to(indices.device)
+        indices[real] = forced.indices.to(indices.device)
         indices = indices.reshape((*x.movedim(dim, -1).shape[:-1], k)).movedim(-1, dim)
         return torch.return_types.topk((x.gather(dim, indices), indices))
 

@@ -368,7 +368,10 @@ class _Side:
             return None
         if self.layout == "packed":
             return t[0]
-        return t[batch["attention_mask"].bool()]
+        mask = batch["attention_mask"].bool()
+        if t.shape[:2] != mask.shape:  # a padding-free step (surgery's): the real tokens, in order
+            return t[0]
+        return t[mask]
 
 
 def _final_norm(model) -> torch.nn.Module:

@@ -211,7 +211,8 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
                 extra = {VISION_ATTENTION_ATTR: True}
                 wanted.append((name, module, vision_attention_forward, extra))
     needs = base_model_needs(spec, options)
-    padding_free = _padding_free(spec, options, wrapper, needs, modules)
+    rotary = getattr(text, spec.rotary_attr, None)
+    padding_free = _padding_free(spec, options, wrapper, needs, modules, rotary)
     state = {
         STATE_ATTR: PatchState(
             spec=spec, options=options, wrapper=wrapper, padding_free=padding_free
@@ -236,22 +237,32 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
     return [swap for swap in swaps if swap is not None]
 
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""transformers' RoPE types whose frequencies its rotary module rewrites from the sequence's
+length (dynamic NTK past max_position_embeddings, LongRoPE's long factors)."""
+
+
 def _padding_free(
     spec: ArchitectureSpec,
     options: PatchOptions,
     wrapper,
     needs: BaseModelNeeds | None,
     modules: list[tuple[str, nn.Module]],
+    rotary: nn.Module | None,
 ) -> bool:
     """Whether a right-padded training batch of this model may run padding-free
     (``PatchOptions.padding_free``, ``surgery.unpadding``): the option and what it rests on
     (``causal_right_padding``; ``rope``, whose attention forward pads again) are on, and no layer
     reads the layout beyond the attention: no sliding window or chunks, linear attention,
     shared keys and values, latent attention, multimodal positions, a base-model forward of
-    surgery's (Llama 4's positions) or a multimodal wrapper. Decided at patch time."""
+    surgery's (Llama 4's positions), a multimodal wrapper, or RoPE whose frequencies follow the
+    sequence's length (``LENGTH_DEPENDENT_ROPE``: the one row is longer than the batch's).
+    Decided at patch time."""
     if not (options.padding_free and options.causal_right_padding and options.rope):
         return False
     if wrapper is not None or needs is not None:
+        return False
+    if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
         return False
     if (
         spec.linear_attention is not None

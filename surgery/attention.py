@@ -32,7 +32,7 @@ from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
 from .shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
 from .signature import in_signature_of
-from .unpadding import UNPADDED_KWARG, Unpadded
+from .unpadding import UNPADDED_KWARG, Unpadded, pad_heads
 from .varlen import (
     PACKED_KWARG,
     PackedSequences,
@@ -265,15 +265,18 @@ def attention_forward(
             mrope_interleaved=interleaved,
         )
 
-    def normed_and_rotated(query, key, rope_positions, inv_freq):
+    def normed_and_rotated(query, key, rope_positions, inv_freq, *layout):
         if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
             query = self.q_norm(query)
             key = key if kv_shared else self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         if rope is not None:
             query, key = rope(query, key, rope_positions, inv_freq)
+        if layout:  # padding-free: back in the (batch, seq) layout, rebuilt with the rest
+            query, key = (pad_heads(t, *layout, unpadded.batch, unpadded.seq) for t in (query, key))
         return query, key
 
+    layout = () if unpadded is None else unpadded.layout
     if (
         spec.qk_norm
         and rope is not None
@@ -284,11 +287,11 @@ def attention_forward(
         # The attention keeps the rotated q and k, and the q/k norms keep the projections they
         # normalise: compiled, the rotated ones are rebuilt from those in the backward (a norm
         # and a rotation) instead of being kept as well.
-        args = (query, key, rope_positions, inv_freq)
+        args = (query, key, rope_positions, inv_freq, *layout)
         norms = (self.q_norm, getattr(self, "k_norm", None))
         query, key = recompute.compiled_recompute(normed_and_rotated, *args, modules=norms)
     else:
-        query, key = normed_and_rotated(query, key, rope_positions, inv_freq)
+        query, key = normed_and_rotated(query, key, rope_positions, inv_freq, *layout)
     if rope is None and rotated:
         cos, sin = position_embeddings
         query, key = binding.fallback_rope(query, key, cos, sin)
@@ -333,8 +336,8 @@ def attention_forward(
             attn_output = attn_output * torch.sigmoid(gate)
         return self.o_proj(attn_output), None
 
-    if unpadded is not None:  # back in the (batch, seq) layout for sdpa's causal kernel
-        query, key, value = (unpadded.pad(t) for t in (query, key, value))
+    if unpadded is not None:  # the values too in the (batch, seq) layout, for sdpa's causal kernel
+        value = unpadded.pad(value)
         attention_mask = None
     attn_output, attn_weights, shared = attention_interface(
         self, binding, query, key, value, attention_mask,

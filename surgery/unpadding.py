@@ -34,49 +34,69 @@ import torch
 
 from .compiling import host_read
 
-__all__ = ["UNPADDED_KWARG", "Unpadded", "unpadded_layout"]
+__all__ = [
+    "UNPADDED_KWARG",
+    "Unpadded",
+    "pad_heads",
+    "padded_rows",
+    "real_rows",
+    "right_padding",
+    "unpadded_layout",
+]
 
 UNPADDED_KWARG = "surgery_unpadded"
 """The keyword argument that carries ``Unpadded`` from the causal-LM forward through the base model
 and its decoder layers to the attention."""
 
 
-def _rows_or_zeros(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Row ``source[i]`` of ``x`` at row i, or zeros where ``source[i]`` is -1: one gather (one
-    kernel compiled), no fill and no scatter."""
-    rows = x.index_select(0, source.clamp(min=0))
-    keep = (source >= 0).view(-1, *(1,) * (x.dim() - 1))
-    return torch.where(keep, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+# Two ops, each the other's backward, both gathers: autograd's own backward of a gather is a
+# scatter-add into zeros, which on the H100 ran six times as long. Ops rather than autograd
+# Functions: under torch.compile a Function's output inside an activation-checkpoint region was
+# kept instead of rebuilt by torch 2.11's partitioner (the padded rotated queries and keys of the
+# q/k-norm models, rebuilt with the rest of their region: surgery.attention).
 
 
-class _Pad(torch.autograd.Function):
-    """(T, ...) real rows -> (batch * seq, ...) with zeros at the padding; the backward takes the
-    real rows of the gradient (a gather: autograd's own backward of a gather is a scatter-add,
-    which on the H100 ran six times as long)."""
-
-    @staticmethod
-    def forward(ctx, x, index, source):
-        ctx.save_for_backward(index)
-        return _rows_or_zeros(x, source)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return grad.index_select(0, index), None, None
+@torch.library.custom_op("surgery::padded_rows", mutates_args=())
+def padded_rows(
+    x: torch.Tensor, index: torch.Tensor, gather: torch.Tensor, padding: torch.Tensor
+) -> torch.Tensor:
+    """(T, ...) real rows -> (batch * seq, ...): row ``gather[i]`` of ``x`` at row i, zeros at the
+    rows ``padding`` lists (an ``Unpadded``'s ``index``, ``gather`` and ``padding``)."""
+    return x.index_select(0, gather).index_fill_(0, padding, 0)
 
 
-class _Unpad(torch.autograd.Function):
-    """(batch * seq, ...) -> its (T, ...) real rows; the backward pads the gradient again."""
+@padded_rows.register_fake
+def _(x, index, gather, padding):
+    return x.new_empty((gather.shape[0], *x.shape[1:]))
 
-    @staticmethod
-    def forward(ctx, y, index, source):
-        ctx.save_for_backward(source)
-        return y.index_select(0, index)
 
-    @staticmethod
-    def backward(ctx, grad):
-        (source,) = ctx.saved_tensors
-        return _rows_or_zeros(grad, source), None, None
+@torch.library.custom_op("surgery::real_rows", mutates_args=())
+def real_rows(
+    y: torch.Tensor, index: torch.Tensor, gather: torch.Tensor, padding: torch.Tensor
+) -> torch.Tensor:
+    """(batch * seq, ...) -> its (T, ...) real rows, ``index``'s."""
+    return y.index_select(0, index)
+
+
+@real_rows.register_fake
+def _(y, index, gather, padding):
+    return y.new_empty((index.shape[0], *y.shape[1:]))
+
+
+def _padded_rows_backward(ctx, grad):
+    return real_rows(grad, *ctx.layout), None, None, None
+
+
+def _real_rows_backward(ctx, grad):
+    return padded_rows(grad, *ctx.layout), None, None, None
+
+
+def _keep_layout(ctx, inputs, output):
+    ctx.layout = inputs[1:]
+
+
+padded_rows.register_autograd(_padded_rows_backward, setup_context=_keep_layout)
+real_rows.register_autograd(_real_rows_backward, setup_context=_keep_layout)
 
 
 @dataclass(frozen=True)
@@ -85,28 +105,49 @@ class Unpadded:
 
     index: torch.Tensor
     """int64 (T,): each real token's index in the flattened (batch * seq) batch, in order."""
-    source: torch.Tensor
-    """int64 (batch * seq,): each position's real token (its index in the T), -1 at padding."""
+    gather: torch.Tensor
+    """int64 (batch * seq,): each position's real token (its index in the T), 0 at padding."""
+    padding: torch.Tensor
+    """int64 (batch * seq - T,): the padding positions in the flattened batch."""
     positions: torch.Tensor
     """int64 (1, T): each real token's position in its row (its RoPE position)."""
     batch: int
     seq: int
 
+    @property
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensors the ops take: ``index``, ``gather``, ``padding``."""
+        return self.index, self.gather, self.padding
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The real tokens of a (batch, seq, ...) tensor as (1, T, ...)."""
         flat = x.reshape(self.batch * self.seq, *x.shape[2:])
-        return _Unpad.apply(flat, self.index, self.source)[None]
+        return real_rows(flat, *self.layout)[None]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, H, T, D) -> (batch, H, seq, D), zeros at the padding (a transposed view of a
-        (batch, seq, H, D) tensor, the layout transformers hands sdpa)."""
-        _, heads, _, dim = x.shape
-        full = _Pad.apply(x[0].transpose(0, 1), self.index, self.source)  # (batch * seq, H, D)
-        return full.view(self.batch, self.seq, heads, dim).transpose(1, 2)
+        """(1, H, T, D) -> (batch, H, seq, D), zeros at the padding (``pad_heads``)."""
+        return pad_heads(x, *self.layout, self.batch, self.seq)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """(batch, seq, H, D), an attention's output -> (1, T, H, D)."""
         return self.take(y)
+
+
+def pad_heads(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    gather: torch.Tensor,
+    padding: torch.Tensor,
+    batch: int,
+    seq: int,
+) -> torch.Tensor:
+    """(1, H, T, D) real tokens -> (batch, H, seq, D), zeros at the padding: a transposed view of
+    a (batch, seq, H, D) tensor, the layout transformers hands sdpa. The tensors are an
+    ``Unpadded``'s ``layout`` (taken apart, for a function rebuilt in the backward that needs its
+    tensors as arguments)."""
+    _, heads, _, dim = x.shape
+    full = padded_rows(x[0].transpose(0, 1), index, gather, padding)  # (batch * seq, H, D)
+    return full.view(batch, seq, heads, dim).transpose(1, 2)
 
 
 def right_padding(
@@ -129,9 +170,10 @@ def right_padding(
     index = real.reshape(-1).nonzero().squeeze(1)
     if index.numel() == batch * seq or index.numel() == 0:  # nothing to leave out
         return True, None
-    source = torch.full((batch * seq,), -1, dtype=torch.long, device=index.device)
-    source[index] = torch.arange(index.numel(), device=index.device)
-    return True, Unpadded(index, source, (index % seq)[None], batch, seq)
+    gather = torch.zeros(batch * seq, dtype=torch.long, device=index.device)
+    gather[index] = torch.arange(index.numel(), device=index.device)
+    padding = (~real).reshape(-1).nonzero().squeeze(1)
+    return True, Unpadded(index, gather, padding, (index % seq)[None], batch, seq)
 
 
 unpadded_layout = host_read(right_padding)
