@@ -27,7 +27,7 @@ from .experts_install import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import STATE_ATTR, PatchState
 from .head import LM_HEAD_ATTR, head_takes_loss
-from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_down_projection
+from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_down_projection, plain_linear
 from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model
 from .options import PatchOptions
@@ -88,6 +88,18 @@ class PatchReport:
         return "\n".join(lines)
 
 
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _share_input(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether ``module``'s projections ``names`` (those it has) run through
+    ``shared_input_linear`` (``surgery.layers.projections``): several, all plain ``nn.Linear``s.
+    As the patch left them; autocast and a later hook or adapter call them as modules."""
+    linears = [getattr(module, n, None) for n in names]
+    linears = [m for m in linears if m is not None]
+    return len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)
+
+
 def _installed(module: nn.Module, state: PatchState) -> str:
     """The kernel a swapped module's forward reaches, from the attributes the swap added."""
     attrs = module.__dict__
@@ -109,9 +121,13 @@ def _installed(module: nn.Module, state: PatchState) -> str:
     if LM_HEAD_ATTR in attrs:
         return "lm_head: linear_cross_entropy (no logits materialised)"
     if BINDING_ATTR in attrs:
-        return "attention forward: RoPE through apply_rope" + (
+        what = "attention forward: RoPE through apply_rope" + (
             " (norm output recomputed for q/k/v)" if plan is not None and plan.norm_output else ""
         )
+        names = ("q_proj",) if getattr(module, "is_kv_shared_layer", False) else QKV
+        if _share_input(module, names):
+            what += "; q/k/v share their input (shared_input_linear)"
+        return what
     if NORM_ATTR in attrs:
         style = attrs[NORM_ATTR]
         scale = "weight" if style.offset == 0 else f"({style.offset:g} + weight)"
@@ -122,6 +138,8 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         return describe_batched_experts(attrs[EXPERTS_PLAN_ATTR])
     if MLP_ATTR in attrs:
         what = f"gated_activation ({attrs[MLP_ATTR]})"
+        if _share_input(module, ("gate_proj", "up_proj")):
+            what += ", gate/up sharing their input (shared_input_linear)"
         if plan is None or not plan.mlp_product:
             return what
         if plain_down_projection(module.down_proj):

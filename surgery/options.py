@@ -87,9 +87,10 @@ class PatchOptions:
       one row, and each attention layer puts its queries, keys and values back into the
       (batch, seq) layout (zeros at the padding) for sdpa's causal kernel and takes the real rows
       of its output again. Every projection, norm, activation and residual add skips the
-      padding (on the H100 a Llama ~1B step with 1/16 of its tokens padding ran ... faster);
-      the attention does not, as flash attention's variable-length kernel ran 1.5x slower than
-      sdpa's cuDNN kernel over the same rows. Exact for every trained token (see
+      padding (on the H100 a compiled Llama ~1B forward and backward over 2 x 4096 tokens, 512 of
+      them padding, took 126.6 instead of 128.6 ms); the attention does not, as flash
+      attention's variable-length kernel ran 1.5x slower than sdpa's cuDNN kernel over the same
+      rows. Exact for every trained token (see
       ``surgery.unpadding``), one more device-to-host read (the real tokens' count) per such
       forward. The step returns no KV cache, and a MoE model's ``router_logits`` cover the real
       tokens only (its load-balancing loss is the same: transformers' counts only the mask's

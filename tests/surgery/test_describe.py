@@ -190,3 +190,26 @@ def test_base_model_and_linear_attention_say_what_they_do(arch, cls, what):
         assert kernels_of(report, "Qwen3NextGatedDeltaNet") == {
             "linear attention: transformers' forward, one packed document at a time"
         }
+
+
+def test_describe_names_shared_inputs_and_padding_free():
+    """The attention and MLP lines say where their projections share their input; the notes say
+    whether right-padded batches run padding-free, and why not where they do not."""
+    llama = surgery.describe(surgery.patch(tiny_model("llama")))
+    text = str(llama)
+    assert "q/k/v share their input (shared_input_linear)" in text
+    assert "gate/up sharing their input (shared_input_linear)" in text
+    assert "padding_free: right-padded training batches run their real tokens only" in text
+    hooked = tiny_model("llama")
+    for layer in hooked.model.layers:
+        layer.self_attn.k_proj.register_forward_hook(lambda *a: None)
+    text = str(surgery.describe(surgery.patch(hooked)))
+    assert "q/k/v share their input" not in text and "gate/up sharing their input" in text
+    gemma3 = str(surgery.describe(surgery.patch(tiny_model("gemma3_text"))))
+    assert "padding_free is off for this model" in gemma3
+    assert (
+        "padding_free"
+        not in str(surgery.describe(surgery.patch(tiny_model("llama"), padding_free=False)))
+        .split("notes:")[1]
+        .split("options in force:")[0]
+    )
