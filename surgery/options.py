@@ -90,12 +90,12 @@ class PatchOptions:
       padding (on the H100 a compiled Llama ~1B forward and backward over 2 x 4096 tokens, 512 of
       them padding, took 126.6 instead of 128.6 ms); the attention does not, as flash
       attention's variable-length kernel ran 1.5x slower than sdpa's cuDNN kernel over the same
-      rows. Exact for every trained token (see
-      ``surgery.unpadding``), one more device-to-host read (the real tokens' count) per such
-      forward. The step returns no KV cache, and a MoE model's ``router_logits`` cover the real
-      tokens only (its load-balancing loss is the same: transformers' counts only the mask's
-      tokens). Off for models whose layers read the layout beyond the attention (sliding
-      windows, chunked or linear attention, shared key/value layers, multimodal models).
+      rows. Exact for every trained token (see ``surgery.unpadding``); two more device-to-host
+      reads (the real and the padding tokens' counts) per such forward. The step returns no KV
+      cache, and a MoE model's ``router_logits`` cover the real tokens only (its load-balancing
+      loss is the same: transformers' counts only the mask's tokens). Off for models whose
+      layers read the layout beyond the attention (sliding windows, chunked or linear attention,
+      shared key/value layers, RoPE whose frequencies follow the length, multimodal models).
     - ``eager_attention_recompute``: with ``rope`` and ``attn_implementation="eager"`` (Gemma 2's
       default), the fp32 attention probabilities are not kept for the backward, which recomputes
       them from the kept half-precision tanh output (or scores) with transformers' own ops:

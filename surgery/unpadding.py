@@ -157,7 +157,7 @@ def right_padding(
     zeros) and every padding position's target is ``ignore_index`` (then, under causal attention,
     nothing a loss reads depends on a padding position and the mask can be dropped); and, with
     ``unpad`` where it is and some padding exists, the ``Unpadded`` layout of the real tokens.
-    Device-to-host reads: the verdict, then (``unpad``) the real tokens' count."""
+    Device-to-host reads: the verdict, then (``unpad``) the counts of real and padding tokens."""
     if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
         return False, None
     real = attention_mask.to(targets.device) != 0
@@ -172,8 +172,8 @@ def right_padding(
         return True, None
     gather = torch.zeros(batch * seq, dtype=torch.long, device=index.device)
     gather[index] = torch.arange(index.numel(), device=index.device)
-    padding = (~real).reshape(-1).nonzero().squeeze(1)
-    return True, Unpadded(index, gather, padding, (index % seq)[None], batch, seq)
+    padding = (~real).reshape(-1).nonzero()
+    return True, Unpadded(index, gather, padding.squeeze(1), (index % seq)[None], batch, seq)
 
 
 unpadded_layout = host_read(right_padding)
