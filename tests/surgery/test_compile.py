@@ -33,6 +33,7 @@ from surgery.layers import input_embeddings
 from tests.models.tiny import (
     ARCHS,
     SPECS,
+    causal_lm_from_config,
     left_padded_batch,
     loss_and_grads,
     packed_batch,
@@ -353,6 +354,67 @@ def test_compiled_graph_rebuilds_rotated_queries_behind_qk_norms(monkeypatch):
     config = tiny_config("qwen3")
     queries = batch.input_ids.numel() * config.num_attention_heads * config.head_dim * 4
     assert kept - rebuilt >= config.num_hidden_layers * queries
+
+
+def padding_free_qwen3(dtype: torch.dtype, device) -> torch.nn.Module:
+    """A tiny Qwen3 (q/k norms) without sliding windows, whose right-padded batches run
+    padding-free."""
+    torch.manual_seed(0)
+    config = tiny_config("qwen3", sliding_window=None, layer_types=None, use_sliding_window=False)
+    model = causal_lm_from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+    return surgery.patch(model.train())
+
+
+def assert_compiled_padding_free_rebuilds(monkeypatch, dtype, device) -> None:
+    batch = padded_batch(sequences(LENGTHS)).to(device).kwargs()
+    saved = {}
+    region = recompute.compiled_recompute
+    for how in ("region", "plain"):
+        torch._dynamo.reset()
+        if how == "plain":
+
+            def plain(fn, *args, **kwargs):
+                plain_call = fn.__name__ == "normed_and_rotated"
+                return fn(*args) if plain_call else region(fn, *args, **kwargs)
+
+            monkeypatch.setattr(recompute, "compiled_recompute", plain)
+        model = padding_free_qwen3(dtype, device)
+        eager = twin(model)
+        rows: list[tuple[int, ...]] = []
+
+        def seen(module, args, kwargs, rows=rows):
+            rows.append(tuple(kwargs["input_ids"].shape))
+
+        model.model.register_forward_pre_hook(seen, with_kwargs=True)
+        recorder = GraphRecorder()
+        model.compile(backend=recorder)  # graph breaks allowed: the padding check reads the host
+        got = loss_and_grads(model, **batch)
+        assert_same_step(got, loss_and_grads(eager, **batch), dtype)
+        assert rows == [(1, sum(LENGTHS))]  # the real tokens alone: padding-free
+        saved[how] = recorder.saved_bytes()
+    torch._dynamo.reset()
+    config = model.config
+    padded_queries = batch["input_ids"].numel() * config.num_attention_heads * config.head_dim
+    assert saved["plain"] - saved["region"] >= (
+        config.num_hidden_layers * padded_queries * dtype.itemsize
+    )
+
+
+def test_compiled_padding_free_rebuilds_padded_queries_behind_qk_norms(monkeypatch):
+    """A right-padded batch under ``model.compile()`` (graph breaks allowed: the padding check
+    reads the host) runs padding-free on a Qwen3 without sliding windows, within fp32's budget
+    of the uncompiled step; the backward rebuilds the padded rotated queries and keys with the
+    rest of their region (q/k norm, RoPE, pad) instead of keeping them: at least the padded
+    queries (batch x seq x heads x head_dim per layer) fewer than with the region as a plain
+    call."""
+    assert_compiled_padding_free_rebuilds(monkeypatch, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_padding_free_rebuilds_padded_queries_behind_qk_norms(monkeypatch):
+    """The same in bf16 on the GPU machine's torch, whose partitioner kept an autograd Function's
+    output inside a checkpoint region (the pads are torch.library ops for it)."""
+    assert_compiled_padding_free_rebuilds(monkeypatch, torch.bfloat16, torch.device("cuda"))
 
 
 def test_compiled_eager_attention_keeps_no_probabilities():
