@@ -259,6 +259,27 @@ class ArchitectureSpec:
         """Name of the class-level entry point, e.g. ``apply_llama``."""
         return "apply_" + self.name
 
+    @property
+    def row_layout_free(self) -> bool:
+        """Whether nothing of the architecture but its attention reads where a token sits in its
+        row (``PatchOptions.padding_free`` runs the real tokens of a padded batch as one row):
+        no linear attention (a recurrent state along the row), shared keys and values, latent
+        attention, multimodal RoPE, chunked attention, Llama 4's positions, query scale,
+        temperature and RoPE-less layers, or RoPE per layer type. A model's sliding windows and
+        RoPE type are its config's, read at patch time (``surgery.api``)."""
+        return not (
+            self.linear_attention is not None
+            or self.kv_sharing
+            or self.latent_attention
+            or self.mrope
+            or self.chunked_attention
+            or self.positions_to_attention
+            or self.position_query_scale
+            or self.attention_temperature
+            or self.rope_layer_attr is not None
+            or self.rope_per_layer_type
+        )
+
     def _resolve(self, name: str):
         return getattr(importlib.import_module(self.module), name)
 

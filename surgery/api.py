@@ -253,29 +253,17 @@ def _padding_free(
     """Whether a right-padded training batch of this model may run padding-free
     (``PatchOptions.padding_free``, ``surgery.unpadding``): the option and what it rests on
     (``causal_right_padding``; ``rope``, whose attention forward pads again) are on, and no layer
-    reads the layout beyond the attention: no sliding window or chunks, linear attention,
-    shared keys and values, latent attention, multimodal positions, a base-model forward of
-    surgery's (Llama 4's positions), a multimodal wrapper, or RoPE whose frequencies follow the
-    sequence's length (``LENGTH_DEPENDENT_ROPE``: the one row is longer than the batch's).
-    Decided at patch time."""
+    reads the layout beyond the attention: the architecture's (``ArchitectureSpec.
+    row_layout_free``), no base-model forward of surgery's or multimodal wrapper, no sliding
+    window, no RoPE whose frequencies follow the sequence's length (``LENGTH_DEPENDENT_ROPE``:
+    the one row is longer than the batch's). Decided at patch time."""
     if not (options.padding_free and options.causal_right_padding and options.rope):
         return False
     if wrapper is not None or needs is not None:
         return False
     if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
         return False
-    if (
-        spec.linear_attention is not None
-        or spec.kv_sharing
-        or spec.latent_attention
-        or spec.mrope
-        or spec.chunked_attention
-        or spec.positions_to_attention
-        or spec.position_query_scale
-        or spec.attention_temperature
-        or spec.rope_layer_attr is not None
-        or spec.rope_per_layer_type
-    ):
+    if not spec.row_layout_free:
         return False
     attentions = [m for _, m in modules if spec.is_instance(m, spec.attention)]
     windows = [path for name, path in spec.attention_kwargs if name == "sliding_window"]

@@ -27,7 +27,7 @@ from .experts_install import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import STATE_ATTR, PatchState
 from .head import LM_HEAD_ATTR, head_takes_loss
-from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_down_projection, plain_linear
+from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_linear, share_input
 from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model
 from .options import PatchOptions
@@ -93,11 +93,9 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 def _share_input(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Whether ``module``'s projections ``names`` (those it has) run through
-    ``shared_input_linear`` (``surgery.layers.projections``): several, all plain ``nn.Linear``s.
-    As the patch left them; autocast and a later hook or adapter call them as modules."""
-    linears = [getattr(module, n, None) for n in names]
-    linears = [m for m in linears if m is not None]
-    return len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)
+    ``shared_input_linear`` (``surgery.layers.share_input``), as the patch left them; autocast
+    and a later hook or adapter call them as modules."""
+    return share_input([m for m in (getattr(module, n, None) for n in names) if m is not None])
 
 
 def _installed(module: nn.Module, state: PatchState) -> str:
@@ -142,7 +140,7 @@ def _installed(module: nn.Module, state: PatchState) -> str:
             what += ", gate/up sharing their input (shared_input_linear)"
         if plan is None or not plan.mlp_product:
             return what
-        if plain_down_projection(module.down_proj):
+        if plain_linear(module.down_proj):
             return (
                 what
                 + ", with down_proj one step (gated_linear): product rebuilt in the backward kernel"

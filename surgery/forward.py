@@ -326,7 +326,7 @@ def _forward(
     ):
         targets = labels if shift_labels is None else shift_labels
         whole_rows = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        unpad = state.padding_free and whole_rows and tokens.dim() >= 2
+        unpad = state.padding_free and whole_rows
         right_padded, unpadded = unpadded_layout(attention_mask, targets, ignore_index, unpad)
     if right_padded:
         # See PatchOptions.causal_right_padding. A multimodal model keeps the mask, as it may read

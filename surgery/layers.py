@@ -5,8 +5,8 @@ The MLP forward calls its projections as modules, so adapters on them (PEFT LoRA
 FSDP2's unsharding all run as in the original forward. It reads the weights of plain projections
 itself (``plain_linear``: an ``nn.Linear`` of its own class, without hooks or a partitioned
 weight), inside the module whose call unsharded them, as ``nn.Linear`` would: a bias-free
-``down_proj``'s (``plain_down_projection``, for ``gated_linear``) and, through ``projections``
-(also the attention's q/k/v), those of layers that share one input (``shared_input_linear``).
+``down_proj``'s (for ``gated_linear``) and, through ``projections`` (also the attention's
+q/k/v), those of layers that share one input (``share_input``, ``shared_input_linear``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ __all__ = [
     "gated_mlp_forward_for",
     "gated_mlp_forward_hidden_states",
     "input_embeddings",
-    "plain_down_projection",
     "plain_linear",
     "projections",
     "rms_norm_forward",
     "rms_norm_forward_for",
     "rms_norm_forward_x",
+    "share_input",
 ]
 
 NORM_ATTR = "_surgery_rms_norm"
@@ -123,23 +123,25 @@ def plain_linear(linear: nn.Module | None, bias: bool = False) -> bool:
     )
 
 
-def plain_down_projection(linear: nn.Module) -> bool:
-    """Whether the MLP may run ``linear`` as the down projection of ``gated_linear``: a bias-free
-    ``plain_linear``."""
-    return plain_linear(linear)
+def share_input(linears) -> bool:
+    """Whether ``linears`` (the layers over one input) may run through ``shared_input_linear``:
+    several, all ``plain_linear`` (biases allowed). ``projections`` adds what a call decides."""
+    return len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)
 
 
 def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """``tuple(linear(x) for linear in linears)``; where there are several, all ``plain_linear``
-    (biases allowed) of ``x``'s dtype, and a gradient is to be taken outside autocast, through
-    ``shared_input_linear``: the same outputs, and the input's gradient summed inside the matrix
-    products of the backward instead of by adds after them."""
+    """``tuple(linear(x) for linear in linears)``; where they ``share_input``, are of ``x``'s
+    dtype, and a gradient is to be taken outside autocast, through ``shared_input_linear``: the
+    same outputs, and the input's gradient summed inside the matrix products of the backward
+    instead of by adds after them."""
     if (
-        len(linears) > 1
+        share_input(linears)
         and torch.is_grad_enabled()
         and not torch.is_autocast_enabled(x.device.type)
-        and all(plain_linear(m, bias=True) and m.weight.dtype == x.dtype for m in linears)
-        and all(m.bias is None or m.bias.dtype == x.dtype for m in linears)
+        and all(
+            m.weight.dtype == x.dtype and (m.bias is None or m.bias.dtype == x.dtype)
+            for m in linears
+        )
     ):
         return shared_input_linear(x, [m.weight for m in linears], [m.bias for m in linears])
     return tuple(m(x) for m in linears)
@@ -148,11 +150,7 @@ def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...
 def _fused_down(module: nn.Module, plan: RecomputePlan, gate, up) -> bool:
     # With the product rebuilt anyway, rebuild it in the activation's backward (gated_linear).
     down = module.down_proj
-    return (
-        plan.mlp_product
-        and plain_down_projection(down)
-        and gated_linear_fuses(gate, up, down.weight)
-    )
+    return plan.mlp_product and plain_linear(down) and gated_linear_fuses(gate, up, down.weight)
 
 
 def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
