@@ -412,6 +412,13 @@ def _forward(
             # The causal LM's attributes, or the text config of a wrapper (its forward reads them
             # there).
             moe_args = self if wrapper is None else config
+            if router_mask is None:
+                # Every row counts: a mask of ones says so. Without a mask, transformers up to
+                # 5.17 counts each layer's experts with bincount, a device-to-host read (under
+                # compile a graph break, the GPU idle while the host catches up); with one the
+                # counts are sums of ones (exact), the same value without the read.
+                tokens = input_ids if input_ids is not None else inputs_embeds
+                router_mask = torch.ones(tokens.shape[:2], device=tokens.device)
             aux_loss = _load_balancing_loss(state.spec)(
                 outputs.router_logits,
                 moe_args.num_experts,

@@ -190,6 +190,26 @@ def test_packed_fp32_compiled_matches(arch):
     assert recorder.frames == 1
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_packed_compiles_in_one_frame(arch):
+    """A mixture of experts' packed rows (no mask) under ``model.compile()`` (graph breaks
+    allowed), router logits on: the load-balancing loss reads nothing from the device, so the
+    step compiles in one frame, within fp32's budget of the uncompiled one. (Up to transformers
+    5.17 its function counted a mask-less call's experts with ``bincount``, an op of
+    data-dependent size: a graph break at each layer's count, where the host waited for the GPU
+    to finish the forward.) The experts run transformers' ``batched_mm``, which compiles on the
+    CPU with every torch (torch 2.11 has no CPU grouped GEMM)."""
+    model = surgery.patch(tiny_model(arch).train(), experts_implementation="batched_mm")
+    eager = twin(model)
+    batch = packed_batch(sequences(LENGTHS)).kwargs()
+    transformers_hooks_installed(model, batch)
+    recorder = GraphRecorder()
+    model.compile(backend=recorder)
+    got = loss_and_grads(model, **batch, output_router_logits=True)
+    assert_same_step(got, loss_and_grads(eager, **batch, output_router_logits=True))
+    assert recorder.frames == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_packed_bf16_compiled_runs_varlen_exactly(arch, monkeypatch):
     """``varlen_attention`` under compile: the document boundaries come from an op at run time
@@ -365,6 +385,19 @@ def padding_free_qwen3(dtype: torch.dtype, device) -> torch.nn.Module:
     return surgery.patch(model.train())
 
 
+def base_model_rows(model) -> list[tuple[int, ...]]:
+    """The shapes of the ``input_ids`` each call of ``model.model`` gets, in a list that fills as
+    the compiled model runs. (A closure: torch 2.11's dynamo dropped appends to a list bound as a
+    hook's default argument.)"""
+    rows: list[tuple[int, ...]] = []
+
+    def seen(module, args, kwargs):
+        rows.append(tuple(kwargs["input_ids"].shape))
+
+    model.model.register_forward_pre_hook(seen, with_kwargs=True)
+    return rows
+
+
 def assert_compiled_padding_free_rebuilds(monkeypatch, dtype, device) -> None:
     batch = padded_batch(sequences(LENGTHS)).to(device).kwargs()
     saved = {}
@@ -380,12 +413,7 @@ def assert_compiled_padding_free_rebuilds(monkeypatch, dtype, device) -> None:
             monkeypatch.setattr(recompute, "compiled_recompute", plain)
         model = padding_free_qwen3(dtype, device)
         eager = twin(model)
-        rows: list[tuple[int, ...]] = []
-
-        def seen(module, args, kwargs, rows=rows):
-            rows.append(tuple(kwargs["input_ids"].shape))
-
-        model.model.register_forward_pre_hook(seen, with_kwargs=True)
+        rows = base_model_rows(model)
         recorder = GraphRecorder()
         model.compile(backend=recorder)  # graph breaks allowed: the padding check reads the host
         got = loss_and_grads(model, **batch)
