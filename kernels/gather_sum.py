@@ -32,10 +32,10 @@ from .dispatch import (
     cdiv,
     interpreter_enabled,
     next_power_of_2,
-    on_device,
     triton_available,
     use_triton,
 )
+from .launch import launch as launch_kernel
 from .rounding import round_to
 
 if triton_available():
@@ -120,20 +120,21 @@ def _gather_sum(values, index, group: int, weights=None) -> torch.Tensor:
         values = values.contiguous()
     launch = DEFAULT_LAUNCH if values.is_cuda else INTERPRETER_LAUNCH
     block = min(launch.block, next_power_of_2(width))
-    with on_device(values):
-        gather_sum_kernel[(n, cdiv(width, block))](
-            values,
-            index,
-            values if weights is None else weights,
-            out,
-            width,
-            values.stride(0),
-            GROUP=group,
-            WEIGHTED=weights is not None,
-            BLOCK=block,
-            INTERPRETED=interpreter_enabled(),
-            num_warps=launch.num_warps,
-        )
+    launch_kernel(
+        gather_sum_kernel,
+        (n, cdiv(width, block)),
+        values,
+        index,
+        values if weights is None else weights,
+        out,
+        width,
+        values.stride(0),
+        GROUP=group,
+        WEIGHTED=weights is not None,
+        BLOCK=block,
+        INTERPRETED=interpreter_enabled(),
+        num_warps=launch.num_warps,
+    )
     return out
 
 

@@ -21,7 +21,9 @@ The direct call uses the compiled kernel's launcher the way ``JITFunction.run`` 
 Triton releases it was verified against on the GPU (3.6 and 3.9, checked at import); on any other
 release, for kernels with annotated or ``do_not_specialize`` parameters, and whenever Triton's
 launch hooks (a profiler), pre-run hooks or stage-inspection hook are set, every launch goes
-through ``JITFunction.run``. Switches:
+through ``JITFunction.run``. ``launch(fn, grid, *args, **constexprs)`` is ``fn[grid](...)`` through
+a ``FastLauncher`` made for ``fn`` on its first launch (the RMSNorm, gated-activation and
+gather-sum kernels; compiled, their ops are called per layer and step like any other). Switches:
 
 - ``SURGERY_FAST_LAUNCH=0``: every launch through ``JITFunction.run`` (read when a launcher is
   made, that is when the kernel modules are imported).
@@ -40,7 +42,7 @@ import torch
 
 from .dispatch import off_current_device, triton_available
 
-__all__ = ["FastLauncher", "keyed_compilation_knobs"]
+__all__ = ["FastLauncher", "keyed_compilation_knobs", "launch"]
 
 # Per verified release, the ``knobs.compilation`` options that JITFunction.run adds to the launch
 # options its cache key is made of (runtime/jit.py of 3.6.0 and 3.9.0; both add
@@ -192,3 +194,23 @@ class FastLauncher:
         kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device),
                    kernel.function, kernel.packed_metadata, None, None, None, *tensors, *scalars,
                    *values)  # fmt: skip
+
+
+_LAUNCHERS: dict[Any, FastLauncher] = {}
+
+
+def launch(fn, grid: tuple[int, ...], *args, **constexprs) -> None:
+    """``fn[grid](*args, **constexprs)`` through ``fn``'s ``FastLauncher`` (made on its first
+    launch). ``args``: the kernel's runtime parameters in signature order, its tensors first;
+    ``constexprs``: its constexpr parameters and launch options (``num_warps``), named in the same
+    order at every launch of one call site (another order is only a cache miss); ``grid``: one to
+    three dimensions."""
+    launcher = _LAUNCHERS.get(fn)
+    if launcher is None:
+        launcher = _LAUNCHERS.setdefault(fn, FastLauncher(fn))
+    n = 0
+    while n < len(args) and isinstance(args[n], torch.Tensor):
+        n += 1
+    if any(isinstance(a, torch.Tensor) for a in args[n:]):
+        raise TypeError(f"launch({fn.__name__}): tensor arguments must come first")
+    launcher((*grid, 1, 1)[:3], args[:n], args[n:], tuple(constexprs.items()))

@@ -35,10 +35,10 @@ from .dispatch import (
     cdiv,
     interpreter_enabled,
     next_power_of_2,
-    on_device,
     triton_available,
     use_triton,
 )
+from .launch import launch as launch_kernel
 from .rounding import round_to
 
 if triton_available():
@@ -275,24 +275,25 @@ def rms_norm_fwd(
         return y, rstd
     launch = launch or (DEFAULT_LAUNCH if x2d.is_cuda else INTERPRETER_LAUNCH)
     block_m, block_n, num_warps = _tiling(launch, n_rows, N)
-    with on_device(x2d):
-        rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
-            x2d,
-            weight,
-            y,
-            rstd,
-            n_rows,
-            N,
-            x2d.stride(0),
-            y.stride(0),
-            float(eps),
-            float(offset),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            LLAMA_CASTING=casting == "llama",
-            INTERPRETED=interpreter_enabled(),
-            num_warps=num_warps,
-        )
+    launch_kernel(
+        rms_norm_fwd_kernel,
+        (cdiv(n_rows, block_m),),
+        x2d,
+        weight,
+        y,
+        rstd,
+        n_rows,
+        N,
+        x2d.stride(0),
+        y.stride(0),
+        float(eps),
+        float(offset),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        LLAMA_CASTING=casting == "llama",
+        INTERPRETED=interpreter_enabled(),
+        num_warps=num_warps,
+    )
     return y, rstd
 
 
@@ -326,27 +327,28 @@ def rms_norm_bwd(
         programs = launch.bwd_programs_per_sm * (_sm_count(dev.index or 0) if x2d.is_cuda else 1)
     programs = max(1, min(programs, n_tiles))
     dw_partial = torch.empty(programs if compute_dw else 1, N, dtype=torch.float32, device=dev)
-    with on_device(x2d):
-        rms_norm_bwd_kernel[(programs,)](
-            dy,
-            x2d,
-            weight,
-            rstd,
-            dx,
-            dw_partial,
-            n_rows,
-            N,
-            dy.stride(0),
-            x2d.stride(0),
-            dx.stride(0),
-            float(offset),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            LLAMA_CASTING=casting == "llama",
-            COMPUTE_DW=compute_dw,
-            INTERPRETED=interpreter_enabled(),
-            num_warps=num_warps,
-        )
+    launch_kernel(
+        rms_norm_bwd_kernel,
+        (programs,),
+        dy,
+        x2d,
+        weight,
+        rstd,
+        dx,
+        dw_partial,
+        n_rows,
+        N,
+        dy.stride(0),
+        x2d.stride(0),
+        dx.stride(0),
+        float(offset),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        LLAMA_CASTING=casting == "llama",
+        COMPUTE_DW=compute_dw,
+        INTERPRETED=interpreter_enabled(),
+        num_warps=num_warps,
+    )
     if not compute_dw:
         return dx, None
     # One small kernel sums the buffer's rows and rounds: PyTorch's column sum and cast took
@@ -355,10 +357,16 @@ def rms_norm_bwd(
     # benchmarks/results/rms_norm_bwd_launch.txt).
     dw = torch.empty(N, dtype=weight.dtype, device=dev)
     block_p = min(launch.sum_rows, next_power_of_2(programs))
-    with on_device(x2d):
-        dw_partial_sum_kernel[(cdiv(N, launch.sum_cols),)](
-            dw_partial, dw, programs, N, BLOCK_P=block_p, BLOCK_C=launch.sum_cols
-        )
+    launch_kernel(
+        dw_partial_sum_kernel,
+        (cdiv(N, launch.sum_cols),),
+        dw_partial,
+        dw,
+        programs,
+        N,
+        BLOCK_P=block_p,
+        BLOCK_C=launch.sum_cols,
+    )
     return dx, dw
 
 

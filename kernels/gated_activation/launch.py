@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import cdiv, interpreter_enabled, next_power_of_2, on_device, use_triton
+from ..dispatch import cdiv, interpreter_enabled, next_power_of_2, use_triton
+from ..launch import launch as launch_kernel
 from .kernel import (
     gated_activation_bwd_kernel,
     gated_activation_fwd_kernel,
@@ -134,16 +135,17 @@ def _launch_flat(kernel, args, numel, activation, launch, device_of, **constexpr
     # ``kernel(*args, numel, BLOCK, ...)`` over ``numel`` flat elements, on ``device_of``'s GPU.
     launch = _launch_config(launch, device_of)
     block = min(launch.block, next_power_of_2(numel))
-    with on_device(device_of):
-        kernel[(cdiv(numel, block),)](
-            *args,
-            numel,
-            BLOCK=block,
-            ACTIVATION=ACTIVATIONS[activation],
-            INTERPRETED=interpreter_enabled(),
-            num_warps=launch.num_warps,
-            **constexprs,
-        )
+    launch_kernel(
+        kernel,
+        (cdiv(numel, block),),
+        *args,
+        numel,
+        BLOCK=block,
+        ACTIVATION=ACTIVATIONS[activation],
+        INTERPRETED=interpreter_enabled(),
+        num_warps=launch.num_warps,
+        **constexprs,
+    )
 
 
 def _merged_tiles(launch: GatedActivationLaunch, rows: int, width: int) -> tuple[int, int]:
@@ -158,17 +160,18 @@ def _launch_merged(kernel, args, rows, width, activation, launch, device_of):
     # ``kernel(*args, rows, width, BLOCK_M, BLOCK_N, ...)`` over the (rows, width) output tiles.
     launch = _launch_config(launch, device_of)
     block_m, block_n = _merged_tiles(launch, rows, width)
-    with on_device(device_of):
-        kernel[(cdiv(rows, block_m), cdiv(width, block_n))](
-            *args,
-            rows,
-            width,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            ACTIVATION=ACTIVATIONS[activation],
-            INTERPRETED=interpreter_enabled(),
-            num_warps=launch.num_warps,
-        )
+    launch_kernel(
+        kernel,
+        (cdiv(rows, block_m), cdiv(width, block_n)),
+        *args,
+        rows,
+        width,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ACTIVATION=ACTIVATIONS[activation],
+        INTERPRETED=interpreter_enabled(),
+        num_warps=launch.num_warps,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

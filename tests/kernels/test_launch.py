@@ -18,6 +18,14 @@ import triton.language as tl
 import surgery.kernels.launch as launch
 import surgery.kernels.rope as rope_mod
 from surgery.kernels import apply_rope_reference
+from surgery.kernels.gated_activation import (
+    gated_activation_bwd,
+    gated_activation_fwd,
+    gated_activation_merged_bwd,
+    gated_activation_merged_fwd,
+)
+from surgery.kernels.gather_sum import _gather_sum
+from surgery.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd
 from surgery.kernels.rope import rope_cos_sin_fwd, rope_fwd
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -70,6 +78,80 @@ def test_direct_launches_match_reference_and_tritons_choice(monkeypatch, pos_dty
                         g.double(), w.to(g.dtype).double(), atol=2e-2, rtol=0
                     )
     assert len(rope_mod._launch_rope._cache) >= len(CASES)
+
+
+def _launched_kernels() -> dict:
+    """One launch of each kernel that goes through ``launch.launch`` (RMSNorm forward, backward
+    and its dw sum; the gated activations, flat and merged, both ways; the gather-sum), on fixed
+    tensors: name -> outputs."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    x, w, dy = randn(300, 2048), randn(2048), randn(300, 2048)
+    gate, up, dout = randn(300, 1000), randn(300, 1000), randn(300, 1000)
+    gate_up = randn(300, 2 * 768)
+    values, weights = randn(64, 512), randn(160)
+    index = torch.randint(0, 64, (160,), device="cuda", generator=gen)
+    y, rstd = rms_norm_fwd(x, w, 1e-6)
+    return {
+        "rms_norm_fwd": (y, rstd),
+        "rms_norm_bwd": rms_norm_bwd(dy, x, w, rstd),
+        "gated_fwd": gated_activation_fwd(gate, up, "silu"),
+        "gated_bwd": gated_activation_bwd(dout, gate, up, "silu"),
+        "merged_fwd": gated_activation_merged_fwd(gate_up, "silu"),
+        "merged_bwd": gated_activation_merged_bwd(gate_up[:, :768].contiguous(), gate_up, "silu"),
+        "gather_sum": _gather_sum(values, index, 4, weights),
+    }
+
+
+@cuda
+@pytest.mark.gpu
+def test_norm_activation_and_gather_kernels_launch_as_triton_would(monkeypatch):
+    """The kernels launched through ``launch.launch``: their outputs with every launch through
+    ``JITFunction.run`` equal, bit for bit, those of the direct launches and of ``VERIFY``'s
+    (Triton's path, which must pick the kernel cached under the key)."""
+    _launched_kernels()  # every launcher made
+    launchers = list(launch._LAUNCHERS.values())
+    assert len(launchers) >= 7 and all(fl._direct for fl in launchers)
+    for fl in launchers:
+        monkeypatch.setattr(fl, "_direct", False)
+    tritons = _launched_kernels()
+    monkeypatch.undo()
+    direct = _launched_kernels()
+    monkeypatch.setattr(launch, "VERIFY", True)
+    verified = _launched_kernels()
+    assert all(fl._cache for fl in launchers)
+    for name, want in tritons.items():
+        for got in (direct[name], verified[name]):
+            for g, t in zip(got, want, strict=True):
+                assert torch.equal(g, t), name
+
+
+def test_launch_passes_tensors_then_scalars_and_a_three_dimensional_grid(monkeypatch):
+    """``launch.launch(fn, grid, *args, **constexprs)``: the leading tensors as the launcher's
+    tensors, the rest as its scalars, the grid padded to three dimensions, the constexprs in the
+    order given; a tensor after a scalar is refused (the direct launch keys tensors apart)."""
+    seen = []
+    monkeypatch.setattr(
+        launch.FastLauncher, "__call__", lambda self, *call: seen.append((self.fn, call))
+    )
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})
+    a, b = torch.zeros(2), torch.ones(3)
+
+    def fn():  # stands for a kernel: its launcher is mocked
+        pass
+
+    launch.launch(fn, (5,), a, b, 7, 0.5, BLOCK=16, num_warps=4)
+    launch.launch(fn, (5, 2), a, 7)
+    assert seen == [
+        (fn, ((5, 1, 1), (a, b), (7, 0.5), (("BLOCK", 16), ("num_warps", 4)))),
+        (fn, ((5, 2, 1), (a,), (7,), ())),
+    ]
+    assert len(launch._LAUNCHERS) == 1  # one launcher per kernel
+    with pytest.raises(TypeError, match="tensor arguments must come first"):
+        launch.launch(fn, (1,), a, 7, b)
 
 
 @cuda
