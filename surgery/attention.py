@@ -276,17 +276,22 @@ def attention_forward(
             query, key = (pad_heads(t, *layout, unpadded.batch, unpadded.seq) for t in (query, key))
         return query, key
 
-    layout = () if unpadded is None else unpadded.layout
-    if (
+    # The attention keeps the rotated q and k, and the q/k norms keep the projections they
+    # normalise: compiled, the rotated ones are rebuilt from those in the backward (a norm and a
+    # rotation) instead of being kept as well.
+    rebuilt = (
         spec.qk_norm
         and rope is not None
         and plan is not None
         and plan.norm_output
         and recompute.compiling_with_grad()
-    ):
-        # The attention keeps the rotated q and k, and the q/k norms keep the projections they
-        # normalise: compiled, the rotated ones are rebuilt from those in the backward (a norm
-        # and a rotation) instead of being kept as well.
+    )
+    # Padding-free: the attention one call per row, on slices of the one row; but where q and k
+    # are rebuilt, slices taken outside their region made the partitioner keep them, so there
+    # (and over more than ROW_CALLS_MAX rows) they are padded inside it for one padded call.
+    per_row = unpadded is not None and unpadded.per_row and not rebuilt
+    layout = () if unpadded is None or per_row else unpadded.layout
+    if rebuilt:
         args = (query, key, rope_positions, inv_freq, *layout)
         norms = (self.q_norm, getattr(self, "k_norm", None))
         query, key = recompute.compiled_recompute(normed_and_rotated, *args, modules=norms)
@@ -336,15 +341,27 @@ def attention_forward(
             attn_output = attn_output * torch.sigmoid(gate)
         return self.o_proj(attn_output), None
 
-    if unpadded is not None:  # the values too in the (batch, seq) layout, for sdpa's causal kernel
-        value = unpadded.pad(value)
-        attention_mask = None
-    attn_output, attn_weights, shared = attention_interface(
-        self, binding, query, key, value, attention_mask,
-        dropout=dropout, scaling=self.scaling, **extra, **kwargs,
-    )  # fmt: skip
-    if unpadded is not None:
-        attn_output = unpadded.unpad(attn_output)
+    if per_row:
+        # Each row's real tokens attend causally to themselves alone (no padding to compute),
+        # the outputs one after another again.
+        outputs = []
+        for q, k, v in zip(*(t.split(unpadded.lengths, dim=2) for t in (query, key, value))):
+            row_output, _, _ = attention_interface(
+                self, binding, q, k, v, None, dropout=dropout, scaling=self.scaling, **extra,
+                **kwargs,
+            )  # fmt: skip
+            outputs.append(row_output)
+        attn_output, attn_weights, shared = torch.cat(outputs, dim=1), None, None
+    else:
+        if unpadded is not None:  # the values padded too, for one causal sdpa call
+            value = unpadded.pad(value)
+            attention_mask = None
+        attn_output, attn_weights, shared = attention_interface(
+            self, binding, query, key, value, attention_mask,
+            dropout=dropout, scaling=self.scaling, **extra, **kwargs,
+        )  # fmt: skip
+        if unpadded is not None:
+            attn_output = unpadded.unpad(attn_output)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         attn_output = attn_output * torch.sigmoid(gate)

@@ -84,14 +84,18 @@ class PatchOptions:
       batches keep their mask (see ``surgery.compiling``).
     - ``padding_free``: with ``causal_right_padding`` and ``rope``, such a right-padded batch
       runs its real tokens only: the causal-LM forward hands the base model the real tokens as
-      one row, and each attention layer puts its queries, keys and values back into the
-      (batch, seq) layout (zeros at the padding) for sdpa's causal kernel and takes the real rows
-      of its output again. Every projection, norm, activation and residual add skips the
-      padding (on the H100 a compiled Llama ~1B forward and backward over 2 x 4096 tokens, 512 of
-      them padding, took 126.6 instead of 128.6 ms); the attention does not, as flash
+      one row, and each attention layer runs sdpa's causal kernel on each row's real tokens
+      alone, one call a row. Over more than ``surgery.unpadding.ROW_CALLS_MAX`` rows, and
+      compiled behind q/k norms (where the rotated queries and keys are rebuilt in the
+      backward), the attention puts its queries, keys and values back into the (batch, seq)
+      layout (zeros at the padding) for one call instead and takes the real rows of its output
+      again. Every projection, norm, activation and residual add skips the padding (on the H100
+      a compiled Llama ~1B forward and backward over 2 x 4096 tokens, 512 of them padding, took
+      126.6 instead of 128.6 ms), and the attention too where it runs per row; flash
       attention's variable-length kernel ran 1.5x slower than sdpa's cuDNN kernel over the same
-      rows. Exact for every trained token (see ``surgery.unpadding``); two more device-to-host
-      reads (the real and the padding tokens' counts) per such forward. The step returns no KV
+      rows. Exact for every trained token (see ``surgery.unpadding``); three more device-to-host
+      reads (each row's count, the real and the padding tokens' positions) per such forward.
+      The step returns no KV
       cache, and a MoE model's ``router_logits`` cover the real tokens only (its load-balancing
       loss is the same: transformers' counts only the mask's tokens). Off for models whose
       layers read the layout beyond the attention (sliding windows, chunked or linear attention,

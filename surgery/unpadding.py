@@ -1,24 +1,31 @@
-"""Padding-free training steps: a right-padded batch runs its real tokens only, except in the
-attention (``PatchOptions.padding_free``).
+"""Padding-free training steps: a right-padded batch runs its real tokens only
+(``PatchOptions.padding_free``).
 
 A right-padded training batch whose padding carries no loss (``causal_right_padding``'s check)
-spends the padding's share of every matrix product, norm and activation on positions whose output
-nothing reads. Here the causal-LM forward hands the base model the real tokens alone, as one row
-(batch 1, ``T`` tokens, the rows one after another), and each attention layer puts its rotated
-queries, keys and values back into the (batch, seq) layout, with zeros at the padding, for sdpa's
-causal kernel, and takes the real rows of the output again:
+spends the padding's share of every matrix product, norm, activation and attention on positions
+whose output nothing reads. Here the causal-LM forward hands the base model the real tokens alone,
+as one row (batch 1, ``T`` tokens, the rows one after another), and each attention layer runs sdpa
+causal, unmasked, on each row's real tokens alone (``Unpadded.lengths``: slices of the one row, no
+copies), and puts the rows' outputs one after another again:
 
     tokens (1, T) --embed, norms, q/k/v, RoPE at each token's own position--> (1, H, T, D)
-      --pad--> (B, H, S, D) --sdpa, causal, unmasked--> (B, S, H, D) --unpad--> (1, T, H, D) ...
+      --split into rows--> (1, H, L_i, D) --sdpa, causal--> (1, L_i, H, D) --concatenated--> ...
 
-The attention stays in the padded layout because the attention kernel that takes a row's end from
-a list of lengths (flash attention's variable-length one) ran 1.5x slower than sdpa's cuDNN kernel
-over the same rows on the H100 (``benchmarks/results/padding_free_attention.txt``). Exact for
-every trained token: each attends causally to its own row's real tokens, at the positions the
-padded batch gives them, and the loss reads each row's targets with the row's end as a sequence
-boundary (no token predicts the next row's first). The padded layout's zeros are padding keys no
-real query sees (causal attention over right padding) and padding queries whose outputs are
-dropped: their gradients are zero.
+A batch of more than ``ROW_CALLS_MAX`` rows (one sdpa call a row would cost more launches than
+the padding's share of the attention), and a compiled step whose rotated queries and keys are
+rebuilt in the backward (behind q/k norms, ``surgery.attention``: sliced outside their rebuilt
+region they were kept by the partitioner), put the rotated queries, keys and values back into the
+(batch, seq) layout instead, with zeros at the padding (the queries and keys inside that region),
+for one sdpa call, and take the real rows of the output again (``pad_heads``, ``Unpadded.unpad``).
+Neither runs flash attention's variable-length kernel, the one that takes a row's end from a list
+of lengths: it ran 1.5x slower than sdpa's cuDNN kernel over the same rows on the H100
+(``benchmarks/results/padding_free_attention.txt``).
+
+Exact for every trained token: each attends causally to its own row's real tokens, at the
+positions the padded batch gives them, and the loss reads each row's targets with the row's end as
+a sequence boundary (no token predicts the next row's first). The padded layout's zeros are
+padding keys no real query sees (causal attention over right padding) and padding queries whose
+outputs are dropped: their gradients are zero.
 
 Models whose layers read more of the layout than the attention does keep the padded batch (the
 patch decides, ``surgery.api``): sliding-window or chunked layers (their masks follow positions in
@@ -35,6 +42,7 @@ import torch
 from .compiling import host_read
 
 __all__ = [
+    "ROW_CALLS_MAX",
     "UNPADDED_KWARG",
     "Unpadded",
     "pad_heads",
@@ -43,6 +51,11 @@ __all__ = [
     "right_padding",
     "unpadded_layout",
 ]
+
+ROW_CALLS_MAX = 8
+"""The most rows whose attention runs one sdpa call a row; a batch of more runs one padded call.
+Measured at 2 rows on the H100 (the per-row calls faster: ``README.md``, issue 18); the bound
+itself is not tuned."""
 
 UNPADDED_KWARG = "surgery_unpadded"
 """The keyword argument that carries ``Unpadded`` from the causal-LM forward through the base model
@@ -113,6 +126,13 @@ class Unpadded:
     """int64 (1, T): each real token's position in its row (its RoPE position)."""
     batch: int
     seq: int
+    lengths: tuple[int, ...]
+    """The real-token count of each row that has any, in order (they sum to T)."""
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the attention runs one call per row (``ROW_CALLS_MAX``) rather than padded."""
+        return len(self.lengths) <= ROW_CALLS_MAX
 
     @property
     def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +177,8 @@ def right_padding(
     zeros) and every padding position's target is ``ignore_index`` (then, under causal attention,
     nothing a loss reads depends on a padding position and the mask can be dropped); and, with
     ``unpad`` where it is and some padding exists, the ``Unpadded`` layout of the real tokens.
-    Device-to-host reads: the verdict, then (``unpad``) the counts of real and padding tokens."""
+    Device-to-host reads: the verdict, then (``unpad``) each row's count of real tokens and the
+    positions of the real and padding tokens."""
     if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
         return False, None
     real = attention_mask.to(targets.device) != 0
@@ -167,13 +188,17 @@ def right_padding(
     if not unpad:
         return True, None
     batch, seq = real.shape
-    index = real.reshape(-1).nonzero().squeeze(1)
-    if index.numel() == batch * seq or index.numel() == 0:  # nothing to leave out
+    counts = real.sum(1).tolist()
+    if sum(counts) in (batch * seq, 0):  # nothing to leave out
         return True, None
+    index = real.reshape(-1).nonzero().squeeze(1)
     gather = torch.zeros(batch * seq, dtype=torch.long, device=index.device)
     gather[index] = torch.arange(index.numel(), device=index.device)
     padding = (~real).reshape(-1).nonzero()
-    return True, Unpadded(index, gather, padding.squeeze(1), (index % seq)[None], batch, seq)
+    lengths = tuple(n for n in counts if n)
+    return True, Unpadded(
+        index, gather, padding.squeeze(1), (index % seq)[None], batch, seq, lengths
+    )
 
 
 unpadded_layout = host_read(right_padding)

@@ -48,7 +48,7 @@ from tests.models.tiny import (
     twin,
 )
 from tests.surgery.test_recompute import kept_bytes
-from tests.utils import TOLERANCES, rel_err
+from tests.utils import TOLERANCES, assert_close_budget, rel_err
 
 LENGTHS = [9, 6, 3]
 OFF = {"share_attention_mask": False}
@@ -591,6 +591,80 @@ def test_padding_free_variants_match_the_padded_step(variant):
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def sdpa_query_lengths(monkeypatch) -> list[int]:
+    """The query length of every ``F.scaled_dot_product_attention`` call from then on."""
+    seen: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(query, *args, **kwargs):
+        seen.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "padded"])
+def test_padding_free_attention_per_row_or_padded(arch, per_row, monkeypatch):
+    """The padding-free attention over a batch of up to ``ROW_CALLS_MAX`` rows runs one sdpa call
+    per row that has real tokens, on those tokens alone (a row of padding only gets none); over
+    more rows (here the bound set to 1), one call per layer on the padded (batch, seq) layout.
+    Both give the padded step's loss and gradients (fp32, no padding-free)."""
+    import surgery.unpadding as unpadding
+
+    if not per_row:
+        monkeypatch.setattr(unpadding, "ROW_CALLS_MAX", 1)
+    model = surgery.patch(windowless(arch).train())
+    padded = surgery.patch(twin(model), padding_free=False)
+    lengths = [*LENGTHS, 0]  # and a row of padding only
+    batch = batch_of("padded")
+    pad = torch.zeros_like(batch["input_ids"][:1])
+    batch = {
+        "input_ids": torch.cat([batch["input_ids"], pad]),
+        "attention_mask": torch.cat([batch["attention_mask"], pad]),
+        "labels": torch.cat([batch["labels"], pad - 100]),
+    }
+    extra = {"output_router_logits": True} if SPECS[arch].router_aux_loss else {}
+    rows = base_model_rows(model)
+    calls = sdpa_query_lengths(monkeypatch)
+    loss, grads = loss_and_grads(model, **batch, **extra)
+    layers = model.config.num_hidden_layers
+    assert rows == [(1, sum(lengths))]
+    assert calls == (LENGTHS * layers if per_row else [max(LENGTHS)] * layers)
+    want_loss, want_grads = loss_and_grads(padded, **batch, **extra)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_padding_free_per_row_within_budget(compiled):
+    """On the GPU machine, bf16 (sdpa's CUDA kernels): the padding-free Llama step, its attention
+    one call a row (compiled too, graph breaks allowed), within bf16's budget of the unpatched
+    fp32 step with the mask, where the padded step (``padding_free=False``) is."""
+    fp32 = windowless("llama").cuda().train()
+    batch = {name: t.cuda() for name, t in batch_of("padded").items()}
+    want = loss_and_grads(fp32, **batch)
+    per_row = surgery.patch(twin(fp32).to(torch.bfloat16))
+    padded = surgery.patch(twin(fp32).to(torch.bfloat16), padding_free=False)
+    if compiled:
+        torch._dynamo.reset()
+        per_row.compile()
+    calls = []
+    hook = per_row.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    got = loss_and_grads(per_row, **batch)
+    hook.remove()
+    assert [tuple(shape) for shape in calls] == [(1, sum(LENGTHS))]
+    eager = loss_and_grads(padded, **batch)
+    assert_close_budget(got[0], want[0], eager[0], torch.bfloat16, what="loss")
+    for name, g in want[1].items():
+        assert_close_budget(got[1][name], g, eager[1][name], torch.bfloat16, what=name)
 
 
 def test_padding_free_ops():
