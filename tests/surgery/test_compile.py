@@ -274,10 +274,10 @@ class DynamoRecorder:
 def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch, monkeypatch):
     """``model.compile()`` without ``fullgraph``: a right-padded batch whose padding is not
     trained runs unmasked causal attention, as the uncompiled patched model does (one graph break
-    before the model reads the mask), also where transformers builds a causal mask while
-    compiling (it does before torch 2.14; imitated here); a left-padded one keeps its mask in a
-    second graph; more batches of either kind compile nothing new. Each step equals the
-    uncompiled one."""
+    before the model reads the mask; padding-free, one call per row and layer), also where
+    transformers builds a causal mask while compiling (it does before torch 2.14; imitated here);
+    a left-padded one keeps its mask in a second graph; more batches of either kind compile
+    nothing new. Each step equals the uncompiled one."""
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
     model = surgery.patch(tiny_model(arch).train())
     eager = twin(model)
@@ -291,7 +291,7 @@ def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch, mon
         assert_same_step(got, loss_and_grads(eager, **batch.kwargs()))
     assert len(recorder.graphs) == 2
     layers = model.config.num_hidden_layers
-    assert recorder.sdpa_masks(0) == [False] * layers
+    assert recorder.sdpa_masks(0) == [False] * layers * len(LENGTHS)
     assert recorder.sdpa_masks(1) == [True] * layers
 
 
