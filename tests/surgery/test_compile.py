@@ -43,6 +43,7 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
+from tests.surgery.test_attention_mask import base_model_rows
 from tests.utils import TOLERANCES, assert_close_budget, dense_varlen, rel_err
 
 LENGTHS = [9, 6, 3]  # longer than the tiny configs' sliding window (5)
@@ -383,19 +384,6 @@ def padding_free_qwen3(dtype: torch.dtype, device) -> torch.nn.Module:
     config = tiny_config("qwen3", sliding_window=None, layer_types=None, use_sliding_window=False)
     model = causal_lm_from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
     return surgery.patch(model.train())
-
-
-def base_model_rows(model) -> list[tuple[int, ...]]:
-    """The shapes of the ``input_ids`` each call of ``model.model`` gets, in a list that fills as
-    the compiled model runs. (A closure: torch 2.11's dynamo dropped appends to a list bound as a
-    hook's default argument.)"""
-    rows: list[tuple[int, ...]] = []
-
-    def seen(module, args, kwargs):
-        rows.append(tuple(kwargs["input_ids"].shape))
-
-    model.model.register_forward_pre_hook(seen, with_kwargs=True)
-    return rows
 
 
 def assert_compiled_padding_free_rebuilds(monkeypatch, dtype, device) -> None:
