@@ -361,7 +361,7 @@ def attention_forward(
             dropout=dropout, scaling=self.scaling, **extra, **kwargs,
         )  # fmt: skip
         if unpadded is not None:
-            attn_output = unpadded.unpad(attn_output)
+            attn_output = unpadded.take(attn_output)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         attn_output = attn_output * torch.sigmoid(gate)

@@ -335,9 +335,10 @@ def _forward(
             attention_mask = None
         kwargs[CAUSAL_KWARG] = True
     if unpadded is not None:
-        # PatchOptions.padding_free: the real tokens as one row; each attention layer pads its
-        # queries, keys and values again (surgery.unpadding). The loss takes each row's end as a
-        # sequence boundary from the positions; the load-balancing loss counts every token left.
+        # PatchOptions.padding_free: the real tokens as one row; each attention layer runs each
+        # row's tokens alone or pads them again (surgery.unpadding). The loss takes each row's
+        # end as a sequence boundary from the positions; the load-balancing loss counts every
+        # token left.
         if input_ids is not None:
             input_ids = unpadded.take(input_ids)
         else:

@@ -95,11 +95,11 @@ class PatchOptions:
       attention's variable-length kernel ran 1.5x slower than sdpa's cuDNN kernel over the same
       rows. Exact for every trained token (see ``surgery.unpadding``); three more device-to-host
       reads (each row's count, the real and the padding tokens' positions) per such forward.
-      The step returns no KV
-      cache, and a MoE model's ``router_logits`` cover the real tokens only (its load-balancing
-      loss is the same: transformers' counts only the mask's tokens). Off for models whose
-      layers read the layout beyond the attention (sliding windows, chunked or linear attention,
-      shared key/value layers, RoPE whose frequencies follow the length, multimodal models).
+      The step returns no KV cache, and a MoE model's ``router_logits`` cover the real tokens
+      only (its load-balancing loss is the same: transformers' counts only the mask's tokens).
+      Off for models whose layers read the layout beyond the attention (sliding windows,
+      chunked or linear attention, shared key/value layers, RoPE whose frequencies follow the
+      length, multimodal models).
     - ``eager_attention_recompute``: with ``rope`` and ``attn_implementation="eager"`` (Gemma 2's
       default), the fp32 attention probabilities are not kept for the backward, which recomputes
       them from the kept half-precision tanh output (or scores) with transformers' own ops:

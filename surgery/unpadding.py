@@ -16,7 +16,7 @@ the padding's share of the attention), and a compiled step whose rotated queries
 rebuilt in the backward (behind q/k norms, ``surgery.attention``: sliced outside their rebuilt
 region they were kept by the partitioner), put the rotated queries, keys and values back into the
 (batch, seq) layout instead, with zeros at the padding (the queries and keys inside that region),
-for one sdpa call, and take the real rows of the output again (``pad_heads``, ``Unpadded.unpad``).
+for one sdpa call, and take the real rows of the output again (``pad_heads``, ``Unpadded.take``).
 Neither runs flash attention's variable-length kernel, the one that takes a row's end from a list
 of lengths: it ran 1.5x slower than sdpa's cuDNN kernel over the same rows on the H100
 (``benchmarks/results/padding_free_attention.txt``).
@@ -140,17 +140,14 @@ class Unpadded:
         return self.index, self.gather, self.padding
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
-        """The real tokens of a (batch, seq, ...) tensor as (1, T, ...)."""
+        """The real tokens of a (batch, seq, ...) tensor (a batch's inputs and labels, a padded
+        attention's output) as (1, T, ...)."""
         flat = x.reshape(self.batch * self.seq, *x.shape[2:])
         return real_rows(flat, *self.layout)[None]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(1, H, T, D) -> (batch, H, seq, D), zeros at the padding (``pad_heads``)."""
         return pad_heads(x, *self.layout, self.batch, self.seq)
-
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, H, D), an attention's output -> (1, T, H, D)."""
-        return self.take(y)
 
 
 def pad_heads(

@@ -190,12 +190,12 @@ def test_right_padding_verdict_and_layout():
     assert layout.take(labels).tolist() == [[5, 6, 7, 5, 6]]
     assert right_padding(torch.ones(2, 4), labels, -100, unpad=True) == (True, None)
     assert right_padding(right.flip(1), labels.flip(1), -100, unpad=True) == (False, None)
-    # pad puts (1, H, T, D) rows back at their places, zeros elsewhere; unpad takes them again
+    # pad puts (1, H, T, D) rows back at their places, zeros elsewhere; take takes them again
     rows = torch.arange(1.0, 6.0).view(1, 1, 5, 1)
     padded = layout.pad(rows)
     assert padded.shape == (2, 1, 4, 1)
     assert padded[:, 0, :, 0].tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]]
-    assert torch.equal(layout.unpad(padded.transpose(1, 2)), rows.transpose(1, 2))
+    assert torch.equal(layout.take(padded.transpose(1, 2)), rows.transpose(1, 2))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
