@@ -31,7 +31,7 @@ from .layers import projections
 from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
 from .shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
-from .signature import in_signature_of
+from .signature import cache_argument, in_signature_of, update_cache
 from .unpadding import UNPADDED_KWARG, Unpadded, pad_heads
 from .varlen import (
     PACKED_KWARG,
@@ -196,10 +196,11 @@ def attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
+    cache=None,
     shared_kv_states=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cache = cache_argument(cache, kwargs)
     binding: AttentionBinding = self.__dict__[BINDING_ATTR]
     spec = binding.spec
     # A layer reusing an earlier layer's keys and values (spec.kv_sharing) has no k/v of its own.
@@ -307,8 +308,8 @@ def attention_forward(
     if kv_shared:
         key, value = shared_kv_states[_shared_kv_key(self, reading=True)]
         key, value = key.to(query.device), value.to(query.device)  # a device map's other GPU
-    elif past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
+    elif cache is not None:
+        key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
     if spec.kv_sharing and self.store_full_length_kv:
         shared_kv_states[_shared_kv_key(self, reading=False)] = key, value
 
@@ -316,7 +317,7 @@ def attention_forward(
     extra = {name: read_path(self, path) for name, path in spec.attention_kwargs}
     packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
     chunked = is_chunked_layer(self, spec)  # Llama 4: a packed batch's chunks come with it
-    attention_mask = chunked_layer_mask(chunked, attention_mask, past_key_values, kwargs)
+    attention_mask = chunked_layer_mask(chunked, attention_mask, cache, kwargs)
     if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None and not chunked:
         attention_mask = None
     kwargs.pop(DOCUMENTS_KWARG, None)  # for the linear-attention layers of a hybrid model
@@ -331,7 +332,7 @@ def attention_forward(
         and extra.get("softcap") is None
         and self.head_dim <= 256
         and flash_head_size(query, value)
-        and past_key_values is None
+        and cache is None
     ):
         attn_output = varlen_attention(
             query, key, value, packed, self.scaling, extra.get("sliding_window")
@@ -374,6 +375,6 @@ def attention_forward(
 def attention_forward_for(module: nn.Module, generic: Callable = attention_forward) -> Callable:
     """``generic`` (``attention_forward``, or another generic attention forward) taking its
     arguments in the order of ``module``'s class forward (``surgery.signature.in_signature_of``:
-    Gemma 4 takes ``shared_kv_states`` before ``past_key_values``, Ministral 3 ``position_ids``
-    between ``attention_mask`` and ``past_key_values``)."""
+    Gemma 4 takes ``shared_kv_states`` before the cache, Ministral 3 ``position_ids`` between
+    ``attention_mask`` and the cache)."""
     return in_signature_of(generic, type(module).forward)

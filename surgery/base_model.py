@@ -32,7 +32,7 @@ from .chunked_attention import CHUNKED_MASK_KWARG, POSITIONS_KWARG, packed_chunk
 from .forward import document_positions
 from .linear_attention import DOCUMENTS_KWARG, packed_documents
 from .options import PatchOptions
-from .signature import in_signature_of
+from .signature import CACHE, cache_argument, in_signature_of
 
 __all__ = [
     "BASE_MODEL_ATTR",
@@ -81,21 +81,22 @@ def base_model_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
+    cache=None,
     inputs_embeds: torch.Tensor | None = None,
     use_cache: bool | None = None,
     **kwargs,
 ):
     """transformers' base-model forward, handing the layers what ``BaseModelNeeds`` asks for
     (see the module docstring)."""
+    cache = cache_argument(cache, kwargs)
     needs: BaseModelNeeds = self.__dict__[BASE_MODEL_ATTR]
     tokens = input_ids if input_ids is not None else inputs_embeds
     batch, seq = tokens.shape[:2]
-    packed = position_ids is not None and attention_mask is None and past_key_values is None
+    packed = position_ids is not None and attention_mask is None and cache is None
     if needs.positions or needs.rope_positions:
         positions = position_ids
         if positions is None:  # the base model's own default
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past = cache.get_seq_length() if cache is not None else 0
             positions = torch.arange(seq, device=tokens.device)[None] + past
         elif positions.dim() == 1:
             positions = positions[None]
@@ -124,9 +125,9 @@ def base_model_forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
+        **{CACHE: cache},
         **kwargs,
     )
 

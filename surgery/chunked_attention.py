@@ -115,14 +115,14 @@ def is_chunked_layer(module: nn.Module, spec: ArchitectureSpec) -> bool:
 
 
 def chunked_layer_mask(
-    chunked: bool, attention_mask: torch.Tensor | None, past_key_values, kwargs: dict
+    chunked: bool, attention_mask: torch.Tensor | None, cache, kwargs: dict
 ) -> torch.Tensor | None:
     """The mask a layer attends with: a chunked layer's mask from ``packed_chunked_mask`` when
     there is one (a packed batch) and no KV cache exists (with one, transformers' mask treats the
     row as one sequence in every layer, and so must this one), else ``attention_mask``. Takes the
     mask's keyword argument out of ``kwargs`` in every layer."""
     mask = kwargs.pop(CHUNKED_MASK_KWARG, None)
-    if chunked and mask is not None and past_key_values is None:
+    if chunked and mask is not None and cache is None:
         return mask
     return attention_mask
 

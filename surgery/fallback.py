@@ -52,6 +52,7 @@ from .forward import STATE_ATTR, PatchState, causal_lm_forward, moe_causal_lm_fo
 from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
 from .options import PatchOptions
 from .registry import UnsupportedModelError
+from .signature import CACHE
 from .swap import Swap, check_signature, plan_swap
 
 __all__ = [
@@ -332,12 +333,12 @@ def _run_probe(lm: nn.Module, spec: ArchitectureSpec) -> list[str]:
             input_ids=ids,
             attention_mask=None,
             position_ids=None,
-            past_key_values=None,
             inputs_embeds=None,
             use_cache=False,
+            **{CACHE: None},
             **moe,
         )
-        names = ("last_hidden_state", "past_key_values", "hidden_states", "attentions")
+        names = ("last_hidden_state", CACHE, "hidden_states", "attentions")
         for name in names + (("router_logits",) if moe else ()):
             getattr(base, name)
     except Exception as err:

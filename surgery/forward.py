@@ -55,6 +55,7 @@ from .outputs import (
     causal_lm_output_class,
     with_z_loss,
 )
+from .signature import CACHE, cache_argument
 from .unpadding import UNPADDED_KWARG, unpadded_layout
 
 try:
@@ -101,7 +102,7 @@ class PatchState:
     ``z_loss``. Found once, when the state is made (at patch time)."""
     base_fields: tuple[str, ...] = dataclasses.field(init=False, compare=False, repr=False)
     """The fields of ``output`` the forward copies from the base model's output, as transformers'
-    causal LM does (every field but ``COMPUTED_FIELDS``: past_key_values, hidden_states,
+    causal LM does (every field but ``COMPUTED_FIELDS``: the cache, hidden_states,
     attentions, router_logits, Gemma 4's shared_kv_states, ...); one the base model's output
     lacks is None."""
 
@@ -189,7 +190,7 @@ def causal_lm_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
+    cache=None,
     inputs_embeds: torch.Tensor | None = None,
     labels: torch.LongTensor | None = None,
     use_cache: bool | None = None,
@@ -202,7 +203,7 @@ def causal_lm_forward(
     takes them) goes to the base model like any other keyword argument."""
     if per_layer_inputs is not None:
         kwargs["per_layer_inputs"] = per_layer_inputs
-    return _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+    return _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds,
                     labels, use_cache, logits_to_keep, None, kwargs)  # fmt: skip
 
 
@@ -212,7 +213,7 @@ def moe_causal_lm_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
+    cache=None,
     inputs_embeds: torch.Tensor | None = None,
     labels: torch.LongTensor | None = None,
     use_cache: bool | None = None,
@@ -224,7 +225,7 @@ def moe_causal_lm_forward(
     with ``output_router_logits`` (default: the config's), transformers' load-balancing loss of
     the router logits, over the tokens of the attention mask the caller passed, is returned as
     ``aux_loss`` and, times ``router_aux_loss_coef``, added to the loss."""
-    return _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+    return _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds,
                     labels, use_cache, logits_to_keep, output_router_logits, kwargs)  # fmt: skip
 
 
@@ -233,7 +234,7 @@ def _forward(
     input_ids,
     attention_mask,
     position_ids,
-    past_key_values,
+    cache,
     inputs_embeds,
     labels,
     use_cache,
@@ -241,6 +242,7 @@ def _forward(
     output_router_logits,
     kwargs,
 ):
+    cache = cache_argument(cache, kwargs)
     state: PatchState = self.__dict__[STATE_ATTR]
     options = state.options
     wrapper = state.wrapper
@@ -270,7 +272,7 @@ def _forward(
     # attention reads the boundaries from position_ids / cu_seq_lens either way).
     text_positions = document_positions(position_ids)
     packed_step = (
-        past_key_values is None
+        cache is None
         and attention_mask is None
         and text_positions is not None
         and (labels is not None or self.training)
@@ -317,7 +319,7 @@ def _forward(
         and head_fused
         and causal
         and attention_mask is not None
-        and past_key_values is None
+        and cache is None
         and position_ids is None
         and sdpa
         and not kwargs.get("output_hidden_states", config.output_hidden_states)
@@ -356,9 +358,9 @@ def _forward(
         input_ids=input_ids,
         attention_mask=model_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
+        **{CACHE: cache},
         **kwargs,
     )
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)

@@ -43,6 +43,8 @@ from torch import nn
 
 from surgery.kernels.reduction import host_cu_seqlens
 
+from .signature import cache_argument
+
 __all__ = [
     "DOCUMENTS_KWARG",
     "Documents",
@@ -121,19 +123,20 @@ def documents_of(
 def linear_attention_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
-    cache_params=None,
+    cache=None,
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """transformers' linear-attention forward, run per document on a packed batch: the tokens
     gathered into the right-padded batch of ``Documents``, the output scattered back. Without
     documents, or with a KV cache, transformers' forward as it is."""
+    cache = cache_argument(cache, kwargs)
     documents: Documents | None = kwargs.pop(DOCUMENTS_KWARG, None)
     # transformers' own forward (the patch checked that the class's is); an instance forward
     # (accelerate's hook) has already run around this one.
     forward = type(self).forward
-    if documents is None or cache_params is not None:
-        return forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+    if documents is None or cache is not None:
+        return forward(self, hidden_states, cache, attention_mask, **kwargs)
     for name in _PACKED_LAYOUT_KWARGS:
         kwargs.pop(name, None)
     batch, seq, hidden = hidden_states.shape

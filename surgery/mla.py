@@ -48,6 +48,7 @@ from .attention import (
 )
 from .linear_attention import DOCUMENTS_KWARG
 from .recompute import RECOMPUTE_ATTR
+from .signature import cache_argument, update_cache
 
 __all__ = ["mla_attention_forward"]
 
@@ -89,10 +90,11 @@ def mla_attention_forward(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    past_key_values=None,
+    cache=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``Mistral4Attention.forward`` (same arguments, same order), see the module docstring."""
+    cache = cache_argument(cache, kwargs)
     binding: AttentionBinding = self.__dict__[BINDING_ATTR]
     spec = binding.spec
     batch_size, seq_length = hidden_states.shape[:-1]
@@ -116,8 +118,8 @@ def mla_attention_forward(
 
     q_rot, k_rot = _rope(self, binding, q_rot, k_rot, position_embeddings, position_ids)
 
-    if past_key_values is not None:  # the cache stores the compressed latents
-        k_pass, k_rot = past_key_values.update(k_pass, k_rot, self.layer_idx)
+    if cache is not None:  # the cache stores the compressed latents
+        k_pass, k_rot = update_cache(cache, k_pass, k_rot, self.layer_idx, kwargs)
     query = torch.cat((q_pass, q_rot), dim=-1)
     if spec.position_query_scale:
         query = query * position_query_scale(self, spec, position_ids).to(query.dtype)
@@ -134,7 +136,7 @@ def mla_attention_forward(
         and not dropout
         and self.qk_head_dim == self.v_head_dim <= 256
         and flash_head_size(query, value)
-        and past_key_values is None
+        and cache is None
     ):
         attn_output = varlen_attention(query, key, value, packed, self.scaling, None)
         return self.o_proj(attn_output.reshape(batch_size, seq_length, -1)), None

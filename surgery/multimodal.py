@@ -46,6 +46,8 @@ from torch import nn
 from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 
+from .signature import CACHE
+
 __all__ = ["language_model", "packed_bidirectional_masks", "text_model"]
 
 
@@ -111,7 +113,7 @@ def packed_bidirectional_masks(
         config=config,
         inputs_embeds=torch.empty((len(documents), longest, 0), dtype=dtype, device=device),
         attention_mask=present,
-        past_key_values=None,
+        **{CACHE: None},
         position_ids=torch.arange(longest, device=device).expand(len(documents), -1),
         block_sequence_ids=blocks(types, device=device),
     )

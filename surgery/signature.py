@@ -1,27 +1,85 @@
 """A generic forward called with the arguments of the transformers forward it replaces.
 
 transformers' forwards of one kind of module take the same arguments in other orders (Gemma 4's
-attention takes ``shared_kv_states`` before ``past_key_values``, Gemma 3n's after; Ministral 3's
-takes ``position_ids`` between ``attention_mask`` and ``past_key_values``), and a caller may pass
+attention takes ``shared_kv_states`` before the cache, Gemma 3n's after; Ministral 3's
+takes ``position_ids`` between ``attention_mask`` and the cache), and a caller may pass
 any of them by position. The generic forwards read their arguments by name, so one generic forward
 serves every order: ``in_signature_of`` gives it the original's order, read once at patch time.
+
+transformers 5.24 renamed the cache argument ``past_key_values`` (and the linear-attention layers'
+``cache_params``) to ``cache``, in every forward, mask builder and output. The generic forwards take
+the new name; ``RENAMED`` holds the old ones as names for the same argument, in either release: an
+old name passed by position takes the place of ``cache``, and passed by name is read by
+``cache_argument``. What surgery passes to transformers' own code it passes under this release's
+name, ``CACHE``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
 
-__all__ = ["in_signature_of"]
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+__all__ = [
+    "CACHE",
+    "RENAMED",
+    "cache_argument",
+    "generic_name",
+    "in_signature_of",
+    "update_cache",
+]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
+RENAMED = {"past_key_values": "cache", "cache_params": "cache"}
+"""Old name -> the generic forwards' name, for arguments transformers renamed."""
+
+CACHE = (
+    "cache"
+    if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)}
+    else "past_key_values"
+)
+"""The name this transformers release gives the KV cache: its forwards' argument, its mask
+builders' argument and its outputs' field (``cache`` from 5.24, ``past_key_values`` before)."""
+
+
+def generic_name(name: str) -> str:
+    """The generic forwards' name of transformers' argument ``name`` (``RENAMED``)."""
+    return RENAMED.get(name, name)
+
+
+def cache_argument(cache, kwargs: dict):
+    """The cache a generic forward was given: ``cache``, or the one passed by an old name
+    (``RENAMED``; taken out of ``kwargs``: transformers before 5.24 pass it so, and so may a
+    caller's code written for them). Two given raises ``ValueError``, as transformers does."""
+    for old in RENAMED:
+        value = kwargs.pop(old, None)
+        if value is None:
+            continue
+        if cache is not None:
+            raise ValueError(f"both cache and {old} were given; pass the cache once")
+        cache = value
+    return cache
+
+
+def update_cache(cache: Cache, key, value, layer_idx: int, kwargs: dict):
+    """``cache.update`` as this release's attention layers call it: the release that renamed the
+    cache (5.24) also hands it the layer's keyword arguments (continuous batching's paged cache
+    reads and extends them in place); earlier ones do not."""
+    if CACHE == "cache":
+        return cache.update(key, value, layer_idx, kwargs=kwargs)
+    return cache.update(key, value, layer_idx)
+
 
 def _positional_names(function: Callable) -> list[str]:
-    """The names of ``function``'s positional parameters after ``self``."""
+    """The names of ``function``'s positional parameters after ``self``, renamed ones under the
+    generic forwards' names (``RENAMED``)."""
     params = list(inspect.signature(function).parameters.values())[1:]
-    return [p.name for p in params if p.kind in _POSITIONAL]
+    return [generic_name(p.name) for p in params if p.kind in _POSITIONAL]
 
 
 @functools.cache
@@ -32,10 +90,11 @@ def in_signature_of(generic: Callable, original: Callable) -> Callable:
     result reports ``original``'s signature, so ``surgery.swap.check_signature`` accepts it.
 
     ``generic`` itself when its positional parameters begin with ``original``'s, in order (then a
-    positional call already means the same). A name of ``original`` that ``generic`` neither names
-    nor takes in its ``**kwargs`` raises ``RuntimeError`` (a transformers release whose forward
-    takes something the generic one cannot). One function per pair, shared by every module of the
-    class.
+    positional call already means the same; a renamed argument (``RENAMED``) counts as its new
+    name, which the generic forward reads with ``cache_argument``). A name of ``original`` that
+    ``generic`` neither names nor takes in its ``**kwargs`` raises ``RuntimeError`` (a
+    transformers release whose forward takes something the generic one cannot). One function per
+    pair, shared by every module of the class.
     """
     theirs, ours = _positional_names(original), _positional_names(generic)
     if ours[: len(theirs)] == theirs:

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from .foreign import ForwardSlot, find_forward_slot, restore_forward
+from .signature import generic_name
 
 __all__ = [
     "ORIGINAL_ATTR",
@@ -65,20 +66,23 @@ def _positional(sig: inspect.Signature, drop_self: bool) -> list[inspect.Paramet
 
 def check_signature(module: nn.Module, original: Callable, replacement: Callable) -> None:
     """The replacement must accept every argument the original accepts, in the same positions
-    (STYLE.md 4): a transformers release that changes a forward fails here, not silently."""
+    (STYLE.md 4): a transformers release that changes a forward fails here, not silently. An
+    argument transformers renamed counts under its new name on both sides
+    (``surgery.signature.RENAMED``)."""
     orig = _positional(inspect.signature(original), drop_self=not inspect.ismethod(original))
     repl = _positional(inspect.signature(replacement), drop_self=True)
     positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    repl_positional = [p.name for p in repl if p.kind in positional_kinds]
-    repl_names = {p.name for p in repl}
+    repl_positional = [generic_name(p.name) for p in repl if p.kind in positional_kinds]
+    repl_names = {generic_name(p.name) for p in repl}
     repl_var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in repl)
     i = 0
     for p in orig:
+        name = generic_name(p.name)
         if p.kind in positional_kinds:
-            ok = i < len(repl_positional) and repl_positional[i] == p.name
+            ok = i < len(repl_positional) and repl_positional[i] == name
             i += 1
         elif p.kind == inspect.Parameter.KEYWORD_ONLY:
-            ok = p.name in repl_names or repl_var_kw
+            ok = name in repl_names or repl_var_kw
         elif p.kind == inspect.Parameter.VAR_KEYWORD:
             ok = repl_var_kw
         else:  # *args: the replacement takes the named positionals only

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
+import pytest
 import torch
+import transformers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -82,6 +85,21 @@ class ListDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.rows[i]
+
+
+def xfail_where_transformers_fails(model: torch.nn.Module, **inputs) -> None:
+    """Mark the calling test an expected failure where an unpatched ``model``'s own forward
+    (run on a copy, the random state kept) raises ``AttributeError`` on ``inputs``: a bug of the
+    installed transformers release, so there is nothing to compare surgery with. Known:
+    transformers 5.24's ``Llama4ForConditionalGeneration.forward`` builds its output from
+    ``image_outputs`` of its language model's output, a field that output
+    (``MoeCausalLMOutputWithPast``) does not have, on every call. Where the forward runs, the
+    test runs whole."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        try:
+            copy.deepcopy(model)(**inputs)
+        except AttributeError as err:
+            pytest.xfail(f"unpatched transformers {transformers.__version__} fails: {err}")
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ from surgery.convergence.multimodal import (
     multimodal_batches,
 )
 from surgery.convergence.train import RunConfig, Variant, train_and_compare
+from tests.utils import xfail_where_transformers_fails
 
 
 def _failed(record):
@@ -88,6 +89,8 @@ def test_every_wrapper_trains_like_original(name, dtype):
     with transformers' own mask of the packed row instead of surgery's per-conversation masks
     (``packed_bidirectional_masks``) fails here: step-0 gradients 0.26 off, the final eval
     logits 0.40."""
+    model = build_multimodal_model(name)
+    xfail_where_transformers_fails(model, input_ids=torch.tensor([[1, 2, 3]]))
     cfg = RunConfig(model=name, steps=1, dtype=dtype, variant=Variant("sequence", 1e-2),
                     multimodal=True)  # fmt: skip
     record = train_and_compare(cfg)

@@ -15,6 +15,7 @@ import torch
 import surgery
 import surgery.attention as attention
 import surgery.varlen as varlen_module
+from surgery.signature import CACHE
 from tests.surgery.test_varlen_attention import ReferenceVarlen
 from tests.utils import FP32_CLOSE as TOL
 
@@ -88,16 +89,16 @@ def test_mistral4_cache_holds_transformers_latents():
     surgery.patch(model)
     ids = sequences([7])[0][None]
     with torch.no_grad():
-        got = model(input_ids=ids, use_cache=True).past_key_values
-        want = reference(input_ids=ids, use_cache=True).past_key_values
+        got = getattr(model(input_ids=ids, use_cache=True), CACHE)
+        want = getattr(reference(input_ids=ids, use_cache=True), CACHE)
         for layer, want_layer in zip(got.layers, want.layers):
             torch.testing.assert_close(layer.keys, want_layer.keys, **TOL)  # the latent
             torch.testing.assert_close(layer.values, want_layer.values, **TOL)  # the rotary key
         # the next token on each cache, crossed
         step = sequences([1], seed=3)[0][None]
         position = torch.tensor([[7]])
-        crossed = reference(input_ids=step, past_key_values=got, position_ids=position).logits
-        own = model(input_ids=step, past_key_values=want, position_ids=position).logits
+        crossed = reference(input_ids=step, position_ids=position, **{CACHE: got}).logits
+        own = model(input_ids=step, position_ids=position, **{CACHE: want}).logits
     torch.testing.assert_close(crossed, own, **TOL)
 
 

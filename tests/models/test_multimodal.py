@@ -22,7 +22,7 @@ from surgery.multimodal import language_model
 from surgery.swap import ORIGINAL_ATTR
 from tests.surgery.routing_helpers import replayed_steps
 from tests.utils import FP32_CLOSE as TOL
-from tests.utils import TOLERANCES, assert_close_budget
+from tests.utils import TOLERANCES, assert_close_budget, xfail_where_transformers_fails
 
 from .test_outputs import assert_same_value
 from .tiny import SPECS, TINY, tiny_config
@@ -89,6 +89,12 @@ def tiny_vlm(spec, wrapper, **text_overrides):
     return model.train()
 
 
+def xfail_where_unpatched_fails(spec, wrapper) -> None:
+    """The test an expected failure where transformers' own tiny wrapper cannot run a text-only
+    forward (``xfail_where_transformers_fails``)."""
+    xfail_where_transformers_fails(tiny_vlm(spec, wrapper), input_ids=torch.tensor([[1, 2, 3]]))
+
+
 def image_batch(model, wrapper) -> dict:
     """Two right-padded rows, each with one image at its own offset. The image tokens are labels
     too (unlike a chat template's), so that what every image position computes reaches the loss."""
@@ -136,6 +142,7 @@ def swapped(model) -> list[str]:
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_wrapper_trains_as_transformers(pair):
     spec, wrapper = PAIRS[pair]
+    xfail_where_unpatched_fails(spec, wrapper)
     model = tiny_vlm(spec, wrapper)
     reference = copy.deepcopy(model)
     assert surgery.patch(model) is model
@@ -312,6 +319,7 @@ def test_apply_patches_wrappers_built_afterwards(pair):
     ``apply_gemma3``) patches every wrapper built while applied, with the options given, and
     ``revert`` stops it; a model built while applied trains as ``patch`` makes it."""
     spec, wrapper = PAIRS[pair]
+    xfail_where_unpatched_fails(spec, wrapper)
     apply = getattr(surgery, f"apply_{wrapper.model_type}")
     try:
         apply(z_loss_scale=1e-3)
@@ -336,6 +344,7 @@ def test_bf16_wrapper_step_within_budget(pair, device):
     transformers' init its nearly one-hot softmax amplifies bf16 rounding, 5% in the unpatched
     bf16 gradients and 11% in the patched ones, whose kernels round elsewhere)."""
     spec, wrapper = PAIRS[pair]
+    xfail_where_unpatched_fails(spec, wrapper)
     fp32 = tiny_vlm(spec, wrapper)
     condition_attention(fp32)
     fp32 = fp32.to(device)

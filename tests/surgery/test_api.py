@@ -242,6 +242,39 @@ def test_signature_mismatch_raises():
         check_signature(Attention(), Attention.forward, attention_forward)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral4", "qwen3_next"])
+def test_cache_under_either_name(arch):
+    """transformers 5.24 renamed ``past_key_values`` (and ``cache_params``) to ``cache``: a patched
+    model takes its cache under the old name, the new one or by position, in any release, and
+    continues the prompt as the unpatched model does."""
+    from surgery.signature import CACHE
+
+    model = tiny_model(arch).eval()
+    reference = twin(model)
+    surgery.patch(model)
+    ids, step = sequences([7])[0][None], sequences([1], seed=3)[0][None]
+    position = torch.tensor([[7]])
+
+    def prompt_cache(lm):
+        return getattr(lm(input_ids=ids, use_cache=True), CACHE)
+
+    with torch.no_grad():
+        cache = prompt_cache(reference)
+        want = reference(input_ids=step, position_ids=position, **{CACHE: cache}).logits
+        calls = {
+            "past_key_values": lambda c: model(input_ids=step, position_ids=position,
+                                               past_key_values=c),
+            "cache": lambda c: model(input_ids=step, position_ids=position, cache=c),
+            "by position": lambda c: model(step, None, position, c),
+        }  # fmt: skip
+        for name, call in calls.items():
+            got = call(prompt_cache(model)).logits
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        both = dict(past_key_values=prompt_cache(model), cache=prompt_cache(model))
+        with pytest.raises(ValueError, match="both cache and past_key_values"):
+            model(input_ids=step, position_ids=position, **both)
+
+
 def test_apply_and_revert_class_level():
     from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
 
