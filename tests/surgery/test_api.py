@@ -338,9 +338,10 @@ def test_gradient_checkpointing(arch):
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.18
     if enable is not None:
         enable({"use_reentrant": False})
+        assert model.is_activation_checkpointing
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert model.is_gradient_checkpointing
+        assert model.is_gradient_checkpointing
     batch = packed_batch(sequences([7, 5, 3]))
     loss, grads = loss_and_grads(model, **batch.kwargs())
     want_loss, want = loss_and_grads(surgery.patch(reference), **batch.kwargs())

@@ -39,10 +39,14 @@ def assert_bitwise(got, want):
 
 
 def checkpointing(model, mode: str):
-    if mode != "none":
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"}
-        )
+    if mode == "none":
+        return model
+    options = {"use_reentrant": mode == "reentrant"}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.18
+    if enable is not None:
+        enable(options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     return model
 
 
