@@ -184,10 +184,18 @@ def _z_grad(a: _Side, b: _Side) -> float | None:
 
 
 def adds_router_aux_loss(model) -> bool:
-    """Whether ``model``'s class's causal-LM forward takes ``output_router_logits``: transformers'
+    """Whether ``model``'s class's causal-LM forward reads ``output_router_logits``: transformers'
     mixtures of experts that then add ``router_aux_loss_coef`` times ``load_balancing_loss_func``
-    of the router logits to the loss (Llama 4's, which outputs them but adds nothing, does not)."""
-    return "output_router_logits" in inspect.signature(type(model).forward).parameters
+    of the router logits to the loss. Most name the argument; transformers 5.17's Qwen3-VL-MoE and
+    Qwen3.5-MoE wrappers read it from their keyword arguments, which only their source shows.
+    Llama 4's, which outputs router logits but adds nothing, does neither."""
+    forward = type(model).forward
+    if "output_router_logits" in inspect.signature(forward).parameters:
+        return True
+    try:
+        return "output_router_logits" in inspect.getsource(forward)
+    except (OSError, TypeError):  # no source to read (a built-in or generated forward)
+        return False
 
 
 def moe_arguments(model):

@@ -152,3 +152,20 @@ def test_same_weights_limits_hold_two_runs_the_accuracy_budget_passes():
     assert noisy["grad@0"] and noisy["grad@0:accuracy"]
     exact_model = verdict(1e-7)
     assert not exact_model["grad@0"] and exact_model["grad@0:accuracy"]
+
+
+@pytest.mark.parametrize(
+    "name, multimodal, adds",
+    [("mixtral", False, True), ("llama4", False, False), ("qwen3_vl_moe", True, True),
+     ("qwen3_5_moe", True, True), ("llama4", True, False)],
+)  # fmt: skip
+def test_router_aux_loss_found_in_every_release(name, multimodal, adds):
+    """Which models train a router aux loss: the mixtures whose forward reads
+    ``output_router_logits``, also where it reads it from its keyword arguments only
+    (transformers 5.17's Qwen3-VL-MoE and Qwen3.5-MoE wrappers, whose aux loss the suite then
+    skipped); not Llama 4, which outputs router logits but adds nothing."""
+    from surgery.convergence.multimodal import build_multimodal_model
+    from surgery.convergence.train import adds_router_aux_loss
+
+    model = build_multimodal_model(name) if multimodal else build_model(name, "tiny")
+    assert adds_router_aux_loss(model) is adds
