@@ -93,8 +93,8 @@ class PatchOptions:
       a compiled Llama ~1B forward and backward over 2 x 4096 tokens, 512 of them padding, took
       126.6 instead of 128.6 ms), and the attention too where it runs per row; flash
       attention's variable-length kernel ran 1.5x slower than sdpa's cuDNN kernel over the same
-      rows. Exact for every trained token (see ``surgery.unpadding``); three more device-to-host
-      reads (each row's count, the real and the padding tokens' positions) per such forward.
+      rows. Exact for every trained token (see ``surgery.unpadding``); one more device-to-host
+      read (each row's count of real tokens) per such forward.
       The step returns no KV cache, and a MoE model's ``router_logits`` cover the real tokens
       only (its load-balancing loss is the same: transformers' counts only the mask's tokens).
       Off for models whose layers read the layout beyond the attention (sliding windows,

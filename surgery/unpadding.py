@@ -174,8 +174,8 @@ def right_padding(
     zeros) and every padding position's target is ``ignore_index`` (then, under causal attention,
     nothing a loss reads depends on a padding position and the mask can be dropped); and, with
     ``unpad`` where it is and some padding exists, the ``Unpadded`` layout of the real tokens.
-    Device-to-host reads: the verdict, then (``unpad``) each row's count of real tokens and the
-    positions of the real and padding tokens."""
+    Device-to-host reads: the verdict, then (``unpad``) each row's count of real tokens; the
+    positions of the real and padding tokens are found at those known sizes, without a read."""
     if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
         return False, None
     real = attention_mask.to(targets.device) != 0
@@ -186,16 +186,16 @@ def right_padding(
         return True, None
     batch, seq = real.shape
     counts = real.sum(1).tolist()
-    if sum(counts) in (batch * seq, 0):  # nothing to leave out
+    tokens = sum(counts)
+    if tokens in (batch * seq, 0):  # nothing to leave out
         return True, None
-    index = real.reshape(-1).nonzero().squeeze(1)
+    flat = real.reshape(-1)
+    index = torch.nonzero_static(flat, size=tokens).squeeze(1)
     gather = torch.zeros(batch * seq, dtype=torch.long, device=index.device)
-    gather[index] = torch.arange(index.numel(), device=index.device)
-    padding = (~real).reshape(-1).nonzero()
+    gather[index] = torch.arange(tokens, device=index.device)
+    padding = torch.nonzero_static(~flat, size=batch * seq - tokens).squeeze(1)
     lengths = tuple(n for n in counts if n)
-    return True, Unpadded(
-        index, gather, padding.squeeze(1), (index % seq)[None], batch, seq, lengths
-    )
+    return True, Unpadded(index, gather, padding, (index % seq)[None], batch, seq, lengths)
 
 
 unpadded_layout = host_read(right_padding)

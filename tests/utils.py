@@ -102,6 +102,18 @@ def xfail_where_transformers_fails(model: torch.nn.Module, **inputs) -> None:
             pytest.xfail(f"unpatched transformers {transformers.__version__} fails: {err}")
 
 
+def enable_activation_checkpointing(model: torch.nn.Module, use_reentrant: bool) -> None:
+    """transformers' activation checkpointing on ``model``, under the names the release has
+    (``activation_checkpointing_enable`` from 5.18; the ``gradient_checkpointing`` ones warn
+    from 5.24)."""
+    options = {"use_reentrant": use_reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface, for a test's process group."""
     import socket

@@ -27,7 +27,7 @@ from tests.models.tiny import (
     twin,
 )
 from tests.utils import FP32_CLOSE as TOL
-from tests.utils import TOLERANCES
+from tests.utils import TOLERANCES, enable_activation_checkpointing
 
 BATCH = padded_batch(sequences([7, 5, 3]))
 
@@ -335,13 +335,8 @@ def test_gradient_checkpointing(arch):
     model = tiny_model(arch).train()
     reference = twin(model)
     surgery.patch(model)
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.18
-    if enable is not None:
-        enable({"use_reentrant": False})
-        assert model.is_activation_checkpointing
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        assert model.is_gradient_checkpointing
+    enable_activation_checkpointing(model, use_reentrant=False)
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     batch = packed_batch(sequences([7, 5, 3]))
     loss, grads = loss_and_grads(model, **batch.kwargs())
     want_loss, want = loss_and_grads(surgery.patch(reference), **batch.kwargs())

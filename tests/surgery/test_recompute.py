@@ -23,6 +23,7 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
+from tests.utils import enable_activation_checkpointing
 
 peft = pytest.importorskip("peft")
 
@@ -39,14 +40,8 @@ def assert_bitwise(got, want):
 
 
 def checkpointing(model, mode: str):
-    if mode == "none":
-        return model
-    options = {"use_reentrant": mode == "reentrant"}
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.18
-    if enable is not None:
-        enable(options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    if mode != "none":
+        enable_activation_checkpointing(model, use_reentrant=mode == "reentrant")
     return model
 
 
