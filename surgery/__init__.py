@@ -5,8 +5,9 @@ fused ``linear_cross_entropy`` loss, position-aware ``apply_rope``, and fused ``
 ``gated_activation`` kernels; ``apply_<arch>()`` does the same for models built afterwards.
 """
 
-from . import api
-from .api import *  # noqa: F403  (patch, ..., and apply_<name> for every supported architecture)
+from . import api, apply
+from .api import *  # noqa: F403  (patch, unpatch, patched, ...)
+from .apply import *  # noqa: F403  (revert, and apply_<name> for every supported architecture)
 from .describe import PatchReport, describe
 from .fallback import FallbackRefusedError
 from .foreign import ForeignForwardError
@@ -28,3 +29,4 @@ __all__ = [
     "supported",
 ]
 __all__ += api.__all__
+__all__ += apply.__all__

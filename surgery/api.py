@@ -1,5 +1,5 @@
-"""``patch`` / ``unpatch`` / ``patched`` on one model instance, and ``apply_<arch>`` / ``revert``
-for the models built afterwards.
+"""``patch`` / ``unpatch`` / ``patched`` on one model instance (``surgery.apply``: the same for the
+models of a class built afterwards).
 
 Patching replaces the forward of each module it patches by one of the generic forwards, bound to
 the module (``types.MethodType``), and keeps what it replaced to restore. It adds no parameters,
@@ -19,11 +19,11 @@ import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from torch import nn
 
-from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec
+from surgery.models import ArchitectureSpec
 
 from .attention import (
     BINDING_ATTR,
@@ -72,13 +72,11 @@ from .signature import in_signature_of
 from .swap import Swap, apply_swaps, plan_swap, restore_swap
 from .vision_attention import VISION_ATTENTION_ATTR, vision_attention_forward
 
-# and apply_<name> for every spec in surgery.models.SPECS (the end of this file)
 __all__ = [
     "is_patched",
     "patch",
     "patch_options",
     "patched",
-    "revert",
     "unpatch",
 ]
 
@@ -465,144 +463,3 @@ def patched(model: M, **options: Any) -> Iterator[M]:
         if previous is not None:
             again = {"fallback": "loss"} if was_fallback else {}
             patch(model, **dataclasses.asdict(previous), **again)
-
-
-# ---------------------------------------------------------------------------------------------
-# classes: models built afterwards
-
-_APPLIED: dict[type, Callable | None] = {}
-
-
-def apply_targets() -> dict[str, tuple[tuple[str, Callable[[], type]], ...]]:
-    """``apply_<name>`` -> what it patches, as (class name, class getter) pairs: a text spec's
-    causal LM and the multimodal wrappers of the same ``model_type`` (``apply_gemma3``:
-    ``Gemma3ForCausalLM`` and ``Gemma3ForConditionalGeneration``), and every other wrapper of the
-    registry under its own ``model_type`` (``apply_qwen2_5_vl``; ``apply_mistral3``, one wrapper
-    for several text specs). Registry order, causal LMs first; nothing is imported."""
-    targets: dict[str, list[tuple[str, Callable[[], type]]]] = {
-        spec.apply_name: [(spec.causal_lm, spec.causal_lm_class)] for spec in SPECS
-    }
-    seen: set[tuple[str, str]] = set()
-    for spec in SPECS + MULTIMODAL_ONLY_SPECS:
-        for wrapper in spec.multimodal:
-            if (wrapper.module, wrapper.wrapper) not in seen:
-                seen.add((wrapper.module, wrapper.wrapper))
-                name = "apply_" + wrapper.model_type
-                targets.setdefault(name, []).append((wrapper.wrapper, wrapper.wrapper_class))
-    return {name: tuple(classes) for name, classes in targets.items()}
-
-
-def _patching_init(original_init: Callable, options: dict[str, Any]) -> Callable:
-    @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        patch(self, **options)
-
-    return __init__
-
-
-def _apply(classes: tuple[tuple[str, Callable[[], type]], ...], options: dict[str, Any]) -> None:
-    options.pop("strict", None)
-    options.pop("fallback", None)  # the class is supported
-    PatchOptions(**options)  # fail now on a bad option, not in a later from_pretrained
-    for _, get_class in classes:
-        cls = get_class()
-        _revert_class(cls)
-        own_init = cls.__dict__.get("__init__")  # None: inherited (put back by deleting ours)
-        cls.__init__ = _patching_init(own_init or cls.__init__, options)
-        _APPLIED[cls] = own_init
-
-
-def _revert_class(cls: type) -> None:
-    if cls not in _APPLIED:
-        return
-    own_init = _APPLIED.pop(cls)
-    if own_init is None:
-        del cls.__init__
-    else:
-        cls.__init__ = own_init
-
-
-def revert() -> None:
-    """Undo every ``apply_<arch>``: the classes get their own ``__init__`` back. Models built while
-    applied stay patched until ``unpatch(model)``."""
-    for cls in list(_APPLIED):
-        _revert_class(cls)
-
-
-def _apply_function(
-    name: str, classes: tuple[tuple[str, Callable[[], type]], ...]
-) -> Callable[..., None]:
-    def apply(**options: Any) -> None:
-        _apply(classes, options)
-
-    apply.__name__ = apply.__qualname__ = name
-    names = " and ".join(f"``{class_name}``" for class_name, _ in classes)
-    apply.__doc__ = (
-        f"Patch every {names} built from now on (``from_pretrained``, ``from_config``, the "
-        "constructor) with ``patch(model, **options)``; ``surgery.revert()`` undoes it. Applying "
-        "again replaces the options."
-    )
-    return apply
-
-
-if TYPE_CHECKING:
-    # What IDEs and type checkers see, as they do not run the loop below: one function and one
-    # __all__ entry per spec of surgery.models.SPECS (tests/surgery/test_api.py names what a new
-    # spec needs here). Each is documented at run time (``help(surgery.apply_llama)``).
-    def apply_gemma(**options: Any) -> None: ...
-    def apply_gemma2(**options: Any) -> None: ...
-    def apply_gemma3(**options: Any) -> None: ...
-    def apply_gemma3n(**options: Any) -> None: ...
-    def apply_gemma4(**options: Any) -> None: ...
-    def apply_llama(**options: Any) -> None: ...
-    def apply_llama4(**options: Any) -> None: ...
-    def apply_ministral(**options: Any) -> None: ...
-    def apply_ministral3(**options: Any) -> None: ...
-    def apply_mistral(**options: Any) -> None: ...
-    def apply_mistral3(**options: Any) -> None: ...
-    def apply_mistral4(**options: Any) -> None: ...
-    def apply_mixtral(**options: Any) -> None: ...
-    def apply_qwen2(**options: Any) -> None: ...
-    def apply_qwen2_5_vl(**options: Any) -> None: ...
-    def apply_qwen2_moe(**options: Any) -> None: ...
-    def apply_qwen2_vl(**options: Any) -> None: ...
-    def apply_qwen3(**options: Any) -> None: ...
-    def apply_qwen3_5(**options: Any) -> None: ...
-    def apply_qwen3_5_moe(**options: Any) -> None: ...
-    def apply_qwen3_moe(**options: Any) -> None: ...
-    def apply_qwen3_next(**options: Any) -> None: ...
-    def apply_qwen3_vl(**options: Any) -> None: ...
-    def apply_qwen3_vl_moe(**options: Any) -> None: ...
-
-    __all__ += [
-        "apply_gemma",
-        "apply_gemma2",
-        "apply_gemma3",
-        "apply_gemma3n",
-        "apply_gemma4",
-        "apply_llama",
-        "apply_llama4",
-        "apply_ministral",
-        "apply_ministral3",
-        "apply_mistral",
-        "apply_mistral3",
-        "apply_mistral4",
-        "apply_mixtral",
-        "apply_qwen2",
-        "apply_qwen2_5_vl",
-        "apply_qwen2_moe",
-        "apply_qwen2_vl",
-        "apply_qwen3",
-        "apply_qwen3_5",
-        "apply_qwen3_5_moe",
-        "apply_qwen3_moe",
-        "apply_qwen3_next",
-        "apply_qwen3_vl",
-        "apply_qwen3_vl_moe",
-    ]
-else:
-    for _name, _classes in apply_targets().items():
-        globals()[_name] = _apply_function(_name, _classes)
-        __all__.append(_name)
-    del _name, _classes

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
 import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from tests import margins
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# Error budget per dtype (STYLE.md 5): a kernel's relative error against an fp32/fp64 reference may
+# Error budget per dtype: a kernel's relative error against an fp32/fp64 reference may
 # exceed eager PyTorch's own error in the same dtype by this factor plus this floor.
 # Loosening an entry needs a written reason next to it.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
@@ -33,6 +36,21 @@ INTERPRETER_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
     torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2, "factor": 4.0, "floor": 2e-3},
 }
 
+
+# Whole training steps, patched against unpatched under the same autocast, every parameter's
+# gradient held to the fp32 answer (tests/surgery/test_autocast.py). The two runs round the same
+# math differently and a model carries rounding through every layer, so one parameter's error in
+# one run is a draw with a wide spread (a correct patch's error over the unpatched one's reached
+# 8x on a single 4-value parameter of one model, 3.9x the 1.5x budget): ``assert_step_within_
+# drift`` holds the parameters' median ratio tight and each parameter loosely. Measured on a
+# 2-core Xeon (torch 2.13, transformers 5.24), each comparison pooling 4 models
+# (``test_autocast.INSTANCES``): over 228 comparisons (19 architectures, bf16 and fp16, three
+# layouts, two groups of seeds) the median ratio ranged 0.79-1.04; over 1,026 (nine groups) the
+# largest single parameter's ratio was 2.2 (Gemma 3n bf16, a q_proj weight). A kernel that loses
+# precision everywhere moves the median past 1.25; one that keeps more than autocast asks (fp32
+# where the unpatched module rounds to bf16) moves it under 0.5; one parameter 3x worse than
+# transformers' own rounding is a bug of its own.
+MODEL_STEP: dict[str, float] = {"median_low": 0.5, "median_high": 1.25, "param_factor": 3.0}
 
 FP32_CLOSE: dict[str, float] = {k: TOLERANCES[torch.float32][k] for k in ("rtol", "atol")}
 """``torch.testing.assert_close``'s rtol/atol at fp32's tolerance (patched against unpatched)."""
@@ -71,7 +89,33 @@ def assert_close_budget(x, ref, eager, dtype, what=""):
     tol = tolerance(dtype, x.device)
     err, err_eager = rel_err(x, ref), rel_err(eager, ref)
     bound = tol["factor"] * err_eager + tol["floor"]
+    margins.record(what, err, bound)
     assert err <= bound, f"{what}: rel err {err:.3e} > budget {bound:.3e} (eager {err_eager:.3e})"
+
+
+def assert_step_within_drift(grads, ref, eager, dtype, what=""):
+    """Every parameter's gradient of a patched step (``grads``, name -> tensor) against ``ref``
+    (fp32) within the drift of ``eager`` (the unpatched step in ``dtype``): the median over the
+    parameters of their error ratios inside ``MODEL_STEP``'s band, each parameter within
+    ``param_factor`` times its unpatched error plus the dtype's floor (``MODEL_STEP``)."""
+    floor = tolerance(dtype, next(iter(grads.values())).device)["floor"]
+    ratios = []
+    for name in ref:
+        err, err_eager = rel_err(grads[name], ref[name]), rel_err(eager[name], ref[name])
+        bound = MODEL_STEP["param_factor"] * err_eager + floor
+        margins.record(f"{what} grad {name}", err, bound)
+        assert err <= bound, (
+            f"{what} grad {name}: rel err {err:.3e} > budget {bound:.3e} (eager {err_eager:.3e})"
+        )
+        if err_eager > 0:
+            ratios.append(err / err_eager)
+    median = float(torch.tensor(ratios).median()) if ratios else 1.0
+    low, high = MODEL_STEP["median_low"], MODEL_STEP["median_high"]
+    margins.record(f"{what} median grad error ratio", median, high)
+    assert low <= median <= high, (
+        f"{what}: the median over {len(ratios)} parameters of (patched error / unpatched error) "
+        f"is {median:.2f}, outside [{low}, {high}]"
+    )
 
 
 class ListDataset(torch.utils.data.Dataset):
@@ -87,19 +131,35 @@ class ListDataset(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def xfail_where_transformers_fails(model: torch.nn.Module, **inputs) -> None:
-    """Mark the calling test an expected failure where an unpatched ``model``'s own forward
-    (run on a copy, the random state kept) raises ``AttributeError`` on ``inputs``: a bug of the
-    installed transformers release, so there is nothing to compare surgery with. Known:
-    transformers 5.24's ``Llama4ForConditionalGeneration.forward`` builds its output from
-    ``image_outputs`` of its language model's output, a field that output
-    (``MoeCausalLMOutputWithPast``) does not have, on every call. Where the forward runs, the
-    test runs whole."""
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        try:
-            copy.deepcopy(model)(**inputs)
-        except AttributeError as err:
-            pytest.xfail(f"unpatched transformers {transformers.__version__} fails: {err}")
+# Classes whose own forward, in some transformers releases, fails on every call, patched or not:
+# class name -> (those releases, the error, why). Only the releases seen failing are named: a test
+# of such a class is there a strict expected failure of that error (an unexpected pass, or another
+# error, fails it), and elsewhere it runs whole. A new release that still fails, or one that fails
+# anew, fails the suite until the entry says so.
+TRANSFORMERS_FAILURES: dict[str, tuple[SpecifierSet, type[Exception], str]] = {
+    "Llama4ForConditionalGeneration": (
+        SpecifierSet("==5.24.*"),
+        AttributeError,
+        "transformers' forward builds its output from `image_outputs` of its language model's "
+        "output, a field that output (MoeCausalLMOutputWithPast) does not have",
+    ),
+}
+
+
+def expect_transformers_failure(request: pytest.FixtureRequest, model_class: type) -> None:
+    """Mark the calling test (``request``) a strict expected failure where the installed
+    transformers release is one in which ``model_class``'s own forward fails
+    (``TRANSFORMERS_FAILURES``): there is nothing to compare surgery with."""
+    known = TRANSFORMERS_FAILURES.get(model_class.__name__)
+    if known is None:
+        return
+    releases, error, why = known
+    if Version(transformers.__version__) in releases:
+        request.applymarker(
+            pytest.mark.xfail(
+                raises=error, strict=True, reason=f"transformers {transformers.__version__}: {why}"
+            )
+        )
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, use_reentrant: bool) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -21,6 +23,10 @@ def test_cli_passes_and_writes_outputs(tmp_path, capsys):
     assert payload["passed"] and payload["runs"][0]["config"]["steps"] == 2
     pytest.importorskip("matplotlib")
     assert (tmp_path / "llama-fp32-tiny.png").stat().st_size > 0
+    # The patched curves lie on the reference ones: the plot says so, or a reader sees one line.
+    from surgery.convergence.compare import OVERLAP_NOTE, figure
+
+    assert OVERLAP_NOTE in figure(payload["runs"])._suptitle.get_text()
 
 
 def test_cli_fails_on_a_bug(tmp_path, capsys, monkeypatch):
@@ -35,28 +41,51 @@ def test_cli_fails_on_a_bug(tmp_path, capsys, monkeypatch):
 
 def test_cli_rejects_unknown_model(capsys):
     assert cli.main(["--model", "gpt2"]) == 2
+    assert cli.main(["--model", "llama,gpt2"]) == 2
+    assert "'gpt2'" in capsys.readouterr().out
 
 
-def test_readme_main_command_installs_what_the_plot_needs():
-    """The README's first command (the main job) must bring matplotlib, or a new user's first run
-    writes no loss-curve png."""
-    import re
-    from pathlib import Path
+def test_cli_takes_a_comma_list_and_the_registry_keys(tmp_path, capsys):
+    """``--model qwen3,gemma3_text`` trains both (a ``surgery.supported()`` key is read as the
+    name the CLI lists), in one json named by both."""
+    code = cli.main(["--model", "qwen3,gemma3_text", "--steps", "1", "--packed", "--reduction",
+                     "mean", "--no-plot", "-q", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    payload = json.loads((tmp_path / "qwen3+gemma3-fp32-tiny.json").read_text())
+    assert [run["config"]["model"] for run in payload["runs"]] == ["qwen3", "gemma3"]
 
-    import tomllib
 
-    root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
-    commands = re.findall(r"```bash\n(.*?)```", readme.split("## The two commands", 1)[1], re.S)
-    main = commands[0]
-    assert "python -m surgery.convergence" in main
-    extras = re.findall(r'-e "\.\[([a-z,]+)\]"', main)
-    assert extras, f"the main command installs no extra: {main!r}"
-    optional = tomllib.loads((root / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"
+def test_help_lists_every_model_and_the_default_folder():
+    from surgery.convergence.configs import ARCHITECTURES
+    from surgery.convergence.multimodal import MULTIMODAL
+
+    text = " ".join(cli._parser().format_help().split())
+    for name in [*ARCHITECTURES, *MULTIMODAL]:
+        assert re.search(rf"\b{name}\b", text), name
+    assert "default: convergence_out" in text
+
+
+def test_without_matplotlib_the_cli_names_the_extra_that_brings_it(tmp_path, capsys, monkeypatch):
+    """A first run without matplotlib writes its table and json, no png, and says which extra to
+    install; that extra of the installed distribution (what pip resolves) brings matplotlib."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    code = cli.main(["--steps", "2", "--reduction", "mean", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert (tmp_path / "llama-fp32-tiny.json").exists()
+    assert not list(tmp_path.glob("*.png"))
+    extra = re.search(r'pip install "transformers-surgery\[(\w+)\]"', out)
+    assert extra, out
+    brings = [
+        Requirement(r).name
+        for r in importlib.metadata.requires("transformers-surgery") or []
+        if Requirement(r).marker and Requirement(r).marker.evaluate({"extra": extra[1]})
     ]
-    needs = [dep for extra in extras[0].split(",") for dep in optional[extra]]
-    assert any(dep.startswith("matplotlib") for dep in needs), needs
+    assert "matplotlib" in brings, (extra[1], brings)
 
 
 def test_cli_controls_table_and_json(tmp_path, capsys, monkeypatch):

@@ -281,6 +281,99 @@ def test_only_verified_triton_releases_launch_directly(monkeypatch, version, dir
         assert fn.calls == [((2, 1, 1), (x, 7), {"BLOCK": 64})]
 
 
+class CompiledKernel:
+    """What the direct launch calls of a compiled kernel: ``run`` (recorded)."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_device():
+            return 0
+
+        @staticmethod
+        def get_current_stream(device):
+            return f"stream{device}"
+
+
+class OnCuda(torch.Tensor):
+    """A CPU tensor the launcher takes for a CUDA one: the direct path's logic without a GPU."""
+
+    is_cuda = True
+
+
+class PickingJITFunction(FakeJITFunction):
+    """A ``FakeJITFunction`` whose own launches (Triton's path) return the compiled kernels
+    given, in turn, as ``JITFunction.run`` returns the kernel it picked."""
+
+    def __init__(self, compiled: list):
+        super().__init__()
+        self.picks = iter(compiled)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return next(self.picks)
+
+        return run
+
+
+def direct_launcher(monkeypatch, compiled: list) -> tuple[launch.FastLauncher, FakeJITFunction]:
+    """A direct-launching ``FastLauncher`` over a ``PickingJITFunction``, on a fake driver."""
+    fn = PickingJITFunction(compiled)
+    monkeypatch.setattr(launch, "off_current_device", lambda t: False)
+    launcher = launch.FastLauncher(fn)
+    launcher._driver = FakeDriver
+    assert launcher._direct
+    return launcher, fn
+
+
+def test_direct_launch_caches_the_kernel_triton_picks_and_runs_it(monkeypatch):
+    """The GPU-only path, on the CPU: a new key goes through Triton's own launch and caches the
+    kernel it returns; the same key again runs that kernel's launcher directly with Triton's
+    arguments (grid, stream, function, metadata, no hooks, the tensors, scalars and constexpr
+    values in signature order); another key (another scalar) is a miss; a kernel Triton did not
+    compile (a cache hook's None) is not cached; past ``MAX_ENTRIES`` the cache starts again."""
+    first, second = CompiledKernel(), CompiledKernel()
+    launcher, fn = direct_launcher(monkeypatch, [first, second, None, CompiledKernel()])
+    x = torch.Tensor._make_subclass(OnCuda, torch.zeros(4))
+    launcher((2, 1, 1), (x,), (7,), (("BLOCK", 64),))
+    assert len(fn.calls) == 1 and first.runs == []
+    launcher((3, 1, 1), (x,), (7,), (("BLOCK", 64),))
+    assert len(fn.calls) == 1
+    assert first.runs == [(3, 1, 1, "stream0", "function", "metadata", None, None, None, x, 7, 64)]
+    launcher((2, 1, 1), (x,), (8,), (("BLOCK", 64),))
+    assert len(fn.calls) == 2 and len(launcher._cache) == 2
+    launcher((2, 1, 1), (x,), (9,), (("BLOCK", 64),))  # Triton returned None: not cached
+    assert len(fn.calls) == 3 and len(launcher._cache) == 2
+    monkeypatch.setattr(launch, "MAX_ENTRIES", 2)
+    launcher((2, 1, 1), (x,), (10,), (("BLOCK", 64),))
+    assert len(launcher._cache) == 1
+
+
+def test_verify_switch_raises_where_triton_picks_another_kernel(monkeypatch):
+    """``SURGERY_VERIFY_LAUNCH``: a cached key launches through Triton's own path, which must
+    pick the cached kernel; another is an error."""
+    cached = CompiledKernel()
+    launcher, fn = direct_launcher(monkeypatch, [cached, cached, CompiledKernel()])
+    monkeypatch.setattr(launch, "VERIFY", True)
+    x = torch.Tensor._make_subclass(OnCuda, torch.zeros(4))
+    args = ((1, 1, 1), (x,), (7,), (("BLOCK", 64),))
+    launcher(*args)
+    launcher(*args)  # Triton picks the cached one: fine, and nothing runs directly
+    assert len(fn.calls) == 2 and cached.runs == []
+    with pytest.raises(RuntimeError, match="another compiled kernel"):
+        launcher(*args)
+
+
 def test_off_switch(monkeypatch):
     """SURGERY_FAST_LAUNCH=0 (read when a launcher is made, at import for the kernels' own):
     every launch through JITFunction.run."""

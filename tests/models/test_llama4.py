@@ -238,7 +238,7 @@ def test_packed_chunked_cu_seqlens_op():
     assert chunked.tolist() == [0, 2, 7, 10, 15, 17, 20, 25, 26, 31, 36, 37, 40]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flash attention)")
+@pytest.mark.gpu
 def test_chunked_layers_through_flash_varlen_within_budget_of_the_masked_path():
     """The same packed rows through torch's varlen flash attention (chunks of 5 positions, a
     continuation row): loss and gradients within the bf16 budget of the masked path."""

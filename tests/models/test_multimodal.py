@@ -22,7 +22,7 @@ from surgery.multimodal import language_model
 from surgery.swap import ORIGINAL_ATTR
 from tests.surgery.routing_helpers import replayed_steps
 from tests.utils import FP32_CLOSE as TOL
-from tests.utils import TOLERANCES, assert_close_budget, xfail_where_transformers_fails
+from tests.utils import TOLERANCES, assert_close_budget, expect_transformers_failure
 
 from .test_outputs import assert_same_value
 from .tiny import SPECS, TINY, tiny_config
@@ -78,21 +78,15 @@ def text_config(spec, wrapper, **overrides):
     return spec.mini_config.build(TINY, **overrides)
 
 
-def tiny_vlm(spec, wrapper, **text_overrides):
+def tiny_vlm(spec, wrapper, seed: int = 0, **text_overrides):
     config = wrapper.mini_config.build(text_config(spec, wrapper, **text_overrides))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = wrapper.wrapper_class()._from_config(config, attn_implementation="sdpa")
     with torch.no_grad():  # non-trivial norm weights, as the text mini models have
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return model.train()
-
-
-def xfail_where_unpatched_fails(spec, wrapper) -> None:
-    """The test an expected failure where transformers' own tiny wrapper cannot run a text-only
-    forward (``xfail_where_transformers_fails``)."""
-    xfail_where_transformers_fails(tiny_vlm(spec, wrapper), input_ids=torch.tensor([[1, 2, 3]]))
 
 
 def image_batch(model, wrapper) -> dict:
@@ -140,9 +134,9 @@ def swapped(model) -> list[str]:
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
-def test_wrapper_trains_as_transformers(pair):
+def test_wrapper_trains_as_transformers(pair, request):
     spec, wrapper = PAIRS[pair]
-    xfail_where_unpatched_fails(spec, wrapper)
+    expect_transformers_failure(request, wrapper.wrapper_class())
     model = tiny_vlm(spec, wrapper)
     reference = copy.deepcopy(model)
     assert surgery.patch(model) is model
@@ -307,19 +301,19 @@ def test_mrope_layout_read_from_the_rotary_module(pair, interleaved):
     assert mrope_layout(getattr(text, spec.rotary_attr)) == ((2, 1, 1), interleaved)
 
 
-def test_multimodal_rope_through_triton(interpreted):
+def test_multimodal_rope_through_triton(interpreted, request):
     """The same step with the kernels in Triton (the interpreter on CPU): the multimodal RoPE
     kernel with interleaved sections, the fused loss through the wrapper's head."""
-    test_wrapper_trains_as_transformers("qwen3_vl_text-qwen3_vl")
+    test_wrapper_trains_as_transformers("qwen3_vl_text-qwen3_vl", request)
 
 
 @pytest.mark.parametrize("pair", WRAPPERS)
-def test_apply_patches_wrappers_built_afterwards(pair):
+def test_apply_patches_wrappers_built_afterwards(pair, request):
     """``apply_<model_type>`` of a wrapper (its text spec's where they share the name, as
     ``apply_gemma3``) patches every wrapper built while applied, with the options given, and
     ``revert`` stops it; a model built while applied trains as ``patch`` makes it."""
     spec, wrapper = PAIRS[pair]
-    xfail_where_unpatched_fails(spec, wrapper)
+    expect_transformers_failure(request, wrapper.wrapper_class())
     apply = getattr(surgery, f"apply_{wrapper.model_type}")
     try:
         apply(z_loss_scale=1e-3)
@@ -335,17 +329,35 @@ def test_apply_patches_wrappers_built_afterwards(pair):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("pair", WRAPPERS)
-def test_bf16_wrapper_step_within_budget(pair, device):
+def test_bf16_wrapper_step_within_budget(pair, device, request):
     """Patched bf16 against unpatched fp32, each wrapper with its images: the loss and every
     gradient (vision tower's included) may exceed unpatched bf16's own error by the budget's
-    factor and floor. A mixture routes as the fp32 run (``routing_helpers``). On CPU the kernels
-    take their PyTorch path; on the GPU machine, Triton. Gemma 4's unscaled attention logits
-    start conditioned, as the convergence suite's minis do (``condition_attention``: at
-    transformers' init its nearly one-hot softmax amplifies bf16 rounding, 5% in the unpatched
-    bf16 gradients and 11% in the patched ones, whose kernels round elsewhere)."""
+    factor and floor, each error the norm over ``INSTANCES`` models of other seeds (one instance
+    is a noisy measure: Gemma 4's gradient error over the unpatched one's ranged 0.83-1.47 over
+    8 seeds on a 2-core Xeon, 0.52-0.92 of the budget, the suite's seed the worst). A mixture
+    routes as the fp32 run (``routing_helpers``). On CPU the kernels take their PyTorch path; on
+    the GPU machine, Triton. Gemma 4's unscaled attention logits start conditioned, as the
+    convergence suite's minis do (``condition_attention``: at transformers' init its nearly
+    one-hot softmax amplifies bf16 rounding, 5% in the unpatched bf16 gradients and 11% in the
+    patched ones, whose kernels round elsewhere)."""
     spec, wrapper = PAIRS[pair]
-    xfail_where_unpatched_fails(spec, wrapper)
-    fp32 = tiny_vlm(spec, wrapper)
+    expect_transformers_failure(request, wrapper.wrapper_class())
+    runs = [wrapper_bf16_steps(spec, wrapper, pair, device, seed) for seed in INSTANCES]
+    (ref_loss, ref_grads), (eager_loss, eager_grads), (loss, grads) = (
+        (torch.stack([run[i][0] for run in runs]), torch.cat([run[i][1] for run in runs]))
+        for i in range(3)
+    )
+    assert_close_budget(loss, ref_loss, eager_loss, torch.bfloat16, what=f"{pair} loss")
+    assert_close_budget(grads, ref_grads, eager_grads, torch.bfloat16, what=f"{pair} grads")
+
+
+INSTANCES = range(3)
+
+
+def wrapper_bf16_steps(spec, wrapper, pair, device, seed):
+    """(fp32 unpatched, bf16 unpatched, bf16 patched) steps of one model: (loss, every gradient
+    flattened) each."""
+    fp32 = tiny_vlm(spec, wrapper, seed=seed)
     condition_attention(fp32)
     fp32 = fp32.to(device)
     # Floating-point tensors only: Llama 4's vision RoPE buffer is complex.
@@ -363,7 +375,7 @@ def test_bf16_wrapper_step_within_budget(pair, device):
         out, grads = step(model, inputs)
         return out.loss.detach().float(), torch.cat([g.float().flatten() for g in grads.values()])
 
-    (ref_loss, ref_grads), (eager_loss, eager_grads), (loss, grads) = replayed_steps(
+    return replayed_steps(
         fp32,
         lambda: flat(fp32),
         lambda: flat(bf16),
@@ -371,10 +383,8 @@ def test_bf16_wrapper_step_within_budget(pair, device):
         batch,
         batch,
         TOLERANCES[torch.bfloat16]["factor"],
-        pair,
+        f"{pair} seed {seed}",
     )
-    assert_close_budget(loss, ref_loss, eager_loss, torch.bfloat16, what=f"{pair} loss")
-    assert_close_budget(grads, ref_grads, eager_grads, torch.bfloat16, what=f"{pair} grads")
 
 
 @pytest.mark.parametrize("pair", ["gemma3_text-gemma3", "gemma4_text-gemma4"])

@@ -133,7 +133,7 @@ def test_everything_that_lists_architectures_lists_the_registry():
     assert not {spec.model_type for spec in FALLBACK_SPECS} & set(surgery.supported())
     for spec in SPECS:
         assert callable(getattr(surgery, spec.apply_name)), spec.apply_name
-        assert callable(getattr(surgery.api, spec.apply_name)), spec.apply_name
+        assert callable(getattr(surgery.apply, spec.apply_name)), spec.apply_name
 
 
 @pytest.mark.parametrize("size", list(SIZES))

@@ -61,10 +61,11 @@ def causal_lm_from_config(config, **kwargs):
     return spec.causal_lm_class()._from_config(config, **kwargs)
 
 
-def tiny_model(arch: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0):
+def tiny_model(arch: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0, **overrides):
+    """The tiny model of ``arch`` (``overrides``: config arguments replaced, ``tiny_config``)."""
     torch.manual_seed(seed)
     model = causal_lm_from_config(
-        tiny_config(arch), dtype=dtype, attn_implementation=attn_for(arch, attn)
+        tiny_config(arch, **overrides), dtype=dtype, attn_implementation=attn_for(arch, attn)
     )
     # Non-trivial norm weights (Gemma's start at zero, Llama's at one) so every parameter matters.
     with torch.no_grad():

@@ -3,7 +3,6 @@ leaves alone (state_dict, saving and loading), options, gradient checkpointing, 
 
 from __future__ import annotations
 
-import ast
 import copy
 import inspect
 import warnings
@@ -48,49 +47,36 @@ def test_supported_lists_every_architecture():
         assert spec.model_type == model_type
         assert tiny_config(model_type).model_type == model_type
         apply = getattr(surgery, spec.apply_name)
-        assert apply is getattr(surgery.api, spec.apply_name)
-        assert spec.apply_name in surgery.__all__ and spec.apply_name in surgery.api.__all__
-        assert apply.__name__ == spec.apply_name and apply.__module__ == "surgery.api"
+        assert apply is getattr(surgery.apply, spec.apply_name)
+        assert spec.apply_name in surgery.__all__ and spec.apply_name in surgery.apply.__all__
+        assert apply.__name__ == spec.apply_name and apply.__module__ == "surgery.apply"
         assert f"``{spec.causal_lm}``" in apply.__doc__
 
 
-def _static_apply_names() -> tuple[list[str], list[str]]:
-    """The functions and ``__all__`` entries that the ``if TYPE_CHECKING:`` block of
-    surgery/api.py declares: what IDEs and type checkers see."""
-    tree = ast.parse(inspect.getsource(surgery.api))
-    block = next(
-        node
-        for node in tree.body
-        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-    )
-    functions = [n.name for n in block.body if isinstance(n, ast.FunctionDef)]
-    exported = [
-        element.value
-        for n in block.body
-        if isinstance(n, ast.AugAssign) and ast.unparse(n.target) == "__all__"
-        for element in n.value.elts
-    ]
-    return functions, exported
-
-
-def test_static_apply_list_matches_the_registry():
-    """surgery/api.py makes apply_<name> from the registry at run time; IDEs and type checkers
-    read its static list instead, which must name every spec (and nothing else)."""
-    functions, exported = _static_apply_names()
+def test_stub_declares_what_the_module_makes():
+    """``surgery.apply`` makes ``apply_<name>`` from the registry at run time; IDEs and type
+    checkers read its stub instead (``apply.pyi``, written by ``write_stub()``). Run as Python,
+    the committed stub defines every function the module makes, and nothing else, each taking
+    keyword options only, and exports them."""
     # Every spec, and every multimodal wrapper under its model_type (with its text spec's where
     # they share it).
     wrappers = {w.model_type for spec in (*SPECS, *MULTIMODAL_ONLY_SPECS) for w in spec.multimodal}
     want = [spec.apply_name for spec in SPECS]
     want += sorted(f"apply_{name}" for name in wrappers if f"apply_{name}" not in want)
-    assert sorted(want) == sorted(surgery.api.apply_targets())
-    for name in want:
-        assert name in functions and name in exported, (
-            f"surgery/api.py: the `if TYPE_CHECKING:` block (what IDEs and type checkers see) "
-            f"lacks {name}: add `def {name}(**options: Any) -> None: ...` and '{name}' to the "
-            "`__all__ += [...]` list there"
-        )
-    extra = sorted(set(functions + exported) - set(want))
-    assert not extra, f"surgery/api.py's `if TYPE_CHECKING:` block names no spec's {extra}"
+    made = [name for name in surgery.apply.__all__ if name != "revert"]
+    assert sorted(want) == sorted(made)
+    stub: dict = {}
+    exec(compile(surgery.apply.STUB.read_text(), str(surgery.apply.STUB), "exec"), stub)
+    declared = sorted(
+        name for name in stub if name.startswith("apply_") and name != "apply_targets"
+    )
+    assert declared == sorted(made) and sorted(stub["__all__"]) == sorted(surgery.apply.__all__), (
+        "surgery/apply.pyi (what IDEs and type checkers see) is stale: regenerate it with "
+        "`python -c 'from surgery.apply import write_stub; write_stub()'`"
+    )
+    for name in declared:
+        params = inspect.signature(stub[name]).parameters.values()
+        assert [p.kind for p in params] == [inspect.Parameter.VAR_KEYWORD], name
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])

@@ -5,10 +5,13 @@ and layer fewer kept for the backward."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import surgery
+from surgery.eager_attention import lean_eager_attention
 from tests.models.tiny import loss_and_grads, padded_batch, sequences, tiny_config, tiny_model, twin
 from tests.surgery.test_recompute import kept_bytes
 
@@ -25,10 +28,56 @@ def eager_model(arch, dtype=torch.float32):
     return tiny_model(arch, attn="eager", dtype=dtype).train()
 
 
+def transformers_eager(attention: torch.nn.Module):
+    """transformers' own ``eager_attention_forward`` of ``attention``'s model (unpatched)."""
+    return sys.modules[type(attention).__module__].eager_attention_forward
+
+
 @pytest.mark.parametrize(
     ("arch", "dtype"), CASES, ids=[f"{a}-{str(d).removeprefix('torch.')}" for a, d in CASES]
 )
 def test_bitwise_equal_to_transformers_eager(arch, dtype):
+    """``lean_eager_attention`` against transformers' own eager function of the model, on the
+    same queries, keys, values (GQA), a padded causal mask and the model's softcap and scaling:
+    the output, the probabilities and every input's gradient, bit for bit."""
+    model = eager_model(arch, dtype)
+    attention = model.model.layers[0].self_attn
+    config = model.config
+    B, T, D = 3, 9, config.head_dim
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(heads):
+        return torch.randn(B, heads, T, D, generator=g).to(dtype).requires_grad_()
+
+    q = leaf(config.num_attention_heads)
+    k, v = leaf(config.num_key_value_heads), leaf(config.num_key_value_heads)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T).clone()
+    allowed[1, ..., 6:] = False  # right padding of the second row
+    mask = torch.zeros(B, 1, T, T, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    options = dict(dropout=0.0, scaling=attention.scaling,
+                   softcap=getattr(config, "attn_logit_softcapping", None))  # fmt: skip
+    upstream = torch.randn(B, T, config.num_attention_heads, D, generator=g).to(dtype)
+
+    def run(function, **extra):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, probs = function(attention, *inputs, mask, **options, **extra)
+        grads = torch.autograd.grad(out, inputs, upstream)
+        return out, probs, grads
+
+    want = run(transformers_eager(attention))
+    got = run(lean_eager_attention, eager=transformers_eager(attention))
+    assert options["softcap"] is not None or arch != "gemma2"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name, a, b in zip("qkv", got[2], want[2]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), CASES, ids=[f"{a}-{str(d).removeprefix('torch.')}" for a, d in CASES]
+)
+def test_patched_step_bitwise_with_and_without_the_option(arch, dtype):
+    """The whole patched step, the option on and off: loss and every gradient bit for bit (the
+    lean attention is the only difference between the two)."""
     model = eager_model(arch, dtype)
     reference = surgery.patch(twin(model), **OFF)
     surgery.patch(model)

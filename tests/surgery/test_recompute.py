@@ -151,19 +151,46 @@ def test_saved_bytes_drop_per_layer(arch, lora):
     assert kept["keep"] - kept["recompute"] == want
 
 
-def test_recompute_off_under_outer_saved_tensor_hooks():
-    """Other saved-tensor hooks own every saved tensor: ours stay out of their way."""
-    model = surgery.patch(tiny_model("llama").train())
-    seen = []
+def test_recompute_off_under_outer_saved_tensor_hooks(monkeypatch):
+    """Other saved-tensor hooks own every saved tensor: ours stay out of their way. Under them the
+    default patch packs nothing itself and hands the outer hooks what a patch that keeps the norm
+    outputs hands them (the norm outputs themselves; the MLP product, which the fused
+    ``gated_linear`` never keeps, is kept by neither), and its backward rebuilds nothing; without
+    them the same model packs and rebuilds."""
+    packed, rebuilds = [], []
+    pack, rebuild = recompute._pack, recompute._Source.rebuild
 
-    def pack(t):
-        seen.append(t)
-        return t
+    def counting_pack(t):
+        packed.append(t.shape)
+        return pack(t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**padded_batch(sequences(LENGTHS)).kwargs()).loss
-    assert all(isinstance(t, torch.Tensor) for t in seen)
-    loss.backward()
+    def counting_rebuild(source):
+        rebuilds.append(source.size)
+        return rebuild(source)
+
+    monkeypatch.setattr(recompute, "_pack", counting_pack)
+    monkeypatch.setattr(recompute._Source, "rebuild", counting_rebuild)
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+
+    def saved_through_outer_hooks(model) -> list[tuple]:
+        seen = []
+
+        def pack(t):
+            seen.append((tuple(t.shape), str(t.dtype)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(**batch).loss
+        loss.backward()
+        return sorted(seen)
+
+    base = tiny_model("llama").train()
+    kept = saved_through_outer_hooks(surgery.patch(twin(base), recompute_norm_output=False))
+    model = surgery.patch(base)
+    assert saved_through_outer_hooks(model) == kept
+    assert packed == rebuilds == []
+    model(**batch).loss.backward()
+    assert packed and rebuilds, "nothing recomputed without outer hooks: the counts prove nothing"
 
 
 def test_in_place_change_of_a_recompute_input_raises():

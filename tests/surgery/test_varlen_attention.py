@@ -28,8 +28,17 @@ from tests.models.tiny import (
     tiny_config,
     tiny_model,
     twin,
+    unpatched_packs_exactly,
 )
-from tests.utils import ReferenceVarlen, assert_close_budget
+from tests.surgery.routing_helpers import replayed_steps
+from tests.surgery.unpatched import (
+    VARIANTS,
+    patch_options,
+    patched_step,
+    unpatched_step,
+    variant_batch,
+)
+from tests.utils import TOLERANCES, ReferenceVarlen, assert_close_budget
 
 LENGTHS = [9, 6, 3]  # the tiny configs' sliding window is 5: it cuts into the first two
 
@@ -71,30 +80,63 @@ def expected_calls(arch, lengths, scale):
 SDPA_ARCHS = [arch for arch in ARCHS if attn_for(arch) == "sdpa"]
 
 
-@pytest.mark.parametrize("arch", SDPA_ARCHS)
-def test_packed_bf16_within_budget_of_the_masked_path(arch, reference_kernel):
+def flat(grads: dict) -> torch.Tensor:
+    return torch.cat([g.float().flatten() for g in grads.values()])
+
+
+def assert_packed_bf16_within_budget_of_transformers(arch, kernel, variant="mean"):
+    """The patched bf16 step on packed rows, its attention through ``kernel``, against unpatched
+    transformers in fp32 within the budget its bf16 run sets (``tests.surgery.unpatched`` for the
+    variant's loss), on the same packed rows, or on the documents padded where transformers
+    does not keep packed documents apart (``unpatched_packs_exactly``); a mixture of experts
+    routes as the fp32 run (``routing_helpers``). Returns nothing; asserts the calls too."""
     fp32 = tiny_model(arch).train()
     bf16 = twin(fp32).to(torch.bfloat16)
-    batch = packed_batch(sequences(LENGTHS)).kwargs()
-    ref_loss, ref_grads = loss_and_grads(surgery.patch(fp32), **batch)
-    assert reference_kernel.calls == []  # fp32 layers keep the mask
-    masked_loss, masked_grads = loss_and_grads(
-        surgery.patch(twin(bf16), varlen_attention=False), **batch
+    patched = surgery.patch(twin(bf16), **patch_options(variant))
+    seqs = sequences(LENGTHS)
+    batch = variant_batch(packed_batch(seqs).kwargs(), variant)
+    want_batch, extra = batch, {"use_cache": False}
+    if not unpatched_packs_exactly(arch):
+        want_batch, extra = variant_batch(padded_batch(seqs).kwargs(), variant), {}
+    ref, want, got = replayed_steps(
+        fp32,
+        lambda: unpatched_step(fp32, want_batch, variant, **extra),
+        lambda: unpatched_step(bf16, want_batch, variant, **extra),
+        lambda: patched_step(patched, batch, variant),
+        want_batch,
+        batch,
+        TOLERANCES[torch.bfloat16]["factor"],
+        f"{arch} {variant}",
     )
-    assert reference_kernel.calls == []
-    loss, grads = loss_and_grads(surgery.patch(bf16), **batch)
-
-    attentions = attention_modules(bf16, arch)
+    attentions = attention_modules(patched, arch)
     scaling = surgery.attention.read_path(attentions[0], "scaling")
-    assert reference_kernel.calls == expected_calls(arch, LENGTHS, scaling)
-    assert len(reference_kernel.calls) == len(attentions)  # every layer, chunked ones too
+    assert kernel.calls == expected_calls(arch, LENGTHS, scaling)
+    assert len(kernel.calls) == len(attentions)  # every layer, chunked ones too
+    assert got[1].keys() == want[1].keys()
+    assert_close_budget(got[0], ref[0], want[0], torch.bfloat16, what="loss")
+    assert_close_budget(flat(got[1]), flat(ref[1]), flat(want[1]), torch.bfloat16, what="grads")
 
-    def flat(g):
-        return torch.cat([t.float().flatten() for t in g.values()])
 
-    assert_close_budget(loss.float(), ref_loss, masked_loss.float(), torch.bfloat16, what="loss")
-    assert_close_budget(flat(grads), flat(ref_grads), flat(masked_grads), torch.bfloat16,
-                        what="grads")  # fmt: skip
+@pytest.mark.parametrize("arch", SDPA_ARCHS)
+def test_packed_bf16_within_budget_of_transformers(arch, reference_kernel):
+    assert_packed_bf16_within_budget_of_transformers(arch, reference_kernel)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "mean"])
+def test_packed_variants_within_budget_of_transformers(variant, reference_kernel):
+    """The loss options and inputs on packed rows (the per-sequence mean over the documents the
+    position ids give, transformers' shifted labels, input embeddings, z-loss,
+    ``num_items_in_batch``), the same budget."""
+    assert_packed_bf16_within_budget_of_transformers("llama", reference_kernel, variant)
+
+
+def test_fp32_and_the_option_off_keep_the_masked_path(reference_kernel):
+    """fp32 layers, and bf16 ones with ``varlen_attention=False``, never call the kernel."""
+    batch = packed_batch(sequences(LENGTHS)).kwargs()
+    fp32 = tiny_model("llama").train()
+    loss_and_grads(surgery.patch(twin(fp32)), **batch)
+    loss_and_grads(surgery.patch(fp32.to(torch.bfloat16), varlen_attention=False), **batch)
+    assert reference_kernel.calls == []
 
 
 def test_several_packed_rows_are_flattened_row_by_row(reference_kernel):
