@@ -87,6 +87,32 @@ def _(labels, vocab_size, ignore_index):
     return torch.empty_like(labels, dtype=torch.bool)
 
 
+def every_token_mask(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """int64 (batch, seq) ones: the attention mask a tokenizer gives a batch without padding, for
+    a function that takes one where every token counts (a mixture of experts' load-balancing
+    loss). Compiled, it is an op whose output Inductor reads as the buffer a caller's own mask
+    is, never a constant folded into the kernels that reduce it: Triton 3.6 fails to compile
+    (``TritonGPURemoveLayoutConversions``: "operand #0 does not dominate this use") the kernel
+    Inductor made of the load-balancing loss's token count fused with the loss's own sums when
+    the mask was a constant (``torch.ones`` in the graph), and when it was an fp32 buffer; with
+    an int64 one, the graph of a caller's mask of ones, it compiles (Qwen3-MoE on the H200;
+    ``benchmarks/triton36_reduction_repro.py`` holds the smallest kernel that fails). Triton 3.9
+    compiles all three."""
+    if torch.compiler.is_compiling():
+        return _every_token_mask_op(batch, seq, device)
+    return torch.ones(batch, seq, dtype=torch.long, device=device)
+
+
+@torch.library.custom_op("surgery::every_token_mask", mutates_args=())
+def _every_token_mask_op(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(batch, seq, dtype=torch.long, device=device)
+
+
+@_every_token_mask_op.register_fake
+def _(batch, seq, device):
+    return torch.empty(batch, seq, dtype=torch.long, device=device)
+
+
 def sequence_starts(
     shape: tuple[int, ...],
     device: torch.device,

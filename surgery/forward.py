@@ -38,7 +38,7 @@ import torch
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from surgery.kernels import cross_entropy
-from surgery.kernels.reduction import host_cu_seqlens
+from surgery.kernels.reduction import every_token_mask, host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 from surgery.multimodal import packed_bidirectional_masks
 
@@ -421,7 +421,7 @@ def _forward(
                 # compile a graph break, the GPU idle while the host catches up); with one the
                 # counts are sums of ones (exact), the same value without the read.
                 tokens = input_ids if input_ids is not None else inputs_embeds
-                router_mask = torch.ones(tokens.shape[:2], device=tokens.device)
+                router_mask = every_token_mask(*tokens.shape[:2], tokens.device)
             aux_loss = _load_balancing_loss(state.spec)(
                 outputs.router_logits,
                 moe_args.num_experts,

@@ -199,7 +199,9 @@ def test_moe_packed_compiles_in_one_frame(arch):
     5.17 its function counted a mask-less call's experts with ``bincount``, an op of
     data-dependent size: a graph break at each layer's count, where the host waited for the GPU
     to finish the forward.) The experts run transformers' ``batched_mm``, which compiles on the
-    CPU with every torch (torch 2.11 has no CPU grouped GEMM)."""
+    CPU with every torch (torch 2.11 has no CPU grouped GEMM). The mask of every token it gets
+    is an op, never a constant Inductor could fold into the loss's reductions (Triton 3.6 cannot
+    compile the kernel it then makes: ``surgery.kernels.reduction.every_token_mask``)."""
     model = surgery.patch(tiny_model(arch).train(), experts_implementation="batched_mm")
     eager = twin(model)
     batch = packed_batch(sequences(LENGTHS)).kwargs()
@@ -209,6 +211,8 @@ def test_moe_packed_compiles_in_one_frame(arch):
     got = loss_and_grads(model, **batch, output_router_logits=True)
     assert_same_step(got, loss_and_grads(eager, **batch, output_router_logits=True))
     assert recorder.frames == 1
+    ops = [str(n.target) for gm in recorder.forward for n in gm.graph.nodes]
+    assert ops.count("surgery.every_token_mask.default") == 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -644,12 +648,44 @@ def test_gpu_compiled_bf16_within_budget_and_compiled_once(arch, kind):
 
 
 @pytest.mark.gpu
+def test_gpu_gemma4_moe_packed_step_compiles():
+    """Gemma 4 with its mixture of experts (``GEMMA4_MOE_ARGUMENTS``: the registry's tiny Gemma 4
+    is dense), packed rows, ``model.compile(fullgraph=True)`` on the GPU (inductor and Triton):
+    every MoE model's compiled packed step compiles and runs (issue 38's crash was one). Its
+    loss within bf16's tolerance of the uncompiled patched step's, every gradient finite (a mini
+    router's near-tied experts may flip between two bf16 runs, so gradients are not compared)."""
+    import dataclasses
+
+    from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
+    from tests.models.tiny import TINY
+
+    mini = SPECS["gemma4_text"].mini_config
+    moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
+    size = dataclasses.replace(TINY, vocab_size=GPU_VOCAB, hidden_size=128, intermediate_size=256,
+                               sliding_window=64, max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    model = causal_lm_from_config(moe.build(size, pad_token_id=0), attn_implementation="sdpa")
+    patched = surgery.patch(model.to("cuda", torch.bfloat16).train())
+    assert any(type(m).__name__.endswith("Experts") for m in patched.modules())
+    compiled = copy.deepcopy(patched)
+    batch = gpu_batch("packed")
+    with torch.no_grad():  # transformers installs its output-capturing hooks on the first call
+        compiled(**batch)
+    compiled.compile(fullgraph=True)
+    got, eager = gpu_step(compiled, batch), gpu_step(patched, batch)
+    assert rel_err(got[0], eager[0]) <= TOLERANCES[torch.bfloat16]["rtol"]
+    assert torch.isfinite(got[1]).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 def test_gpu_compiled_memory_no_more_than_eager(kind, fullgraph):
     """Peak memory of a compiled training step (forward + backward) is no more than the
-    uncompiled patched step's doing the same work (activations rebuilt under compile too; 5% for
-    allocator slack). Compiled with graph breaks allowed (``model.compile()``), a right-padded
+    uncompiled patched step's doing the same work (activations rebuilt under compile too), give
+    or take 2%: on the H200 (torch 2.11, 2026-11-28) the four cases measured 0.9997, 1.0006,
+    0.9998 and 0.9998 of the eager peak (about 280 MiB), and the caching allocator rounds blocks
+    to 2 MiB, 0.7% of that. Compiled with graph breaks allowed (``model.compile()``), a right-padded
     batch runs padding-free as in eager mode; with ``fullgraph=True`` no host read may drop its
     mask (``surgery.compiling``), so the eager step it is held to keeps the mask too
     (``causal_right_padding=False``): held to the padding-free step instead, it would be charged
@@ -671,17 +707,25 @@ def test_gpu_compiled_memory_no_more_than_eager(kind, fullgraph):
     eager = surgery.patch(copy.deepcopy(config_model), **options)
     compiled = surgery.patch(copy.deepcopy(config_model), **options)
     compiled.compile(fullgraph=fullgraph)
-    assert peak(compiled) <= 1.05 * peak(eager)
+    got, want = peak(compiled), peak(eager)
+    print(f"peak {kind} fullgraph={fullgraph}: compiled {got / 2**20:.1f} MiB, eager "
+          f"{want / 2**20:.1f} MiB, ratio {got / want:.4f}")  # fmt: skip
+    assert got <= 1.02 * want
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 def test_gpu_dynamic_shapes_compile_once_and_match(kind):
-    """``torch.compile(model, dynamic=True, fullgraph=True)``: batches of two lengths, each within
-    bf16's budget of the uncompiled patched step against fp32."""
+    """``torch.compile(model, dynamic=True, fullgraph=True)``: batches of two lengths (and, packed,
+    other document counts), what the first step compiled serves the second (nothing compiled
+    again), each step within bf16's budget of the uncompiled patched step against fp32. (On the
+    H200, torch 2.11, the first step hands the backend two graphs of the one frame, the second
+    traced after a shape was specialised; no recompile is logged.)"""
     fp32 = gpu_model("llama", torch.float32)
     patched = surgery.patch(copy.deepcopy(fp32).to(torch.bfloat16))
-    compiled = torch.compile(copy.deepcopy(patched), dynamic=True, fullgraph=True)
+    recorder = InductorRecorder()
+    compiled = torch.compile(copy.deepcopy(patched), dynamic=True, fullgraph=True, backend=recorder)
+    compiled_by_step = []
     for lengths in (GPU_LENGTHS, [90, 413, 57, 20]):
         batch = gpu_batch(kind, lengths)
         want = gpu_step(fp32, {**batch, "use_cache": False})
@@ -689,3 +733,5 @@ def test_gpu_dynamic_shapes_compile_once_and_match(kind):
         got = gpu_step(compiled, batch)
         for i, what in enumerate(("loss", "grads")):
             assert_close_budget(got[i], want[i], eager[i], torch.bfloat16, what=what)
+        compiled_by_step.append(len(recorder.graphs))
+    assert compiled_by_step[0] > 0 and compiled_by_step[1] == compiled_by_step[0], compiled_by_step
