@@ -31,12 +31,16 @@ def _parser() -> argparse.ArgumentParser:
         "same data, same AdamW steps; compare every step's loss, the gradients and the final "
         "weights. Exits 1 when a check fails.",
     )
+    from .configs import ARCHITECTURES
+    from .multimodal import MULTIMODAL
+
     p.add_argument(
         "--model",
-        help="architecture name, or 'all' (default llama); with --multimodal a wrapper's "
-        "model_type (qwen2_5_vl, gemma3, qwen2_vl, qwen3_vl, qwen3_5, mistral3, gemma4, llama4, "
-        "qwen3_vl_moe, qwen3_5_moe) or 'all' "
-        "(default qwen2_5_vl)",
+        metavar="NAME[,NAME...]",
+        help="'all', or a comma list of: "
+        + ", ".join(ARCHITECTURES)
+        + " (default llama; surgery.supported()'s model_type keys too, e.g. gemma3_text); "
+        "with --multimodal of: " + ", ".join(MULTIMODAL) + " (default qwen2_5_vl)",
     )
     p.add_argument(
         "--multimodal",
@@ -113,10 +117,24 @@ def _parser() -> argparse.ArgumentParser:
         "--device apply)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="convergence_out", type=Path, help="where json and png go")
+    p.add_argument(
+        "--out",
+        default="convergence_out",
+        type=Path,
+        help="folder the json and png go to (default: %(default)s, in the current directory)",
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-step progress")
     return p
+
+
+def model_names(arg: str | None, known, default: str) -> list[str]:
+    """The models ``--model`` names: every one of ``known`` for ``all``, else its comma list in
+    order (a ``surgery.supported()`` key such as ``gemma3_text`` read as its name ``gemma3``)."""
+    if arg == "all":
+        return list(known)
+    names = [name.strip() for name in (arg or default).split(",") if name.strip()]
+    return [name if name in known else name.removesuffix("_text") for name in names]
 
 
 def _use_interpreter_on_cpu(argv: list[str]) -> str:
@@ -179,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         default = "qwen2_5_vl"
     else:
         known, default = ARCHITECTURES, "llama"
-    models = list(known) if args.model == "all" else [args.model or default]
-    for m in models if not args.pretrained else []:
-        if m not in known:
-            print(f"unknown model {m!r}; expected one of {sorted(known)} or all")
-            return 2
+    models = model_names(args.model, known, default)
+    unknown = [m for m in models if m not in known] if not args.pretrained else []
+    if unknown:
+        print(f"unknown model {', '.join(map(repr, unknown))}; expected 'all' or a comma list "
+              f"of {', '.join(known)}")  # fmt: skip
+        return 2
     dtype_arg = args.dtype or ("bf16" if args.pretrained else "fp32")
     dtypes = ["fp32", "bf16"] if dtype_arg == "all" else [dtype_arg]
     layouts = ("packed",) if args.packed else ("padded",) if args.padded else ("padded", "packed")
@@ -263,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
-    stem = f"{args.model or ('qwen2_5_vl' if args.multimodal else 'llama')}-{dtype_arg}-{size}"
+    # One json and png for the run: named by its model, "all", or its models joined by "+".
+    named = "all" if args.model == "all" else "+".join(models)
+    stem = f"{named}-{dtype_arg}-{size}"
     return _report(args, records, checks, stem + ("-multimodal" if args.multimodal else ""), t0)
 
 

@@ -22,10 +22,11 @@ losses. Five kinds of check:
    side trains under one routing (5.), so each real token counts for the same experts on every
    side and what differs is the router probabilities' rounding and the run's drift.
 
-2. Accuracy with the same weights (step 0 and the eval batch), the error budget of STYLE.md 5:
-   against the same run one precision up (fp64 for fp32, fp32 for bf16; same rounded initial
-   weights, same data), the patched gradients and logits may be at most ``accuracy_factor`` times
-   as far off as the unpatched model's own, plus ``accuracy_floor``: "as exact as transformers".
+2. Accuracy with the same weights (step 0 and the eval batch), the error budget (a run may exceed
+   the unpatched run's own error by a factor and a floor): against the same run one precision up
+   (fp64 for fp32, fp32 for bf16; same rounded initial weights, same data), the patched gradients
+   and logits may be at most ``accuracy_factor`` times as far off as the unpatched model's own, plus
+   ``accuracy_floor``: "as exact as transformers".
 
 3. Drift over the whole run. After step 0 the sides' weights differ by what earlier steps'
    rounding left, and AdamW amplifies some of it: each update is g / (|g| + eps), so a weight
@@ -426,18 +427,34 @@ def format_table(records: list[dict[str, Any]], checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+OVERLAP_NOTE = (
+    "patched lines are drawn over the reference: where they agree they coincide\n"
+    "(the lower panels show how far apart they are)"
+)
+
+
 def plot(records: list[dict[str, Any]], path: Path) -> Path | None:
-    """Per model: training-loss curves (reference thick and faint, patched dashed when padded and
-    dotted when packed, one colour per dtype and loss) and, below, the worst relative loss
-    difference so far against the tolerance. None when matplotlib is not installed."""
+    """``figure(records)`` written to ``path``; None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
     except ImportError:
         return None
+    fig = figure(records)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(records: list[dict[str, Any]]):
+    """Per model: training-loss curves (reference thick and faint, patched dashed when padded and
+    dotted when packed, one colour per dtype and loss; ``OVERLAP_NOTE`` under the title) and,
+    below, the worst relative loss difference so far against the tolerance."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
     models = list(dict.fromkeys(r["config"]["model"] for r in records))
     ncols = min(4, len(models))
     nrows = -(-len(models) // ncols)
@@ -486,12 +503,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path | None:
     ]
     per_row = 7 if ncols > 2 else 3
     fig.legend(handles=handles, loc="lower center", ncol=per_row, fontsize=8)
-    fig.suptitle("surgery.convergence: patched vs unpatched training loss")
+    fig.suptitle(f"surgery.convergence: patched vs unpatched training loss\n{OVERLAP_NOTE}",
+                 fontsize="medium")  # fmt: skip
     legend_rows = -(-len(handles) // per_row)
     fig.tight_layout(rect=(0, 0.03 * legend_rows / nrows + 0.01, 1, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def environment() -> dict[str, Any]:

@@ -7,16 +7,72 @@ from torch import nn
 
 from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec
 
-__all__ = ["UnsupportedModelError", "find_causal_lm", "supported"]
+__all__ = [
+    "SupportMatrix",
+    "UnsupportedModelError",
+    "find_causal_lm",
+    "kernels_applied",
+    "supported",
+]
 
 
 class UnsupportedModelError(ValueError):
     """The model holds no causal LM of a supported architecture."""
 
 
-def supported() -> dict[str, ArchitectureSpec]:
-    """``config.model_type`` -> spec, for every supported architecture."""
-    return {spec.model_type: spec for spec in SPECS}
+def kernels_applied(spec: ArchitectureSpec) -> list[str]:
+    """What ``patch`` swaps in a model of ``spec`` with every option on (``describe`` says what
+    it did to one model, and why anything was left)."""
+    kernels = ["fused loss", "mla" if spec.latent_attention else "mrope" if spec.mrope else "rope"]
+    if spec.rms_norm is not None:
+        kernels.append("rms_norm")
+    if spec.mlp is not None:
+        kernels.append("gated_mlp")
+    if spec.router_aux_loss or spec.batched_experts is not None:
+        kernels.append("experts")
+    if spec.linear_attention is not None:
+        kernels.append("linear attention per document")
+    return kernels
+
+
+class SupportMatrix(dict):
+    """``config.model_type`` -> ``ArchitectureSpec`` (a dict), printed as a table: the causal-LM
+    class, the name ``apply_<name>`` and the convergence suite's ``--model`` take, what is
+    fused, and the multimodal wrappers patched around the text model."""
+
+    def rows(self) -> list[tuple[str, str, str, str, str]]:
+        rows = [
+            (
+                spec.model_type,
+                spec.name,
+                spec.causal_lm,
+                ", ".join(kernels_applied(spec)),
+                ", ".join(w.wrapper for w in spec.multimodal) or "-",
+            )
+            for spec in self.values()
+        ]
+        for spec in MULTIMODAL_ONLY_SPECS:  # a text model with no causal LM of its own
+            for w in spec.multimodal:
+                kernels = ", ".join(kernels_applied(spec))
+                rows.append((w.model_type, w.model_type, "-", kernels, w.wrapper))
+        return rows
+
+    def __str__(self) -> str:
+        header = ("model_type", "name", "causal LM", "kernels", "multimodal wrappers")
+        rows = [header, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows
+        ]
+        return "\n".join(line.rstrip() for line in lines)
+
+    __repr__ = __str__
+
+
+def supported() -> SupportMatrix:
+    """``config.model_type`` -> spec, for every supported architecture; ``print`` shows a table
+    (``SupportMatrix``)."""
+    return SupportMatrix((spec.model_type, spec) for spec in SPECS)
 
 
 def _text_specs() -> dict[str, ArchitectureSpec]:
