@@ -1,6 +1,6 @@
 """Cross entropy over logits that exist, and the row kernels the fused linear cross entropy reuses.
 
-Order (STYLE.md 2): Triton kernels -> host launchers (``cross_entropy_fwd``, ``cross_entropy_bwd``)
+Order: Triton kernels -> host launchers (``cross_entropy_fwd``, ``cross_entropy_bwd``)
 -> torch.library ops -> autograd.Function -> ``cross_entropy``. The fp32 reference is
 ``reference.cross_entropy_reference``.
 
@@ -32,7 +32,7 @@ else:  # pragma: no cover - CPU installs without triton use the PyTorch path
 
 __all__ = ["cross_entropy", "cross_entropy_bwd", "cross_entropy_fwd"]
 
-# Fixed, known-good launch configuration (STYLE.md 8).
+# Fixed, known-good launch configuration.
 FWD_BLOCK_V = 4096
 FWD_NUM_WARPS = 8
 BWD_BLOCK_V = 2048

@@ -86,7 +86,7 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class GatherSumLaunch:
-    """Launch configuration (STYLE.md 8): up to ``block`` columns of one output row per program."""
+    """Launch configuration: up to ``block`` columns of one output row per program."""
 
     block: int = 1024
     num_warps: int = 4

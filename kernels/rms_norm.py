@@ -1,6 +1,6 @@
 """RMSNorm over the last dimension, with transformers' cast points, in one read and one write.
 
-Order (STYLE.md 2): Triton kernels -> host launchers (``rms_norm_fwd``, ``rms_norm_bwd``) ->
+Order: Triton kernels -> host launchers (``rms_norm_fwd``, ``rms_norm_bwd``) ->
 torch.library ops with their autograd -> ``rms_norm``, with the reference ``rms_norm_reference``
 last.
 
@@ -175,7 +175,7 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class RmsNormLaunch:
-    """Launch configuration (STYLE.md 8); the defaults are the fixed setting, others exist for tests
+    """Launch configuration; the defaults are the fixed setting, others exist for tests
     and sweeps.
 
     A program holds a tile of ``max(1, tile_elems // BLOCK_N)`` whole rows (BLOCK_N: N rounded up

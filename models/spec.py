@@ -320,14 +320,8 @@ class ArchitectureSpec:
     def causal_lm_class(self) -> type:
         return self._resolve(self.causal_lm)
 
-    def attention_class(self) -> type:
-        return self._resolve(self.attention)
-
     def rms_norm_class(self) -> type:
         return self._resolve(self.rms_norm)
-
-    def mlp_class(self) -> type:
-        return self._resolve(self.mlp)
 
     def gated_activation(self, config) -> str | None:
         """The ``gated_activation`` name of the MLP activation ``config`` asks for, or None when

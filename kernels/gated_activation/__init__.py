@@ -20,7 +20,7 @@ rounded once and one (…, I) tensor fewer is kept for backward.
 halves in place and writes both gradients into one (…, 2 I) tensor: no copy of the halves is made
 or kept, where ``gated_activation`` on two views of it would copy each.
 
-Modules, in the order of STYLE.md 2: ``kernel`` (Triton kernels, split and merged layouts) ->
+Modules, in reading order: ``kernel`` (Triton kernels, split and merged layouts) ->
 ``launch`` (host launchers ``gated_activation_fwd``, ``gated_activation_bwd``,
 ``gated_activation_merged_fwd``, ``gated_activation_merged_bwd``, the launch configuration and the
 PyTorch path) -> ``ops`` (torch.library ops and autograd) -> ``api`` (``gated_activation``,

@@ -45,7 +45,7 @@ FALLBACK_ELEMS = 1 << 22
 
 @dataclass(frozen=True)
 class GatedActivationLaunch:
-    """Launch configuration (STYLE.md 8): ``block`` elements per program, ``num_warps`` warps.
+    """Launch configuration: ``block`` elements per program, ``num_warps`` warps.
     Default: 16 elements per thread and tensor, two 128-bit accesses of bf16 each."""
 
     block: int = 2048

@@ -27,7 +27,7 @@ On NVIDIA GPUs cos/sin come from the SFU after a range reduction to [-pi, pi]: a
 below 1e-6, invisible next to bf16/fp16 rounding (2e-3/2.4e-4) and to the fp32 rounding of the
 angle itself (position * 6e-8 rad) that transformers' own path carries too.
 
-Modules, in the order of STYLE.md 2: ``kernel`` (Triton kernels) -> ``launch`` (host launchers
+Modules, in reading order: ``kernel`` (Triton kernels) -> ``launch`` (host launchers
 ``rope_fwd``, ``rope_bwd``, ``rope_cos_sin_fwd``, ``rope_cos_sin_bwd``, the launch configuration
 and the PyTorch path) -> ``ops`` (torch.library ops and autograd) -> ``api`` (``apply_rope``,
 ``apply_rotary_pos_emb``), with the fp32 reference ``apply_rope_reference`` in ``reference``.

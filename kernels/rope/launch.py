@@ -55,7 +55,7 @@ else:  # pragma: no cover - CPU installs without triton use the PyTorch path
 
 @dataclass(frozen=True)
 class RopeLaunch:
-    """Launch configuration (STYLE.md 8). ``head_groups=None`` picks enough programs to fill the
+    """Launch configuration. ``head_groups=None`` picks enough programs to fill the
     device; the defaults are the fixed known-good setting, others exist for tests and sweeps.
 
     Default (bf16, D = 128): tiles of 2 tokens x 32 heads x 64 channel pairs, 4 warps. Chosen

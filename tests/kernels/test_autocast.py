@@ -3,12 +3,12 @@ Trainer(bf16=True) and accelerate's mixed precision run.
 
 The bar is the unpatched computation under the same autocast: transformers' ``lm_head(hidden)``
 (``F.linear``: hidden, weight and bias cast to the autocast dtype, logits in that dtype), the final
-softcap applied to those logits, then the loss on ``logits.float()``. Error budget (STYLE.md 5):
-against the fp32 reference on the same (uncast) inputs, the kernel's error may exceed that eager
-computation's error by the TOLERANCES margin of the autocast dtype. The rule behind it (see
-``linear_cross_entropy``): under autocast the inputs are cast on entry as ``F.linear`` casts them
-and nothing after that depends on autocast, so the result is bit for bit that of the same call,
-without autocast, on the cast inputs.
+softcap applied to those logits, then the loss on ``logits.float()``. Error budget
+(``tests.utils.TOLERANCES``): against the fp32 reference on the same (uncast) inputs, the kernel's
+error may exceed that eager computation's error by the TOLERANCES margin of the autocast dtype. The
+rule behind it (see ``linear_cross_entropy``): under autocast the inputs are cast on entry as
+``F.linear`` casts them and nothing after that depends on autocast, so the result is bit for bit
+that of the same call, without autocast, on the cast inputs.
 
 The other kernels' autocast tests sit beside their own tests (test_rms_norm.py, test_rope.py,
 test_gated_activation.py); whole models under autocast in tests/surgery/test_autocast.py.

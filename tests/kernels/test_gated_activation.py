@@ -2,9 +2,9 @@
 activations (ACT2FN, as the MLPs of every supported architecture apply them).
 
 CPU: the Triton kernels run through the interpreter (small shapes); ``gpu``-marked tests run real
-sizes on the GPU machine. Error budget (STYLE.md 5): against the fp64 reference, the kernel's error
-may exceed transformers' eager ``act_fn(gate) * up`` in the same dtype only by the TOLERANCES
-margin.
+sizes on the GPU machine. Error budget (``tests.utils.TOLERANCES``): against the fp64 reference, the
+kernel's error may exceed transformers' eager ``act_fn(gate) * up`` in the same dtype only by the
+TOLERANCES margin.
 """
 
 from __future__ import annotations

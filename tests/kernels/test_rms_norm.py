@@ -1,10 +1,11 @@
 """RMSNorm kernels against the fp64 reference and transformers' own RMSNorm modules.
 
 CPU: the Triton kernels run through the interpreter (small shapes). ``gpu``-marked tests run real
-sizes on the GPU machine (the CPU tests run there too, on CUDA tensors). Error budget (STYLE.md 5):
-against the fp64 reference, the kernel's error may exceed transformers' eager module's error in the
-same dtype only by the TOLERANCES margin; against the module itself the forward is equal but for
-rare elements an ulp or two apart (the same cast points, another rsqrt and summation order).
+sizes on the GPU machine (the CPU tests run there too, on CUDA tensors). Error budget
+(``tests.utils.TOLERANCES``): against the fp64 reference, the kernel's error may exceed
+transformers' eager module's error in the same dtype only by the TOLERANCES margin; against the
+module itself the forward is equal but for rare elements an ulp or two apart (the same cast points,
+another rsqrt and summation order).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """RoPE kernels against the fp64 reference and transformers' own rotary modules.
 
 CPU: the Triton kernels run through the interpreter (small shapes). ``gpu``-marked tests run the
-real sizes on the GPU machine (the CPU tests run there too, on CUDA tensors). Error budget (STYLE.md
-5): the kernel's relative error against the fp64 reference may exceed eager transformers' error in
-the same dtype only by the TOLERANCES margin, and against transformers' own rotary modules it must
-be no worse than their bf16 path; packed and offset rotations equal the unpacked ones exactly.
+real sizes on the GPU machine (the CPU tests run there too, on CUDA tensors). Error budget: the
+kernel's relative error against the fp64 reference may exceed eager transformers' error in the same
+dtype only by the margin of ``tests.utils.TOLERANCES``, and against transformers' own rotary modules
+it must be no worse than their bf16 path; packed and offset rotations equal the unpacked ones
+exactly.
 """
 
 from __future__ import annotations

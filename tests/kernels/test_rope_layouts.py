@@ -6,11 +6,11 @@
   (and DeepSeek's) ``apply_rotary_pos_emb_interleave`` on MLA's rotary slice, with the one key
   head ``k_rot`` (B, 1, T, r) shared by every query head.
 
-Error budget as in test_rope.py (STYLE.md 5): against the fp64 reference the kernel may exceed an
-eager computation in the same dtype by the TOLERANCES margin. Mistral 4's bf16 path rounds cos,
-sin and every product to bf16, so the kernel must also be no worse than it; Llama 4's computes in
-fp32 and rounds once, as the kernel does, so there the budget alone applies (which of two
-one-rounding results lands nearer is a coin toss).
+Error budget as in test_rope.py (``tests.utils.TOLERANCES``): against the fp64 reference the kernel
+may exceed an eager computation in the same dtype by the TOLERANCES margin. Mistral 4's bf16 path
+rounds cos, sin and every product to bf16, so the kernel must also be no worse than it; Llama 4's
+computes in fp32 and rounds once, as the kernel does, so there the budget alone applies (which of
+two one-rounding results lands nearer is a coin toss).
 """
 
 from __future__ import annotations

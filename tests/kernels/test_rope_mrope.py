@@ -2,10 +2,10 @@
 
 transformers' multimodal rotary modules (Qwen2.5-VL: sections contiguous; Qwen3-VL and Qwen3.5:
 interleaved, Qwen3.5 with partial rotary) build cos/sin from (3, B, T) position ids, one row per
-section, and the models rotate with ``apply_rotary_pos_emb``. Every test here builds those
-modules from tiny configs and compares the kernel (Triton, through the interpreter on CPU) with
-them, with the fp64 reference (``apply_rope_reference``) as ground truth. Error budget as in
-test_rope.py (STYLE.md 5): the kernel may exceed transformers' bf16 error against the fp64
+section, and the models rotate with ``apply_rotary_pos_emb``. Every test here builds those modules
+from tiny configs and compares the kernel (Triton, through the interpreter on CPU) with them, with
+the fp64 reference (``apply_rope_reference``) as ground truth. Error budget as in test_rope.py
+(``tests.utils.TOLERANCES``): the kernel may exceed transformers' bf16 error against the fp64
 reference by the TOLERANCES margin only, and must be no worse than it; in fp32 it equals
 transformers' fp32 path to rounding.
 
