@@ -12,4 +12,4 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 REPO=$(pwd)
-rm -rf /tmp/w && mkdir -p /tmp/w && cp -r tests benchmarks pyproject.toml /tmp/w/
+rm -rf /tmp/w && mkdir -p /tmp/w && cp -r tests pyproject.toml /tmp/w/
