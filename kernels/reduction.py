@@ -90,14 +90,10 @@ def _(labels, vocab_size, ignore_index):
 def every_token_mask(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """int64 (batch, seq) ones: the attention mask a tokenizer gives a batch without padding, for
     a function that takes one where every token counts (a mixture of experts' load-balancing
-    loss). Compiled, it is an op whose output Inductor reads as the buffer a caller's own mask
-    is, never a constant folded into the kernels that reduce it: Triton 3.6 fails to compile
-    (``TritonGPURemoveLayoutConversions``: "operand #0 does not dominate this use") the kernel
-    Inductor made of the load-balancing loss's token count fused with the loss's own sums when
-    the mask was a constant (``torch.ones`` in the graph), and when it was an fp32 buffer; with
-    an int64 one, the graph of a caller's mask of ones, it compiles (Qwen3-MoE on the H200;
-    ``benchmarks/triton36_reduction_repro.py`` holds the smallest kernel that fails). Triton 3.9
-    compiles all three."""
+    loss). Compiled, it is an op whose output Inductor reads as it reads a caller's own mask,
+    never a constant it folds into the kernels that reduce it: Triton 3.6 cannot compile the
+    kernel Inductor made of such a constant's count fused with the loss's own sums
+    (``benchmarks/triton36_reduction_repro.py``; docs/compile.md)."""
     if torch.compiler.is_compiling():
         return _every_token_mask_op(batch, seq, device)
     return torch.ones(batch, seq, dtype=torch.long, device=device)

@@ -67,8 +67,7 @@ def _positional(sig: inspect.Signature, drop_self: bool) -> list[inspect.Paramet
 def check_signature(module: nn.Module, original: Callable, replacement: Callable) -> None:
     """The replacement must accept every argument the original accepts, in the same positions
     (callers pass them by position too): a transformers release that changes a forward fails
-    here, not silently. An
-    argument transformers renamed counts under its new name on both sides
+    here, not silently. An argument transformers renamed counts under its new name on both sides
     (``surgery.signature.RENAMED``)."""
     orig = _positional(inspect.signature(original), drop_self=not inspect.ismethod(original))
     repl = _positional(inspect.signature(replacement), drop_self=True)

@@ -93,6 +93,23 @@ def assert_close_budget(x, ref, eager, dtype, what=""):
     assert err <= bound, f"{what}: rel err {err:.3e} > budget {bound:.3e} (eager {err_eager:.3e})"
 
 
+def extra_requirements(extra: str) -> set[str]:
+    """The names of the packages ``pip install "transformers-surgery[<extra>]"`` brings beside
+    the core dependencies, read from the installed distribution's metadata (what pip resolves)."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    requirements = [
+        Requirement(r) for r in importlib.metadata.requires("transformers-surgery") or []
+    ]
+    return {
+        r.name
+        for r in requirements
+        if r.marker is not None and "extra" in str(r.marker) and r.marker.evaluate({"extra": extra})
+    }
+
+
 def assert_step_within_drift(grads, ref, eager, dtype, what=""):
     """Every parameter's gradient of a patched step (``grads``, name -> tensor) against ``ref``
     (fp32) within the drift of ``eager`` (the unpatched step in ``dtype``): the median over the

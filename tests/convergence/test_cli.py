@@ -11,6 +11,7 @@ import pytest
 from surgery.convergence import __main__ as cli
 from surgery.convergence import train
 from surgery.convergence.controls import fake_patch
+from tests.utils import extra_requirements
 
 
 def test_cli_passes_and_writes_outputs(tmp_path, capsys):
@@ -68,10 +69,6 @@ def test_help_lists_every_model_and_the_default_folder():
 def test_without_matplotlib_the_cli_names_the_extra_that_brings_it(tmp_path, capsys, monkeypatch):
     """A first run without matplotlib writes its table and json, no png, and says which extra to
     install; that extra of the installed distribution (what pip resolves) brings matplotlib."""
-    import importlib.metadata
-
-    from packaging.requirements import Requirement
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     code = cli.main(["--steps", "2", "--reduction", "mean", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -80,11 +77,7 @@ def test_without_matplotlib_the_cli_names_the_extra_that_brings_it(tmp_path, cap
     assert not list(tmp_path.glob("*.png"))
     extra = re.search(r'pip install "transformers-surgery\[(\w+)\]"', out)
     assert extra, out
-    brings = [
-        Requirement(r).name
-        for r in importlib.metadata.requires("transformers-surgery") or []
-        if Requirement(r).marker and Requirement(r).marker.evaluate({"extra": extra[1]})
-    ]
+    brings = extra_requirements(extra[1])
     assert "matplotlib" in brings, (extra[1], brings)
 
 

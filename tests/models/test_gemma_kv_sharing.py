@@ -4,20 +4,18 @@ variant of its mini config) and Gemma 3n's MLPs with activation sparsity (left u
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import surgery
 from surgery import layers as surgery_layers
-from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
 from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import (
     TINY,
     assert_grads_close,
+    gemma4_moe_config,
     loss_and_grads,
     packed_batch,
     padded_batch,
@@ -55,9 +53,7 @@ def test_generate_with_shared_kv_matches_unpatched(arch):
 def test_gemma4_moe_matches_unpatched(layout):
     """Gemma 4's experts beside the MLPs (no auxiliary loss): loss and every gradient, and the
     router logits when asked."""
-    mini = surgery.supported()["gemma4_text"].mini_config
-    moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
-    model = model_of(moe.build(TINY, pad_token_id=0)).train()
+    model = model_of(gemma4_moe_config()).train()
     assert model.model.layers[0].enable_moe_block
     reference = twin(model)
     reference.config.use_cache = False  # unpatched keeps packed sequences apart only without

@@ -15,19 +15,16 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 import surgery
-from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
 from tests.utils import FP32_CLOSE as TOL
 
-from .tiny import ARCHS, SPECS, TINY, padded_batch, sequences, tiny_model, twin
+from .tiny import ARCHS, SPECS, gemma4_moe_config, padded_batch, sequences, tiny_model, twin
 
 LENGTHS = [7, 5]
 
 
 def gemma4_moe():
-    mini = SPECS["gemma4_text"].mini_config
-    moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
     torch.manual_seed(0)
-    config = moe.build(TINY, pad_token_id=0)
+    config = gemma4_moe_config()
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 

@@ -53,6 +53,16 @@ def tiny_config(arch: str, **overrides):
     return SPECS[arch].mini_config.build(TINY, **{"pad_token_id": 0, **overrides})
 
 
+def gemma4_moe_config(size: MiniSize = TINY, **overrides):
+    """Gemma 4's mini config with its mixture of experts (``GEMMA4_MOE_ARGUMENTS``; the
+    registry's tiny Gemma 4 is dense) at ``size``; ``overrides`` replace any argument."""
+    from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
+
+    mini = SPECS["gemma4_text"].mini_config
+    moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
+    return moe.build(size, **{"pad_token_id": 0, **overrides})
+
+
 def causal_lm_from_config(config, **kwargs):
     """``AutoModelForCausalLM.from_config(config, **kwargs)`` through the spec's own class:
     transformers maps Mistral 4's config to its causal LM under ``AutoModelForImageTextToText``

@@ -656,15 +656,12 @@ def test_gpu_gemma4_moe_packed_step_compiles():
     router's near-tied experts may flip between two bf16 runs, so gradients are not compared)."""
     import dataclasses
 
-    from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
-    from tests.models.tiny import TINY
+    from tests.models.tiny import TINY, gemma4_moe_config
 
-    mini = SPECS["gemma4_text"].mini_config
-    moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
     size = dataclasses.replace(TINY, vocab_size=GPU_VOCAB, hidden_size=128, intermediate_size=256,
                                sliding_window=64, max_position_embeddings=1024)  # fmt: skip
     torch.manual_seed(0)
-    model = causal_lm_from_config(moe.build(size, pad_token_id=0), attn_implementation="sdpa")
+    model = causal_lm_from_config(gemma4_moe_config(size), attn_implementation="sdpa")
     patched = surgery.patch(model.to("cuda", torch.bfloat16).train())
     assert any(type(m).__name__.endswith("Experts") for m in patched.modules())
     compiled = copy.deepcopy(patched)

@@ -12,7 +12,6 @@ against the class's own at the end.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib
 import weakref
@@ -26,13 +25,12 @@ import surgery
 from surgery import experts as surgery_experts
 from surgery.experts import EXPERTS_PLAN_ATTR, SURGERY_EXPERTS
 from surgery.experts_install import experts_modules
-from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
 from surgery.swap import is_swapped
 from tests.models.tiny import (
     ARCHS,
     SPECS,
-    TINY,
     causal_lm_from_config,
+    gemma4_moe_config,
     loss_and_grads,
     padded_batch,
     sequences,
@@ -47,9 +45,7 @@ GEMMA4_MOE = "gemma4_text+moe"
 
 def moe_config(case: str, **overrides):
     if case == GEMMA4_MOE:
-        mini = SPECS["gemma4_text"].mini_config
-        moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
-        return moe.build(TINY, **{"pad_token_id": 0, **overrides})
+        return gemma4_moe_config(**overrides)
     return tiny_config(case, **overrides)
 
 
