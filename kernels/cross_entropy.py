@@ -4,16 +4,20 @@ Order: Triton kernels -> host launchers (``cross_entropy_fwd``, ``cross_entropy_
 -> torch.library ops -> autograd.Function -> ``cross_entropy``. The fp32 reference is
 ``reference.cross_entropy_reference``.
 
-Per token i with target y (capped logits x = cap * tanh(z / cap) when ``softcap`` is set):
+Per token i with target y, over the logits the loss sees, x = cap * tanh(k z / cap) / T (the
+softcap ``cap`` where set; a logit scale k and a temperature T, both 1 unless given):
 
     lse_i  = log sum_j exp(x_ij)
     ce_i   = lse_i - (1 - eps) x_iy - (eps / V) sum_j x_ij          (label smoothing eps)
     zl_i   = s * lse_i^2                                            (z-loss scale s)
-    dL/dz_ij = [ (a_i + 2 s lse_i b_i) p_ij - a_i ((1 - eps) [j = y] + eps / V) ] * dx/dz
+    h_i    = -sum_j p_ij log p_ij = lse_i - sum_j p_ij x_ij         (entropy, on request)
+    dL/dz_ij = [ (a_i + 2 s lse_i b_i - e_i (x_ij - lse_i + h_i)) p_ij
+                 - a_i ((1 - eps) [j = y] + eps / V) ] * dx/dz
 
-where p = softmax(x), a_i is the upstream gradient reaching ce_i and b_i the one reaching zl_i.
+where p = softmax(x) and a_i, b_i, e_i are the upstream gradients reaching ce_i, zl_i and h_i.
 Tokens without a target (ignore_index, or a label outside [0, V)) have loss 0 and gradient 0 for
-any upstream gradient.
+any upstream gradient. The other statistics (``STATISTICS``) are log sum_j p_ij^2, the mean of
+x_i and whether y is the first maximum of x_i; none has a gradient.
 """
 
 from __future__ import annotations
@@ -70,15 +74,43 @@ if triton is not None:
         return z
 
     @triton.jit
-    def _ce_grad(z, cols, tgt, lse, a, c, cap, inv_cap, eps, inv_v, SOFTCAP: tl.constexpr):
+    def _transformed(z, cap, inv_cap, scale, inv_temp, SOFTCAP: tl.constexpr,
+                     SCALED: tl.constexpr):  # fmt: skip
+        """x = inv_temp * cap * tanh(scale * z / cap): the logits the loss sees (each factor only
+        where its option is on)."""
+        if SCALED:
+            z = z * scale
+        x = _capped(z, cap, inv_cap, SOFTCAP)
+        if SCALED:
+            x = x * inv_temp
+        return x
+
+    @triton.jit
+    def _ce_grad(z, cols, tgt, lse, a, c, e, h, cap, inv_cap, scale, inv_temp, eps, inv_v,
+                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
+                 ENTROPY_GRAD: tl.constexpr):  # fmt: skip
+        """dL/dz for the upstream gradients a (on ce), c = a + 2 s lse b (ce and z-loss) and e (on
+        the entropy h), through the transform of ``_transformed``."""
+        y = z
+        if SCALED:
+            y = z * scale
         if SOFTCAP:
-            t = _tanh(z * inv_cap)
+            t = _tanh(y * inv_cap)
             x = cap * t
         else:
-            x = z
-        g = c * tl.exp(x - lse) - a * (1.0 - eps) * (cols == tgt).to(tl.float32) - a * eps * inv_v
+            x = y
+        if SCALED:
+            x = x * inv_temp
+        p = tl.exp(x - lse)
+        if ENTROPY_GRAD:
+            g = (c - e * (x - lse + h)) * p  # d(-sum p log p) / dx_j = -p_j (log p_j + h)
+        else:
+            g = c * p
+        g = g - a * (1.0 - eps) * (cols == tgt).to(tl.float32) - a * eps * inv_v
         if SOFTCAP:
             g = g * (1.0 - t * t)  # d(cap tanh(z / cap)) / dz, from the same t as the forward's
+        if SCALED:
+            g = g * (scale * inv_temp)
         return g
 
     @triton.jit
@@ -93,16 +125,28 @@ if triton is not None:
         coef_z_ptr,
         grad_ptr,
         stride_grad,
+        entropy_ptr,
+        sum_sq_ptr,
+        mean_ptr,
+        top1_ptr,
         V,
         cap,
         eps,
         z_scale,
+        scale,
+        inv_temp,
         BLOCK_V: tl.constexpr,
         SOFTCAP: tl.constexpr,
         SMOOTHING: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
+        SCALED: tl.constexpr,
+        ENTROPY: tl.constexpr,
+        SUM_SQ: tl.constexpr,
+        MEAN: tl.constexpr,
+        TOP1: tl.constexpr,
     ):
-        """One program per row: online logsumexp over the vocabulary, the row's losses, and (when
+        """One program per row: online logsumexp over the vocabulary, the row's losses and the
+        requested statistics (each a constexpr: nothing computed when off), and (when
         WRITE_GRAD) the row's gradient written in a second sweep, possibly over the logits."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_logits
@@ -112,22 +156,38 @@ if triton is not None:
 
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
-        sx = tl.zeros((), tl.float32)
+        sx = tl.zeros((), tl.float32)  # sum of x (smoothing, mean)
+        se = tl.zeros((), tl.float32)  # sum of exp(x - m) (x - m) (entropy)
+        sq = tl.zeros((), tl.float32)  # sum of exp(2 (x - m)) (sum of squared probabilities)
+        mb = tl.full((), float("-inf"), tl.float32)  # max of x over the columns before the target
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             mask = cols < V
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            x = _capped(z, cap, inv_cap, SOFTCAP)
+            x = _transformed(z, cap, inv_cap, scale, inv_temp, SOFTCAP, SCALED)
+            x0 = tl.where(mask, x, 0.0)
             x = tl.where(mask, x, float("-inf"))
             m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            r = tl.exp(m - m_new)
+            ex = tl.exp(x - m_new)
+            if ENTROPY:
+                # Relative to the running max, so that the entropy log(s) - se / s never takes
+                # the difference of two numbers of the logits' size (a peaked row's entropy is
+                # small beside them). Before the first block s = 0 and m = -inf.
+                shift = tl.where(s > 0.0, m - m_new, 0.0) * s
+                se = (se + shift) * r + tl.sum(ex * tl.where(mask, x - m_new, 0.0), 0)
+            s = s * r + tl.sum(ex, 0)
+            if SUM_SQ:
+                sq = sq * r * r + tl.sum(ex * ex, 0)
+            if TOP1:
+                mb = tl.maximum(mb, tl.max(tl.where(cols < tgt, x, float("-inf")), 0))
             m = m_new
-            if SMOOTHING:
-                sx += tl.sum(tl.where(mask, x, 0.0), 0)
+            if SMOOTHING or MEAN:
+                sx += tl.sum(x0, 0)
         lse = m + tl.log(s)
 
         x_t = tl.load(base + tgt, mask=valid, other=0.0).to(tl.float32)
-        x_t = _capped(x_t, cap, inv_cap, SOFTCAP)
+        x_t = _transformed(x_t, cap, inv_cap, scale, inv_temp, SOFTCAP, SCALED)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
         ce = lse - (1.0 - eps) * x_t
         if SMOOTHING:
@@ -135,6 +195,17 @@ if triton is not None:
         tl.store(lse_ptr + row, lse)
         tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
         tl.store(z_ptr + row, tl.where(valid, z_scale * lse * lse, 0.0))
+        h = tl.log(s) - se / s
+        if ENTROPY:
+            tl.store(entropy_ptr + row, tl.where(valid, h, 0.0))
+        if SUM_SQ:
+            tl.store(sum_sq_ptr + row, tl.where(valid, tl.log(sq) - 2.0 * tl.log(s), 0.0))
+        if MEAN:
+            tl.store(mean_ptr + row, tl.where(valid, sx * inv_v, 0.0))
+        if TOP1:
+            # The first maximum, as argmax takes it: an earlier column as large is the top-1.
+            top1 = valid & (x_t >= m) & (x_t > mb)
+            tl.store(top1_ptr + row, top1.to(tl.uint8))
 
         if WRITE_GRAD:
             a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)
@@ -145,7 +216,8 @@ if triton is not None:
                 cols = v0 + tl.arange(0, BLOCK_V)
                 mask = cols < V
                 z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                g = _ce_grad(z, cols, tgt, lse, a, c, cap, inv_cap, eps, inv_v, SOFTCAP)
+                g = _ce_grad(z, cols, tgt, lse, a, c, 0.0, h, cap, inv_cap, scale, inv_temp, eps,
+                             inv_v, SOFTCAP, SCALED, False)  # fmt: skip
                 tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -156,6 +228,8 @@ if triton is not None:
         lse_ptr,
         coef_ce_ptr,
         coef_z_ptr,
+        entropy_ptr,
+        coef_entropy_ptr,
         grad_ptr,
         stride_grad,
         n_cols,
@@ -164,11 +238,16 @@ if triton is not None:
         cap,
         eps,
         z_scale,
+        scale,
+        inv_temp,
         BLOCK_V: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        SCALED: tl.constexpr,
+        ENTROPY_GRAD: tl.constexpr,
     ):
         """Elementwise gradient of a block of columns [col_offset, col_offset + n_cols) given the
-        row's logsumexp; the output may alias the logits (each element is read before written)."""
+        row's logsumexp (and entropy); the output may alias the logits (each element is read
+        before written)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
@@ -179,9 +258,15 @@ if triton is not None:
         a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)
         b = tl.where(valid, tl.load(coef_z_ptr + row), 0.0)
         c = a + 2.0 * z_scale * lse * b
+        e = 0.0
+        h = 0.0
+        if ENTROPY_GRAD:
+            e = tl.where(valid, tl.load(coef_entropy_ptr + row), 0.0)
+            h = tl.load(entropy_ptr + row)
         z = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=0.0).to(tl.float32)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
-        g = _ce_grad(z, cols + col_offset, tgt, lse, a, c, cap, inv_cap, eps, inv_v, SOFTCAP)
+        g = _ce_grad(z, cols + col_offset, tgt, lse, a, c, e, h, cap, inv_cap, scale, inv_temp,
+                     eps, inv_v, SOFTCAP, SCALED, ENTROPY_GRAD)  # fmt: skip
         tl.store(grad_ptr + row * stride_grad + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -193,23 +278,52 @@ def _capped_torch(z: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(z / softcap) if softcap else z
 
 
-def _grad_torch(z, cols, tgt, lse, a, c, softcap, eps, V):
-    t = torch.tanh(z / softcap) if softcap else None
-    x = softcap * t if softcap else z  # = _capped_torch(z, softcap)
-    g = c[:, None] * torch.exp(x - lse[:, None])
+def _transformed_torch(z, softcap, scale, inv_temp):
+    x = _capped_torch(z * scale if scale != 1.0 else z, softcap)
+    return x * inv_temp if inv_temp != 1.0 else x
+
+
+def _grad_torch(z, cols, tgt, lse, a, c, softcap, eps, V, scale=1.0, inv_temp=1.0, e=None, h=None):
+    y = z * scale if scale != 1.0 else z
+    t = torch.tanh(y / softcap) if softcap else None
+    x = softcap * t if softcap else y
+    if inv_temp != 1.0:
+        x = x * inv_temp
+    p = torch.exp(x - lse[:, None])
+    g = c[:, None] * p
+    if e is not None:
+        g -= e[:, None] * p * (x - lse[:, None] + h[:, None])
     g -= a[:, None] * ((1.0 - eps) * (cols[None, :] == tgt[:, None]).to(g.dtype) + eps / V)
     if softcap:
         g *= 1.0 - t * t
+    if scale * inv_temp != 1.0:
+        g *= scale * inv_temp
     return g
 
 
-def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps, z_scale):
+def _stats_torch(x, t, row_lse, valid, stats):
+    """The requested statistics of the rows' transformed logits ``x`` into ``stats``' slices."""
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    if "entropy" in stats:
+        log_p = x - row_lse[:, None]
+        stats["entropy"][:] = torch.where(valid, -(log_p.exp() * log_p).sum(-1), zero)
+    if "log_sum_sq_probs" in stats:
+        sum_sq = torch.logsumexp(2.0 * (x - row_lse[:, None]), dim=-1)
+        stats["log_sum_sq_probs"][:] = torch.where(valid, sum_sq, zero)
+    if "mean_logits" in stats:
+        stats["mean_logits"][:] = torch.where(valid, x.mean(-1), zero)
+    if "is_top1" in stats:  # argmax takes the first maximum
+        stats["is_top1"][:] = valid & (x.argmax(-1) == t)
+
+
+def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps, z_scale,
+               scale=1.0, inv_temp=1.0, stats=None):  # fmt: skip
     V = logits.shape[1]
     cols = torch.arange(V, device=logits.device)
     for r0 in range(0, logits.shape[0], FALLBACK_ROWS):
         sl = slice(r0, r0 + FALLBACK_ROWS)
         z = logits[sl].float()
-        x = _capped_torch(z, softcap)
+        x = _transformed_torch(z, softcap, scale, inv_temp)
         t = targets[sl].long()
         valid = t >= 0
         row_lse = torch.logsumexp(x, dim=-1)
@@ -218,13 +332,17 @@ def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps
         lse[sl] = row_lse
         ce[sl] = torch.where(valid, row_ce, 0.0)
         zl[sl] = torch.where(valid, z_scale * row_lse.square(), 0.0)
+        if stats:
+            _stats_torch(x, t, row_lse, valid, {k: v[sl] for k, v in stats.items()})
         if grad is not None:
             a = torch.where(valid, coef_ce[sl], 0.0)
             c = a + 2.0 * z_scale * row_lse * torch.where(valid, coef_z[sl], 0.0)
-            grad[sl] = _grad_torch(z, cols, t, row_lse, a, c, softcap, eps, V).to(grad.dtype)
+            g = _grad_torch(z, cols, t, row_lse, a, c, softcap, eps, V, scale, inv_temp)
+            grad[sl] = g.to(grad.dtype)
 
 
-def _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad, col_offset, V, softcap, eps, z_scale):
+def _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad, col_offset, V, softcap, eps, z_scale,
+               scale=1.0, inv_temp=1.0, entropy=None, coef_entropy=None):  # fmt: skip
     cols = torch.arange(col_offset, col_offset + logits.shape[1], device=logits.device)
     for r0 in range(0, logits.shape[0], FALLBACK_ROWS):
         sl = slice(r0, r0 + FALLBACK_ROWS)
@@ -232,12 +350,19 @@ def _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad, col_offset, V, softc
         valid = t >= 0
         a = torch.where(valid, coef_ce[sl], 0.0)
         c = a + 2.0 * z_scale * lse[sl] * torch.where(valid, coef_z[sl], 0.0)
-        g = _grad_torch(logits[sl].float(), cols, t, lse[sl], a, c, softcap, eps, V)
+        e = h = None
+        if coef_entropy is not None:
+            e, h = torch.where(valid, coef_entropy[sl], 0.0), entropy[sl]
+        g = _grad_torch(logits[sl].float(), cols, t, lse[sl], a, c, softcap, eps, V, scale,
+                        inv_temp, e, h)  # fmt: skip
         grad[sl] = g.to(grad.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host launchers
+
+STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""Per-token statistics of the (transformed) logits the forward can return besides the losses."""
 
 
 def cross_entropy_fwd(
@@ -250,12 +375,20 @@ def cross_entropy_fwd(
     coef_ce: torch.Tensor | None = None,
     coef_z: torch.Tensor | None = None,
     grad_out: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    stats: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row losses of 2-D ``logits`` (rows, V), unit stride along V.
 
     ``targets`` holds the target column per row, or -1 for rows without one. Returns fp32
     ``(lse, ce, z)`` per row. When ``grad_out`` is given (it may be ``logits`` itself), the
     gradient with upstream ``coef_ce`` on ce and ``coef_z`` on z (fp32, per row) is written there.
+
+    The loss sees ``inv_temperature * softcap(logit_scale * logits)``. ``stats``: a buffer per
+    requested name of ``STATISTICS`` (fp32 rows; ``is_top1`` bool), filled with the rows'
+    entropy, log of the sum of squared probabilities, mean logit and whether the target is the
+    first maximum; 0 (False) for rows without a target.
     """
     rows, V = logits.shape
     dev = logits.device
@@ -263,13 +396,15 @@ def cross_entropy_fwd(
     ce = torch.empty(rows, dtype=torch.float32, device=dev)
     zl = torch.empty(rows, dtype=torch.float32, device=dev)
     write_grad = grad_out is not None
+    stats = stats or {}
     if rows == 0:
         return lse, ce, zl
     if not use_triton(logits):
         _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad_out, softcap,
-                   label_smoothing, z_loss_scale)  # fmt: skip
+                   label_smoothing, z_loss_scale, logit_scale, inv_temperature, stats)  # fmt: skip
         return lse, ce, zl
-    dummy = lse  # never read when WRITE_GRAD is off
+    dummy = lse  # never read (or written) where its option is off
+    top1 = stats.get("is_top1")
     with on_device(logits):
         cross_entropy_fwd_kernel[(rows,)](
             logits,
@@ -282,14 +417,25 @@ def cross_entropy_fwd(
             coef_z if write_grad else dummy,
             grad_out if write_grad else logits,
             grad_out.stride(0) if write_grad else 0,
+            stats.get("entropy", dummy),
+            stats.get("log_sum_sq_probs", dummy),
+            stats.get("mean_logits", dummy),
+            dummy if top1 is None else top1.view(torch.uint8),
             V,
             float(softcap) if softcap else 1.0,
             float(label_smoothing),
             float(z_loss_scale),
+            float(logit_scale),
+            float(inv_temperature),
             BLOCK_V=min(FWD_BLOCK_V, next_power_of_2(V)),
             SOFTCAP=bool(softcap),
             SMOOTHING=label_smoothing > 0.0,
             WRITE_GRAD=write_grad,
+            SCALED=logit_scale != 1.0 or inv_temperature != 1.0,
+            ENTROPY="entropy" in stats,
+            SUM_SQ="log_sum_sq_probs" in stats,
+            MEAN="mean_logits" in stats,
+            TOP1=top1 is not None,
             num_warps=FWD_NUM_WARPS,
         )
     return lse, ce, zl
@@ -308,18 +454,26 @@ def cross_entropy_bwd(
     softcap: float = 0.0,
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
+    coef_entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient of the row losses for the columns ``[col_offset, col_offset + logits.shape[1])``
-    of a vocabulary of ``vocab_size``, given each row's ``lse``. ``grad_out`` may be ``logits``."""
+    of a vocabulary of ``vocab_size``, given each row's ``lse``; with ``coef_entropy``, also of
+    the rows' ``entropy`` (from ``cross_entropy_fwd``) for that upstream gradient. ``grad_out``
+    may be ``logits``."""
     rows, n_cols = logits.shape
     V = n_cols if vocab_size is None else vocab_size
     if rows == 0 or n_cols == 0:
         return grad_out
     if not use_triton(logits):
         _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad_out, col_offset, V, softcap,
-                   label_smoothing, z_loss_scale)  # fmt: skip
+                   label_smoothing, z_loss_scale, logit_scale, inv_temperature, entropy,
+                   coef_entropy)  # fmt: skip
         return grad_out
     block = min(BWD_BLOCK_V, next_power_of_2(n_cols))
+    entropy_grad = coef_entropy is not None
     with on_device(logits):
         cross_entropy_bwd_kernel[(rows, cdiv(n_cols, block))](
             logits,
@@ -328,6 +482,8 @@ def cross_entropy_bwd(
             lse,
             coef_ce,
             coef_z,
+            entropy if entropy_grad else lse,
+            coef_entropy if entropy_grad else lse,
             grad_out,
             grad_out.stride(0),
             n_cols,
@@ -336,8 +492,12 @@ def cross_entropy_bwd(
             float(softcap) if softcap else 1.0,
             float(label_smoothing),
             float(z_loss_scale),
+            float(logit_scale),
+            float(inv_temperature),
             BLOCK_V=block,
             SOFTCAP=bool(softcap),
+            SCALED=logit_scale != 1.0 or inv_temperature != 1.0,
+            ENTROPY_GRAD=entropy_grad,
             num_warps=BWD_NUM_WARPS,
         )
     return grad_out

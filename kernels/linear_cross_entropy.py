@@ -32,6 +32,7 @@ import sys
 import torch
 
 from .cross_entropy import (
+    STATISTICS,
     check_options,
     cross_entropy_bwd,
     cross_entropy_fwd,
@@ -216,14 +217,23 @@ def lce_fwd(
     need_dw: bool,
     need_db: bool,
     skip_ignored: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    stats: int = 0,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+]:  # fmt: skip
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
-    Returns (ce, z, lse, dx, dw, db): per-token fp32 losses and logsumexp, and the gradients for
-    unit upstream gradient on ``sum(weights * (ce + z))`` (empty tensors where not requested).
+    Returns (ce, z, lse, dx, dw, db, *statistics): per-token fp32 losses and logsumexp, the
+    gradients for unit upstream gradient on ``sum(weights * (ce + z))``, and the per-token
+    ``STATISTICS`` whose bit is set in ``stats`` (bit i for the i-th name); empty tensors where
+    not requested.
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
-    their losses, logsumexp and hidden gradient are 0. Exact: such a row's logit gradient is 0.
+    their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
+    gradient is 0.
     """
     n_all, rows = x.shape[0], None
     if skip_ignored:
@@ -251,6 +261,7 @@ def lce_fwd(
     else:
         dw = x.new_empty(0)
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    statistics = _statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
@@ -265,6 +276,9 @@ def lce_fwd(
             coef_ce=weights[n0:n1] if grads else None,
             coef_z=weights[n0:n1] if grads else None,
             grad_out=logits if grads else None,  # our own buffer: overwritten in place
+            logit_scale=logit_scale,
+            inv_temperature=inv_temperature,
+            stats={k: t[n0:n1] for k, t in statistics.items()},
         )
         lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
         if not grads:
@@ -284,9 +298,26 @@ def lce_fwd(
         db = db.to(bias.dtype)
     if rows is not None:
         ce, zl, lse = (_scatter_rows(t, rows, n_all) for t in (ce, zl, lse))
+        statistics = {k: _scatter_rows(t, rows, n_all) for k, t in statistics.items()}
         if need_dx:
             dx = _scatter_rows(dx, rows, n_all)
-    return ce, zl, lse, dx, dw, db
+    return ce, zl, lse, dx, dw, db, *_statistics_outputs(statistics, x)
+
+
+def _statistics_buffers(stats: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A buffer of ``n`` rows for each statistic whose bit is set in ``stats``."""
+    dtypes = {name: torch.bool if name == "is_top1" else torch.float32 for name in STATISTICS}
+    return {
+        name: torch.empty(n, dtype=dtypes[name], device=device)
+        for i, name in enumerate(STATISTICS)
+        if stats >> i & 1
+    }
+
+
+def _statistics_outputs(statistics: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
+    """One tensor per name of ``STATISTICS``: the buffer, or an empty tensor (distinct ones: the
+    outputs of a custom op may not alias each other)."""
+    return tuple(statistics.get(name, x.new_empty(0)) for name in STATISTICS)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
@@ -307,15 +338,25 @@ def lce_bwd_recompute(
     need_dw: bool,
     need_db: bool,
     skip_ignored: bool = False,
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
+    coef_entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
-    one product; the hidden gradient is accumulated in fp32. ``skip_ignored``: rows without a
-    target or with both coefficients 0 (they contribute nothing) take no part in the products."""
+    one product; the hidden gradient is accumulated in fp32. ``coef_entropy``: the upstream
+    gradient of the per-token ``entropy`` too. ``skip_ignored``: rows without a target or with
+    every coefficient 0 (they contribute nothing) take no part in the products."""
     n_all, rows = x.shape[0], None
     if skip_ignored:
-        rows = _kept_rows((targets >= 0) & ((coef_ce != 0) | (coef_z != 0)))
+        live = (coef_ce != 0) | (coef_z != 0)
+        if coef_entropy is not None:
+            live = live | (coef_entropy != 0)
+        rows = _kept_rows((targets >= 0) & live)
     if rows is not None:  # the kept rows only, the hidden gradient scattered back at the end
         x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
+        if coef_entropy is not None:
+            entropy, coef_entropy = entropy[rows], coef_entropy[rows]
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
@@ -344,6 +385,10 @@ def lce_bwd_recompute(
             softcap=softcap,
             label_smoothing=eps,
             z_loss_scale=z_scale,
+            logit_scale=logit_scale,
+            inv_temperature=inv_temperature,
+            entropy=entropy,
+            coef_entropy=coef_entropy,
         )
         if need_dw:
             torch.mm(logits.t(), x, out=dw[v0:v1])
@@ -365,19 +410,21 @@ def lce_bwd_recompute(
 
 @lce_fwd.register_fake
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
-      skip_ignored=False):  # fmt: skip
+      skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0):  # fmt: skip
     n = x.shape[0]
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
     dx = torch.empty_like(x) if grads and need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
-    return (*per_tok, dx, dw, db)
+    statistics = _statistics_outputs(_statistics_buffers(stats, n, x.device), x)
+    return (*per_tok, dx, dw, db, *statistics)
 
 
 @lce_bwd_recompute.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
-      need_dw, need_db, skip_ignored=False):  # fmt: skip
+      need_dw, need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
+      coef_entropy=None):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
@@ -385,18 +432,28 @@ def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_by
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
+    """The one autograd path of the fused head, for ``linear_cross_entropy`` and
+    ``linear_log_probs``. Outputs: the reduced (or per-token) loss and z-loss, then one tensor
+    per name of ``STATISTICS`` (empty where not requested; only the entropy has a gradient).
+    ``transform``: (logit scale, 1 / temperature). ``hint``: an ``UpstreamHint`` (per-token
+    losses only, see ``linear_log_probs``), or None."""
+
     @staticmethod
     def forward(
         ctx, x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, low_memory, needs,
-        skip_ignored,
+        skip_ignored, transform=(1.0, 1.0), stats=0, hint=None,
     ):  # fmt: skip
         # `needs` is taken before apply(): inside forward grad mode is off, and needs_input_grad
         # does not see an outer torch.no_grad().
         need_dx, need_dw, need_db = needs
-        eager = weights is not None and not low_memory and (need_dx or need_dw or need_db)
-        ce, zl, lse, dx, dw, db = lce_fwd(
-            x, w, bias, targets, weights if eager else None, softcap, eps, z_scale,
-            chunk_bytes, need_dx, need_dw, need_db, skip_ignored,
+        # Per-token losses whose upstream gradient was uniform last time: the gradients for a
+        # unit one on every token with a target, now (checked in the backward).
+        speculate = weights is None and hint is not None and hint.uniform
+        grad_weights = (targets >= 0).to(torch.float32) if speculate else weights
+        eager = grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
+        ce, zl, lse, dx, dw, db, entropy, *others = lce_fwd(
+            x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
+            chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats,
         )  # fmt: skip
         # The gradients for unit upstream gradient, scaled in the backward. Eagerly they sit on
         # ctx and are scaled in place; the backward drops them, so a second backward
@@ -407,42 +464,84 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # (``scale_by_upstream_``). Compiled graphs have no retain_graph (donated buffers).
         compiled = torch.compiler.is_compiling()
         grads = (dx, dw, db) if eager else ()
-        ctx.save_for_backward(x, w, bias, targets, weights, lse, *(grads if compiled else ()))
+        ctx.save_for_backward(
+            x, w, bias, targets, weights, lse, entropy, *(grads if compiled else ())
+        )
         ctx.eager_grads = grads if eager and not compiled else None
-        ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored)
+        ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored,
+                    transform)  # fmt: skip
+        ctx.hint = hint if weights is None and not compiled else None
         ctx.set_materialize_grads(False)
-        return reduce_losses(ce, zl, weights)
+        ctx.mark_non_differentiable(*others)
+        return *reduce_losses(ce, zl, weights), entropy, *others
 
     @staticmethod
-    def backward(ctx, g_loss, g_z):
-        x, w, bias, targets, weights, lse, *saved_grads = ctx.saved_tensors
-        softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored = ctx.opts
+    def backward(ctx, g_loss, g_z, g_entropy, *_):
+        x, w, bias, targets, weights, lse, entropy, *saved_grads = ctx.saved_tensors
+        softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored, transform = (
+            ctx.opts
+        )
         dx = dw = db = None
         eager = tuple(saved_grads) or ctx.eager_grads
         ctx.eager_grads = None
+        if entropy.numel() == 0:
+            g_entropy = None
+        if ctx.hint is not None and g_loss is not None:
+            # Per-token losses: the eager gradients hold for a uniform upstream gradient only.
+            uniform = _uniform_upstream(g_loss, targets)
+            ctx.hint.uniform = uniform is not None
+            if uniform is None:
+                eager = None  # recomputed below for the upstream gradient as it is
+            else:
+                g_loss = uniform
         if eager is not None:
             if g_loss is not None:
                 # The stored gradients are for unit upstream gradient: scale in place.
                 dx, dw, db = (scale_by_upstream_(t, g_loss) if t.numel() else None for t in eager)
-            # z_loss is usually only logged; a gradient reaching it on its own is recomputed.
-            if g_z is not None and z_scale > 0.0:
-                g_only_z = (None, g_z)
-            else:
-                g_only_z = None
+            # z_loss and the entropy are usually only logged; a gradient reaching either on its
+            # own is recomputed (the ce part is already in the eager gradients).
+            g_rest = (None, g_z if z_scale > 0.0 else None)
         else:
-            g_only_z = (g_loss, g_z)
-        if g_only_z is not None and (g_only_z[0] is not None or g_only_z[1] is not None):
-            a, b = upstream_coefficients(weights, *g_only_z, x.shape[0], x.device)
-            if eager is not None:
-                a = torch.zeros_like(a)  # the ce part is already in the eager gradients
+            g_rest = (g_loss, g_z)
+        if g_rest[0] is not None or g_rest[1] is not None or g_entropy is not None:
+            a, b = upstream_coefficients(weights, *g_rest, x.shape[0], x.device)
+            e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
             rdx, rdw, rdb = lce_bwd_recompute(
                 x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
-                need_dx, need_dw, need_db, skip_ignored,
+                need_dx, need_dw, need_db, skip_ignored, *transform,
+                None if e is None else entropy, e,
             )  # fmt: skip
             dx = _add(dx, rdx if need_dx else None)
             dw = _add(dw, rdw if need_dw else None)
             db = _add(db, rdb if need_db else None)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, *(None,) * 12
+
+
+class UpstreamHint:
+    """Shared by the calls of ``linear_log_probs`` in one training loop: whether the last
+    backward's upstream gradient on the per-token losses was the same for every token with a
+    target (``uniform``: None before any). When it was, the next forward computes the gradients
+    for a unit one at once, the eager schedule's three matrix products, and its backward scales
+    them; when it no longer is, that backward recomputes (four products in all, that once)."""
+
+    def __init__(self) -> None:
+        self.uniform: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"UpstreamHint(uniform={self.uniform})"
+
+
+def _uniform_upstream(g: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """The 0-dim upstream gradient every token with a target has, or None if they differ (one
+    host read). No token with a target: 0."""
+    g = g.reshape(-1).to(torch.float32)
+    valid = targets >= 0
+    hi = torch.where(valid, g, float("-inf")).amax()
+    lo = torch.where(valid, g, float("inf")).amin()
+    same, none = torch.stack([hi == lo, ~valid.any()]).tolist()  # the host read
+    if none:
+        return g.new_zeros(())
+    return hi if same else None
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -518,6 +617,39 @@ def _autocast_inputs(hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
+def input_needs(x, w, bias) -> tuple[bool, bool, bool]:
+    """Whether the hidden states, the weight and the bias need a gradient, taken before
+    ``apply()`` (inside the forward grad mode is off, and ``needs_input_grad`` does not see an
+    outer ``torch.no_grad()``)."""
+    grad_on = torch.is_grad_enabled()
+    return (
+        grad_on and x.requires_grad,
+        grad_on and w.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+
+
+def prepare_head_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Checked (whole tensors, matching shapes), cast as autocast casts ``F.linear``'s inputs,
+    hidden flattened to (N, D), both with unit stride along D: the inputs of the ops."""
+    _check_not_sharded(hidden=hidden, weight=weight, bias=bias)
+    _check_shapes(hidden, weight, bias)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
+            f"({None if bias is None else bias.dtype}) must have the same dtype (or run under "
+            "torch.autocast)"
+        )
+    x = hidden.reshape(-1, hidden.shape[-1])
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != x.shape[1]):
+        x = x.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return x, w, bias
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -586,21 +718,9 @@ def linear_cross_entropy(
     and backward: the result is bit for bit that of the same call without autocast on the cast
     inputs.
     """
-    _check_not_sharded(hidden=hidden, weight=weight, bias=bias)
-    _check_shapes(hidden, weight, bias)
+    x, w, bias = prepare_head_inputs(hidden, weight, bias)
     check_options(reduction, label_smoothing, z_loss_scale, softcap)
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        raise TypeError(
-            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
-            f"({None if bias is None else bias.dtype}) must have the same dtype (or run under "
-            "torch.autocast)"
-        )
-    V = weight.shape[0]
-    x = hidden.reshape(-1, hidden.shape[-1])
-    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != x.shape[1]):
-        x = x.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    V = w.shape[0]
     targets, weights = prepare_loss_inputs(
         labels,
         x.shape[0],
@@ -615,13 +735,8 @@ def linear_cross_entropy(
     )
     if chunk_bytes is None:
         chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
-    grad_on = torch.is_grad_enabled()
-    needs = (
-        grad_on and x.requires_grad,
-        grad_on and w.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
-    )
-    loss, z = LinearCrossEntropyFunction.apply(
+    needs = input_needs(x, w, bias)
+    loss, z, *_ = LinearCrossEntropyFunction.apply(
         x,
         w,
         bias,

@@ -12,7 +12,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossOutput", "cross_entropy_reference", "linear_cross_entropy_reference"]
+__all__ = [
+    "LossOutput",
+    "TokenLogProbs",
+    "cross_entropy_reference",
+    "linear_cross_entropy_reference",
+    "linear_log_probs_reference",
+]
 
 
 class LossOutput(NamedTuple):
@@ -135,3 +141,65 @@ def linear_cross_entropy_reference(
     if bias is not None:
         logits = logits + bias.float()
     return cross_entropy_reference(logits, labels, **kwargs)
+
+
+class TokenLogProbs(NamedTuple):
+    """Per-token outputs of ``linear_log_probs``, each shaped like the labels and 0 (False) where
+    a token has no target; a statistic not requested is None.
+
+    ``log_probs``: log p(target) (differentiable). ``entropy``: -sum_v p_v log p_v
+    (differentiable). ``log_sum_sq_probs``: log sum_v p_v^2. ``mean_logits``: the mean over the
+    vocabulary of the logits the distribution is the softmax of (scaled, capped, divided by the
+    temperature). ``is_top1``: the target is the first maximum of those logits, as argmax picks
+    it. The last three have no gradient."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+
+
+def linear_log_probs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> TokenLogProbs:
+    """Every ``TokenLogProbs`` field from the full logits in ``dtype`` (fp32 or fp64):
+    ``log_softmax`` of ``cap * tanh(logit_scale * logits / cap) / temperature``. ``shift``: the
+    target of token t is label t + 1 of its row (none for a row's last token)."""
+    logits = hidden.to(dtype) @ weight.to(dtype).T
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    x = logits * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    x = x / temperature
+    lab = labels if labels.dim() == 2 else labels.view(1, -1)
+    if shift:
+        lab = torch.cat([lab[:, 1:], torch.full_like(lab[:, :1], ignore_index)], dim=1)
+    tgt = lab.reshape(-1)
+    x = x.reshape(tgt.numel(), -1)
+    valid = tgt != ignore_index
+    logp = torch.log_softmax(x, dim=-1)
+    picked = logp.gather(1, torch.where(valid, tgt, 0)[:, None])[:, 0]
+    zero = torch.zeros((), dtype=dtype, device=x.device)
+
+    def masked(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, t, zero).view(labels.shape)
+
+    return TokenLogProbs(
+        log_probs=masked(picked),
+        entropy=masked(-(logp.exp() * logp).sum(-1)),
+        log_sum_sq_probs=masked(torch.logsumexp(2.0 * logp, dim=-1)),
+        mean_logits=masked(x.mean(-1)),
+        is_top1=(valid & (x.argmax(-1) == tgt)).view(labels.shape),
+    )

@@ -53,6 +53,8 @@ from .forward import (
     moe_causal_lm_forward,
 )
 from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
+from .integrations.trl import REQUEST_ATTR as TRL_REQUEST_ATTR
+from .integrations.trl import serve_fused_head
 from .layers import (
     EMBEDDING_ATTR,
     MLP_ATTR,
@@ -83,6 +85,8 @@ __all__ = [
 M = TypeVar("M", bound=nn.Module)
 
 ACCEPTS_ATTR = "_surgery_accepts_loss_kwargs"
+TRL_HOOK_ATTR = "_surgery_trl_hook"
+"""The patched causal LM's handle of its ``serve_fused_head`` pre-hook, removed by ``unpatch``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +289,10 @@ def _install(
         if experts_changed:
             restore_experts(lm)
         raise
+    if spec is not None and TRL_HOOK_ATTR not in lm.__dict__ and _serves_trl(lm, spec):
+        lm.__dict__[TRL_HOOK_ATTR] = lm.register_forward_pre_hook(
+            serve_fused_head, with_kwargs=True
+        )
     if options.loss_reduction == "sequence" and ACCEPTS_ATTR not in lm.__dict__:
         # num_items_in_batch counts tokens across the accumulated batch; a per-sequence mean cannot
         # use it. With accepts_loss_kwargs False the HF Trainer passes none and divides each
@@ -296,10 +304,22 @@ def _install(
         lm.__dict__["accepts_loss_kwargs"] = False
 
 
+def _serves_trl(lm: nn.Module, spec: ArchitectureSpec) -> bool:
+    """Whether ``lm``'s patched forward serves TRL's fused head (``surgery.integrations.trl``):
+    a causal LM or a multimodal wrapper holding the head, not one whose language model is the
+    causal LM (Llama 4's: TRL's head runs there)."""
+    wrapper = spec.wrapper_of(lm)
+    return wrapper is None or not spec.is_instance(language_model(lm, wrapper), spec.causal_lm)
+
+
 def _unpatch_lm(lm: nn.Module) -> None:
     for module in lm.modules():
         restore_swap(module)
     restore_experts(lm)
+    hook = lm.__dict__.pop(TRL_HOOK_ATTR, None)
+    if hook is not None:
+        hook.remove()
+    lm.__dict__.pop(TRL_REQUEST_ATTR, None)
     if ACCEPTS_ATTR in lm.__dict__:
         had, value = lm.__dict__.pop(ACCEPTS_ATTR)
         if had:

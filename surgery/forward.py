@@ -46,6 +46,8 @@ from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .chunked_attention import packed_chunk_size
 from .compiling import graph_break_allowed, host_read
 from .head import fuse_replaced_head, head_logits, head_takes_loss, warn_unfused
+from .integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
+from .integrations.trl import FusedHeadRequest, fused_head_output
 from .linear_attention import DOCUMENTS_KWARG, documents_of
 from .options import PatchOptions
 from .outputs import (
@@ -251,9 +253,13 @@ def _forward(
     request: LossRequest | None = kwargs.pop(LOSS_REQUEST_KWARG, None)
     if request is not None:  # the labels of a multimodal wrapper around this causal LM
         labels = request.labels
+    # TRL's fused head (surgery.integrations.trl): per-token outputs in TRL's output class.
+    trl_request: FusedHeadRequest | None = kwargs.pop(TRL_REQUEST_KWARG, None)
+    if trl_request is not None:
+        use_cache = False
     moe = state.spec.router_aux_loss
     if moe:
-        if output_router_logits is None and state.router_logits_by_default:
+        if output_router_logits is None and (state.router_logits_by_default or trl_request):
             output_router_logits = getattr(config, "output_router_logits", False)
         if output_router_logits is not None:
             kwargs["output_router_logits"] = output_router_logits
@@ -328,7 +334,8 @@ def _forward(
     ):
         targets = labels if shift_labels is None else shift_labels
         whole_rows = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        unpad = state.padding_free and whole_rows
+        # TRL's per-token outputs keep the batch's layout: the real tokens are not gathered.
+        unpad = state.padding_free and whole_rows and trl_request is None
         right_padded, unpadded = unpadded_layout(attention_mask, targets, ignore_index, unpad)
     if right_padded:
         # See PatchOptions.causal_right_padding. A multimodal model keeps the mask, as it may read
@@ -368,6 +375,21 @@ def _forward(
     softcap = getattr(config, state.spec.logit_softcap, None) if capped else None
 
     loss = z_loss = logits = None
+    if trl_request is not None and (labels is not None or shift_labels is not None):
+        head_options = dict(
+            chunk_bytes=options.loss_chunk_bytes,
+            low_memory=options.loss_low_memory,
+            skip_ignored=options.loss_skip_ignored,
+        )
+        output = fused_head_output(self, trl_request, hidden, labels, shift_labels,
+                                   num_items_in_batch, head_options)  # fmt: skip
+        if moe and output_router_logits:
+            output.aux_loss = _aux_loss(self, state, config, outputs, input_ids, inputs_embeds,
+                                        router_mask)  # fmt: skip
+            output.loss = output.loss + _moe_args(self, state, config).router_aux_loss_coef * (
+                output.aux_loss.to(output.loss.device)
+            )
+        return output
     if labels is None:
         logits = head_logits(self, hidden, softcap)
     else:
@@ -412,29 +434,41 @@ def _forward(
     if moe:
         aux_loss = None
         if output_router_logits:
-            # The causal LM's attributes, or the text config of a wrapper (its forward reads them
-            # there).
-            moe_args = self if wrapper is None else config
-            if router_mask is None:
-                # Every row counts: a mask of ones says so. Without a mask, transformers up to
-                # 5.17 counts each layer's experts with bincount, a device-to-host read (under
-                # compile a graph break, the GPU idle while the host catches up); with one the
-                # counts are sums of ones (exact), the same value without the read.
-                tokens = input_ids if input_ids is not None else inputs_embeds
-                router_mask = every_token_mask(*tokens.shape[:2], tokens.device)
-            aux_loss = _load_balancing_loss(state.spec)(
-                outputs.router_logits,
-                moe_args.num_experts,
-                moe_args.num_experts_per_tok,
-                router_mask,
-            )
+            aux_loss = _aux_loss(self, state, config, outputs, input_ids, inputs_embeds,
+                                 router_mask)  # fmt: skip
             if loss is not None:
-                loss = loss + moe_args.router_aux_loss_coef * aux_loss.to(loss.device)
+                coef = _moe_args(self, state, config).router_aux_loss_coef
+                loss = loss + coef * aux_loss.to(loss.device)
         fields["aux_loss"] = aux_loss
     output = state.output(loss=loss, logits=logits, z_loss=z_loss, **fields)
     if request is not None:
         request.output = output
     return output
+
+
+def _moe_args(self, state: PatchState, config):
+    """Where the MoE settings are read: the causal LM's attributes, or the text config of a
+    wrapper (its forward reads them there)."""
+    return self if state.wrapper is None else config
+
+
+def _aux_loss(self, state, config, outputs, input_ids, inputs_embeds, router_mask):
+    """transformers' load-balancing loss of the router logits over the tokens of
+    ``router_mask``."""
+    moe_args = _moe_args(self, state, config)
+    if router_mask is None:
+        # Every row counts: a mask of ones says so. Without a mask, transformers up to 5.17
+        # counts each layer's experts with bincount, a device-to-host read (under compile a graph
+        # break, the GPU idle while the host catches up); with one the counts are sums of ones
+        # (exact), the same value without the read.
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        router_mask = every_token_mask(*tokens.shape[:2], tokens.device)
+    return _load_balancing_loss(state.spec)(
+        outputs.router_logits,
+        moe_args.num_experts,
+        moe_args.num_experts_per_tok,
+        router_mask,
+    )
 
 
 def document_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:

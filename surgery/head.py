@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch import nn
 
-from surgery.kernels import linear_cross_entropy
+from surgery.kernels import linear_cross_entropy, linear_log_probs
 
 from .swap import apply_swaps, is_swapped, plan_swap
 
@@ -39,12 +39,28 @@ def lm_head_forward(
     self: nn.Linear, input: torch.Tensor, labels: torch.Tensor | None = None, **loss
 ):
     """``nn.Linear.forward`` that, given ``labels``, returns the ``LossOutput`` of
-    ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product. Called
-    through the module, so the weight is whatever the module holds during its forward (FSDP2
-    unshards it there)."""
+    ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product (given
+    ``outputs`` too, the ``TokenLogProbs`` of ``linear_log_probs``). Called through the module,
+    so the weight is whatever the module holds during its forward (FSDP2 unshards it there)."""
     if labels is None:
         return type(self).forward(self, input)
+    if "outputs" in loss:  # per-token log-probabilities (surgery.integrations.trl)
+        return _log_probs(self, input, labels, **loss)
     return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
+
+
+def _log_probs(
+    head: nn.Linear, input: torch.Tensor, labels: torch.Tensor, cast_fp32: bool = False, **options
+):
+    """``linear_log_probs`` of the head; ``cast_fp32``: of the head run in fp32 outside autocast
+    (hidden states, weight and bias cast, differentiably, on entry)."""
+    weight, bias = head.weight, head.bias
+    if not cast_fp32:
+        return linear_log_probs(input, weight, labels, bias=bias, **options)
+    with torch.autocast(input.device.type, enabled=False):
+        fp32 = (t if t is None else t.float() for t in (input, weight, bias))
+        input, weight, bias = fp32
+        return linear_log_probs(input, weight, labels, bias=bias, **options)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:

@@ -1,0 +1,204 @@
+"""TRL's fused LM head against surgery's, the head alone, side by side in one run on one GPU.
+
+    python benchmarks/bench_trl_head.py --out benchmarks/results
+    python benchmarks/bench_trl_head.py --smoke        # CPU, tiny shapes, plumbing only
+
+Each case is a head shape (N tokens, D, V) in bf16 and a training objective over its per-token
+outputs, as TRL's trainers ask for them:
+
+- ``sft``: SFTTrainer's, outputs log_probs, entropy and is_top1; loss = -sum(log_probs) / N (the
+  token mean: the same upstream gradient on every token).
+- ``grpo``: a policy-gradient pass, outputs log_probs and entropy, temperature 0.7; loss =
+  -sum(advantage * log_probs) / N with a random advantage per token (a gradient per token).
+
+Contenders: TRL's ``ChunkedLogProbFunction`` (its 1.16 wheel, TRL's own chunk size), surgery's
+``linear_log_probs`` (for ``sft`` with an ``UpstreamHint`` taught by one call first, as in
+training from the second step on), and the floor: the three bf16 matrix products every exact
+head does (``x @ W.T``, ``dlogits @ W``, ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
+median of forward+backward. Memory: peak allocated over one forward+backward minus what was
+allocated before it, the gradients dX, dW excluded. Accuracy: ||a - b|| / ||b|| of log_probs
+and dX, dW between surgery and TRL (both accumulate in fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, environment, fmt, gib, import_surgery, table, write_json
+
+CASES = {  # name: (N, D, V, softcap)
+    "llama3-8b": (8192, 4096, 128256, None),
+    "gemma2": (8192, 2304, 256000, 30.0),
+    "qwen2.5-7b": (16384, 3584, 152064, None),
+}
+SMOKE = {"tiny": (64, 32, 300, None), "tiny-softcap": (64, 32, 300, 5.0)}
+OBJECTIVES = {
+    "sft": dict(outputs=("log_probs", "entropy", "is_top1"), temperature=1.0),
+    "grpo": dict(outputs=("log_probs", "entropy"), temperature=0.7),
+}
+
+
+def trl_function():
+    """TRL's ChunkedLogProbFunction and chunk size, without importing ``trl.trainer`` (pandas,
+    datasets): its backward imports ``maybe_gather_lm_head_ctx`` from there at call time, a
+    no-op without ZeRO-3, given here as one."""
+    import trl.kernels.chunked_logprob as chunked
+
+    if "trl.trainer.utils" not in sys.modules:
+        stub = types.ModuleType("trl.trainer.utils")
+        stub.maybe_gather_lm_head_ctx = lambda *a, **k: contextlib.nullcontext()
+        sys.modules.setdefault("trl.trainer", types.ModuleType("trl.trainer"))
+        sys.modules["trl.trainer.utils"] = stub
+    return chunked.ChunkedLogProbFunction, 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def make_inputs(n, d, v, device, seed=0):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(n, d, generator=g) * 1.0).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 2.0 / d**0.5).to(device, torch.bfloat16)
+    w.requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    advantage = torch.randn(n, generator=g).to(device)
+    return x, w, labels, advantage
+
+
+def contenders(objective, softcap, advantage):
+    import torch
+
+    kernels = import_surgery().kernels
+    chunked, chunk = trl_function()
+    opts = OBJECTIVES[objective]
+    n = advantage.numel()
+    coef = advantage if objective == "grpo" else torch.ones_like(advantage)
+
+    def loss_of(log_probs):
+        return -(coef * log_probs).sum() / n
+
+    def trl(x, w, labels):
+        out = chunked.apply(x, w, None, labels, opts["temperature"], chunk, softcap, 1.0,
+                            opts["outputs"])  # fmt: skip
+        return out[0], loss_of(out[0])
+
+    hint = kernels.UpstreamHint() if objective == "sft" else None
+
+    def surgery(x, w, labels):
+        out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
+                                       temperature=opts["temperature"], softcap=softcap,
+                                       upstream=hint)  # fmt: skip
+        return out.log_probs, loss_of(out.log_probs)
+
+    return {"trl": trl, "surgery": surgery}
+
+
+def bench(fn, device, grads):
+
+    if device != "cuda":
+        fn()
+        return None
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=100, rep=500, grad_to_none=grads,
+                                         return_mode="median"))  # fmt: skip
+
+
+def peak_extra(step, device, grads):
+    import torch
+
+    if device != "cuda":
+        return None
+    for t in grads:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in grads)
+    return torch.cuda.max_memory_allocated() - base - grad_bytes
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_case(name, shape, objective, device):
+    import torch
+
+    n, d, v, softcap = shape
+    x, w, labels, advantage = make_inputs(n, d, v, device)
+    fns = contenders(objective, softcap, advantage)
+    row = {"case": name, "objective": objective, "n": n, "d": d, "v": v, "softcap": softcap}
+    results = {}
+    for who, fn in fns.items():
+
+        def step(fn=fn):
+            _, loss = fn(x, w, labels)
+            loss.backward()
+
+        step()  # warm-up (compiles; teaches surgery's hint the upstream)
+        x.grad = w.grad = None
+        lp, loss = fn(x, w, labels)
+        loss.backward()
+        results[who] = (lp.detach(), x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        row[f"{who}_ms"] = bench(step, device, [x, w])
+        row[f"{who}_extra_gib"] = gib(peak_extra(step, device, [x, w]))
+    if device == "cuda":
+        dl = torch.randn(n, v, device=device, dtype=torch.bfloat16)
+        xd, wd = x.detach(), w.detach()
+
+        def floor():
+            xd @ wd.T
+            dl @ wd
+            dl.T @ xd
+
+        row["floor_ms"] = bench(floor, device, [])
+        del dl
+        for who in fns:
+            row[f"{who}_x_floor"] = row[f"{who}_ms"] / row["floor_ms"]
+        row["speedup_vs_trl"] = row["trl_ms"] / row["surgery_ms"]
+    for i, what in enumerate(("log_probs", "dx", "dw")):
+        row[f"rel_diff_{what}"] = rel(results["surgery"][i], results["trl"][i])
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (or --smoke)")
+    rows = []
+    for name, shape in (SMOKE if args.smoke else CASES).items():
+        for objective in OBJECTIVES:
+            rows.append(run_case(name, shape, objective, device))
+            print(rows[-1], flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    result = {"environment": environment(), "rows": rows}
+    stem = "trl_head_smoke" if args.smoke else "trl_head"
+    write_json(args.out / f"{stem}.json", result)
+    headers = ["case", "objective", "floor ms", "TRL ms", "surgery ms", "x floor", "vs TRL",
+               "TRL GiB", "surgery GiB", "dW diff"]  # fmt: skip
+    print(table(headers, [[
+        r["case"], r["objective"], fmt(r.get("floor_ms")), fmt(r.get("trl_ms")),
+        fmt(r.get("surgery_ms")), fmt(r.get("surgery_x_floor")), fmt(r.get("speedup_vs_trl")),
+        fmt(r.get("trl_extra_gib")), fmt(r.get("surgery_extra_gib")), fmt(r["rel_diff_dw"]),
+    ] for r in rows]))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

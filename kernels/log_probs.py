@@ -1,0 +1,111 @@
+"""Per-token log-probabilities of ``hidden @ weight.T (+ bias)`` and statistics of the same
+distribution, without the full logits: what RL and distillation-free fine-tuning losses read
+(TRL's fused head asks for exactly these; ``surgery.integrations.trl`` serves it from here).
+
+It is the fused linear cross entropy read per token (log p(target) = -ce, reduction "none"),
+through the same autograd path (``LinearCrossEntropyFunction``): any upstream gradient on the
+log-probabilities and on the entropy is exact (the backward recomputes the logits one vocabulary
+slice at a time); the other statistics are computed in the forward's sweep over each row and
+cost nothing when not requested. The fp32 reference is ``reference.linear_log_probs_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cross_entropy import STATISTICS, check_options, prepare_loss_inputs
+from .linear_cross_entropy import (
+    DEFAULT_CHUNK_BYTES,
+    LOW_MEMORY_CHUNK_BYTES,
+    LinearCrossEntropyFunction,
+    UpstreamHint,
+    input_needs,
+    prepare_head_inputs,
+)
+from .reference import TokenLogProbs
+
+__all__ = ["OUTPUTS", "TokenLogProbs", "UpstreamHint", "linear_log_probs"]
+
+OUTPUTS = ("log_probs", *STATISTICS)
+"""The names ``linear_log_probs`` can return (``TokenLogProbs``' fields)."""
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    outputs: tuple[str, ...] = ("log_probs",),
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_bytes: int | None = None,
+    low_memory: bool = False,
+    skip_ignored: bool = False,
+    upstream: UpstreamHint | None = None,
+) -> TokenLogProbs:
+    """Per-token ``TokenLogProbs`` of the distribution ``softmax(x)``, where
+    ``x = cap * tanh(logit_scale * (hidden @ weight.T + bias) / cap) / temperature`` (``cap`` the
+    ``softcap``, where given).
+
+    Args:
+        hidden, weight, labels, bias, ignore_index, shift, position_ids, cu_seqlens,
+            chunk_bytes, skip_ignored: as ``linear_cross_entropy`` takes them (``shift``: the
+            target of a token is the next label of its row and sequence).
+        outputs: which fields to compute, among ``OUTPUTS``; ``log_probs`` always is. Each
+            statistic costs a few operations per logit in the forward's sweep, none when off.
+        temperature: > 0; logit_scale: any float (1: none).
+        low_memory: smaller vocabulary slices in the backward (64 MiB of logits by default),
+            and never the gradients in the forward (``upstream`` is then only informed).
+        upstream: an ``UpstreamHint`` kept across the steps of a loop whose loss weighs every
+            token's log-probability alike (a token mean: SFT): from the second step on, the
+            forward computes the gradients at once (three matrix products, as
+            ``linear_cross_entropy`` does, instead of four); each backward checks that the
+            upstream gradient is still uniform over the tokens with a target (one host read) and
+            recomputes if not. Exact either way; off under ``torch.compile``. None: never.
+
+    Returns:
+        ``TokenLogProbs``, fp32 (``is_top1`` bool), shaped like ``labels``, 0 where a token has no
+        target. ``log_probs`` and ``entropy`` take any upstream gradient exactly; a gradient
+        through the entropy (an entropy bonus) is computed with the log-probabilities' in the
+        same recomputation.
+    """
+    unknown = set(outputs) - set(OUTPUTS)
+    if unknown:
+        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names among {OUTPUTS}")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_options("none", 0.0, 0.0, softcap)
+    x, w, bias = prepare_head_inputs(hidden, weight, bias)
+    targets, _ = prepare_loss_inputs(
+        labels,
+        x.shape[0],
+        w.shape[0],
+        x.device,
+        ignore_index=ignore_index,
+        reduction="none",
+        num_items_in_batch=None,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        shift=shift,
+    )
+    if chunk_bytes is None:
+        chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+    needs = input_needs(x, w, bias)
+    stats = sum(1 << i for i, name in enumerate(STATISTICS) if name in outputs)
+    ce, _, *statistics = LinearCrossEntropyFunction.apply(
+        x, w, bias, targets, None, float(softcap or 0.0), 0.0, 0.0, int(chunk_bytes),
+        bool(low_memory),
+        needs, bool(skip_ignored), (float(logit_scale), 1.0 / float(temperature)), stats,
+        None if torch.compiler.is_compiling() else upstream,
+    )  # fmt: skip
+    fields = {
+        name: t.view(labels.shape) if name in outputs else None
+        for name, t in zip(STATISTICS, statistics, strict=True)
+    }
+    return TokenLogProbs(log_probs=(-ce).view(labels.shape), **fields)

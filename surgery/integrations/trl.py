@@ -1,0 +1,202 @@
+"""TRL's fused LM head, served by surgery's kernel on a patched model.
+
+TRL's trainers (``SFTTrainer``, ``GRPOTrainer``, ``RLOOTrainer``, ``KTOTrainer``, ``DPOTrainer``)
+call ``trl.trainer.utils.add_fused_lm_head(model, ...)``, which sets ``model.forward`` to its
+``_fused_forward``: called with ``fused_lm_head=True`` it runs the backbone and TRL's chunked
+log-probability kernel, and returns a ``FusedCausalLMOutput`` (per-token ``log_probs`` and the
+``outputs`` asked for at install time, ``label_mask``, the loss, the MoE ``aux_loss``); called
+without, it calls the forward it replaced, which on a patched model is surgery's.
+
+surgery serves the first kind of call. ``patch`` registers ``serve_fused_head`` as a forward
+pre-hook of the patched causal LM (it runs inside ``model(...)``, also under PEFT, DDP, FSDP2 and
+accelerate's wrappers). On a call with ``fused_lm_head=True`` whose forward is TRL's
+``_fused_forward`` of a checked release (``CHECKED``), installed over surgery's forward, the hook
+takes ``fused_lm_head`` out and puts a ``FusedHeadRequest`` (TRL's settings, read from that
+function: temperature, outputs, softcap, logit scale, fp32 head) in its place. TRL's forward then
+hands every argument to surgery's, which runs the base model and ``linear_log_probs`` through
+the lm_head module and builds TRL's output with TRL's semantics (``fused_head_output``).
+
+Anything else keeps TRL's head, whole: another TRL release (with a warning, once per model), a
+head with an adapter of its own (LoRA on lm_head), a forward TRL did not install over surgery's.
+What is read of TRL's (the function's name, module and closure names, ``FusedCausalLMOutput``)
+is pinned by ``tests/surgery/test_trl.py`` against the TRL release CI installs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.kernels import UpstreamHint
+
+from ..head import head_takes_loss
+from ..swap import ORIGINAL_ATTR
+
+__all__ = [
+    "CHECKED",
+    "REQUEST_KWARG",
+    "FusedHeadRequest",
+    "fused_head_output",
+    "fused_head_request",
+    "serve_fused_head",
+]
+
+CHECKED = ("1.16",)
+"""TRL releases (major.minor) whose fused head surgery serves: the contract was checked against
+each (``tests/surgery/test_trl.py``)."""
+
+REQUEST_KWARG = "surgery_trl_request"
+"""The keyword argument that carries a ``FusedHeadRequest`` from the hook to surgery's forward."""
+
+REQUEST_ATTR = "_surgery_trl_request"
+"""Instance attribute of the patched causal LM: (TRL's function, its ``FusedHeadRequest`` or
+None), read once per installed function."""
+
+_CLOSURE = (
+    "original_forward",
+    "temperature",
+    "outputs",
+    "cast_lm_head_to_fp32",
+    "final_logit_softcapping",
+    "logit_scale",
+)
+
+
+@dataclass(frozen=True)
+class FusedHeadRequest:
+    """TRL's fused-head settings, as ``add_fused_lm_head`` fixed them for this model, and what
+    the model's training calls taught about their upstream gradient (``linear_log_probs``'
+    ``upstream``): uniform over the tokens in SFT's token mean, and then the head takes three
+    matrix products; per token in RL objectives."""
+
+    outputs: tuple[str, ...]
+    temperature: float
+    logit_scale: float
+    softcap: float | None
+    cast_fp32: bool
+    upstream: UpstreamHint = field(default_factory=UpstreamHint, compare=False)
+
+
+def _trl_function(forward: Any) -> Any:
+    """TRL's ``_fused_forward`` function behind ``forward`` (bound, or inside accelerate's
+    wrappers, which keep ``__wrapped__``), or None. TRL's own ``__wrapped__`` (``functools.wraps``
+    of the class forward) is never followed past it."""
+    fn = forward
+    for _ in range(16):
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        module = getattr(fn, "__globals__", {}).get("__name__")
+        if code is not None and code.co_name == "_fused_forward" and module == "trl.trainer.utils":
+            return fn
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    return None
+
+
+def _trl_version() -> str:
+    import trl
+
+    return ".".join(trl.__version__.split(".")[:2])
+
+
+def _read_request(model: nn.Module, fn: Any) -> FusedHeadRequest | None:
+    version = _trl_version()
+    if version not in CHECKED:
+        warnings.warn(
+            f"surgery: TRL {version}'s fused LM head is not one surgery has checked (it serves "
+            f"TRL {', '.join(CHECKED)}); TRL's own head computes the log-probabilities of "
+            f"{type(model).__name__}, surgery's layer kernels still run.",
+            stacklevel=4,
+        )
+        return None
+    closure = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    if not set(_CLOSURE) <= set(closure):
+        return None
+    installed = model.__dict__.get(ORIGINAL_ATTR)
+    if installed is None or closure["original_forward"] is not installed.value:
+        return None  # TRL wrapped a forward other than surgery's
+    if not head_takes_loss(model.lm_head):
+        return None  # an adapter on the head: its logits, through TRL's head
+    softcap = closure["final_logit_softcapping"]
+    return FusedHeadRequest(
+        outputs=tuple(closure["outputs"]),
+        temperature=float(closure["temperature"]),
+        logit_scale=float(closure["logit_scale"]),
+        softcap=None if softcap is None else float(softcap),
+        cast_fp32=bool(closure["cast_lm_head_to_fp32"]),
+    )
+
+
+def fused_head_request(model: nn.Module) -> FusedHeadRequest | None:
+    """The request surgery serves for TRL's fused forward on ``model``, or None (TRL's head)."""
+    fn = _trl_function(model.forward)
+    if fn is None:
+        return None
+    cached = model.__dict__.get(REQUEST_ATTR)
+    if cached is None or cached[0] is not fn:
+        cached = (fn, _read_request(model, fn))
+        model.__dict__[REQUEST_ATTR] = cached
+    return cached[1]
+
+
+def serve_fused_head(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook (``with_kwargs=True``) of a patched causal LM: a TRL fused-head call
+    becomes a call of surgery's forward with a ``FusedHeadRequest`` (module docstring). Any other
+    call is left as it is, at the cost of one dictionary lookup."""
+    if not kwargs.get("fused_lm_head"):
+        return None
+    request = fused_head_request(model)
+    if request is None:
+        return None
+    kwargs = dict(kwargs)
+    del kwargs["fused_lm_head"]
+    kwargs[REQUEST_KWARG] = request
+    return args, kwargs
+
+
+def fused_head_output(
+    model: nn.Module,
+    request: FusedHeadRequest,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch: Any,
+    head_options: dict,
+):
+    """TRL's ``FusedCausalLMOutput`` of the final hidden states (B, T, D), with TRL's semantics:
+    targets are the labels shifted by one position in each row (``hidden[:, :-1]`` against
+    ``labels[:, 1:]``), or ``shift_labels`` as given; every per-token field is (B, T - 1) (or
+    (B, T)) and 0 (False) where the target is -100; ``loss`` is minus the sum of the
+    log-probabilities over ``num_items_in_batch`` (default: the number of targets, at least 1).
+    The MoE aux loss is added by the caller. ``head_options``: the patch's loss kernel settings
+    (chunk size, ``skip_ignored``, ``low_memory``)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    shift = shift_labels is None
+    targets = (labels if shift else shift_labels).to(hidden.device)
+    out = model.lm_head(
+        hidden,
+        labels=targets,
+        outputs=request.outputs,
+        temperature=request.temperature,
+        logit_scale=request.logit_scale,
+        softcap=request.softcap,
+        shift=shift,
+        cast_fp32=request.cast_fp32,
+        upstream=request.upstream,
+        **head_options,
+    )
+
+    def trim(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[:, :-1].contiguous() if shift and t is not None else t
+
+    fields = {name: trim(getattr(out, name)) for name in out._fields}
+    mask = (targets[:, 1:] if shift else targets) != -100
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -fields["log_probs"].sum() / count
+    return FusedCausalLMOutput(loss=loss, label_mask=mask, **fields)

@@ -1,0 +1,198 @@
+"""``linear_log_probs``: every per-token output and the gradients of the log-probabilities and
+the entropy against an fp64 reference on the full logits, within the dtype's budget beside eager
+PyTorch; the argmax rule of ``is_top1``; statistics that cost nothing when not requested."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from surgery.kernels import (
+    UpstreamHint,
+    linear_cross_entropy,
+    linear_log_probs,
+    linear_log_probs_reference,
+)
+from surgery.kernels.log_probs import OUTPUTS
+from tests.utils import DEVICE, assert_close_budget
+
+CASES = {
+    "plain": dict(),
+    "temperature": dict(temperature=0.7),
+    "scale-softcap": dict(logit_scale=1.3, softcap=5.0),
+    "shift": dict(shift=True, temperature=1.4),
+    "skip_ignored": dict(skip_ignored=True, softcap=30.0),
+}
+FLOAT_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+
+
+def make_inputs(n, d, v, dtype, seed=0, bias=True, shift=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 2 / d**0.5).to(DEVICE, dtype).requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.1).to(DEVICE, dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.3] = -100
+    # Some targets are the top-1 (most of a random row's are not).
+    with torch.no_grad():
+        logits = x.float() @ w.float().T + (0 if b is None else b.float())
+    top = logits.argmax(-1)[::4]
+    labels[int(shift) :: 4] = top[: len(labels[int(shift) :: 4])]
+    return x, w, b, labels.to(DEVICE)
+
+
+def eager_reference(x, w, b, labels, **kw):
+    """The reference over the logits eager PyTorch computes in the inputs' dtype (``x @ w.T``
+    rounded to it), the rest in fp32: what the kernel's budget is measured against."""
+    logits = x @ w.t() if b is None else torch.addmm(b, x, w.t())
+    eye = torch.eye(logits.shape[-1], device=logits.device)
+    return linear_log_probs_reference(logits.float(), eye, labels, **kw)
+
+
+def weighted_grads(out, inputs, g_lp, g_ent):
+    total = (out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()
+    return torch.autograd.grad(total, [t for t in inputs if t is not None])
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_output_and_gradient_against_fp64(case, dtype):
+    kw = CASES[case]
+    ref_kw = {k: v for k, v in kw.items() if k != "skip_ignored"}
+    x, w, b, labels = make_inputs(53, 24, 301, dtype, shift=kw.get("shift", False))
+    out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, chunk_bytes=4096, **kw)
+    ref = linear_log_probs_reference(x, w, labels, b, dtype=torch.float64, **ref_kw)
+    eager = eager_reference(x, w, b, labels, **ref_kw)
+    for name in FLOAT_OUTPUTS:
+        got = getattr(out, name)
+        assert got.dtype == torch.float32 and got.shape == labels.shape, name
+        assert_close_budget(got.double(), getattr(ref, name), getattr(eager, name).double(),
+                            dtype, name)  # fmt: skip
+    assert out.is_top1.dtype == torch.bool
+    assert torch.equal(out.is_top1, eager.is_top1)
+    assert out.is_top1.any() and not out.is_top1.all()
+    gen = torch.Generator().manual_seed(1)
+    g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
+    inputs = (x, w, b)
+    got_g = weighted_grads(out, inputs, g_lp, g_ent)
+    ref_g = weighted_grads(ref, inputs, g_lp.double(), g_ent.double())
+    eager_g = weighted_grads(eager, inputs, g_lp, g_ent)
+    for name, a, r, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got_g, ref_g, eager_g):
+        assert a.dtype == dtype
+        assert_close_budget(a.double(), r, e.double(), dtype, name)
+
+
+def test_log_probs_are_the_negated_per_token_loss_and_zero_where_ignored():
+    x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
+    out = linear_log_probs(x, w, labels, b, shift=True)
+    loss = linear_cross_entropy(x, w, labels, b, reduction="none", shift=True).loss
+    torch.testing.assert_close(out.log_probs, -loss, rtol=0, atol=0)
+    assert out.entropy is None and out.is_top1 is None
+    shifted_ignored = torch.cat([labels[1:], labels.new_full((1,), -100)]) == -100
+    assert (out.log_probs[shifted_ignored] == 0).all()
+
+
+def test_is_top1_takes_the_first_maximum_as_argmax_does():
+    """Two vocabulary rows equal: their logits tie exactly. The earlier column is the argmax."""
+    x = torch.randn(6, 8, device=DEVICE)
+    w = torch.randn(20, 8, device=DEVICE) * 0.1
+    w[[5, 11]] = x.new_tensor([10.0] * 8)  # columns 5 and 11 tie at the maximum for x > 0
+    x = x.abs()
+    labels = torch.tensor([5, 11, 5, 11, 3, -100], device=DEVICE)
+    out = linear_log_probs(x, w, labels, outputs=("is_top1",))
+    assert out.is_top1.tolist() == [True, False, True, False, False, False]
+
+
+def test_entropy_alone_takes_its_gradient_and_statistics_have_none():
+    x, w, b, labels = make_inputs(30, 16, 64, torch.float32)
+    out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS)
+    ref = linear_log_probs_reference(x, w, labels, b, dtype=torch.float64)
+    got = torch.autograd.grad(out.entropy.sum(), (x, w, b))
+    want = torch.autograd.grad(ref.entropy.sum(), (x, w, b))
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+    for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
+        assert not getattr(out, name).requires_grad, name
+
+
+def test_no_grad_and_statistics_off_launch_no_backward(monkeypatch):
+    """Under no_grad only the forward sweep runs; with no statistic asked, the kernel gets no
+    statistics buffer (the constexpr branches are off)."""
+    import importlib
+
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    seen = []
+    fwd = lce.cross_entropy_fwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["stats"])
+        return fwd(*args, **kwargs)
+
+    monkeypatch.setattr(lce, "cross_entropy_fwd", spy)
+    monkeypatch.setattr(lce, "cross_entropy_bwd", None)  # any call fails
+    x, w, b, labels = make_inputs(30, 16, 64, torch.float32)
+    with torch.no_grad():
+        out = linear_log_probs(x, w, labels, b)
+    assert seen and all(s == {} for s in seen)
+    assert not out.log_probs.requires_grad
+
+
+def test_traces_with_fullgraph_compile():
+    x, w, b, labels = make_inputs(24, 16, 64, torch.float32)
+
+    def step(x, w, b):
+        out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, temperature=0.9, shift=True)
+        return out.log_probs.sum() + 0.1 * out.entropy.sum(), out.is_top1
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    (loss_c, top1_c), (loss_e, top1_e) = compiled(x, w, b), step(x, w, b)
+    torch.testing.assert_close(loss_c, loss_e)
+    assert torch.equal(top1_c, top1_e)
+    for a, r in zip(torch.autograd.grad(loss_c, (x, w, b)), torch.autograd.grad(loss_e, (x, w, b))):
+        torch.testing.assert_close(a, r)
+
+
+def test_errors_are_clear():
+    x, w, _, labels = make_inputs(8, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="unknown outputs"):
+        linear_log_probs(x, w, labels, outputs=("logprobs",))
+    with pytest.raises(ValueError, match="temperature"):
+        linear_log_probs(x, w, labels, temperature=0.0)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_log_probs(x, w, labels, softcap=-1.0)
+
+
+def test_uniform_upstream_hint_takes_three_products_and_stays_exact(monkeypatch):
+    """A token mean (SFT): the first step learns that the upstream gradient is uniform, the next
+    ones compute the gradients in the forward (no recomputation); a step whose upstream is not
+    uniform (an RL advantage) recomputes. Every step's gradients equal the plain path's."""
+    import importlib
+
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    recomputed = []
+    bwd = lce.cross_entropy_bwd
+
+    def spy(*args, **kwargs):
+        recomputed.append(1)
+        return bwd(*args, **kwargs)
+
+    monkeypatch.setattr(lce, "cross_entropy_bwd", spy)
+    x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
+    hint = UpstreamHint()
+    gen = torch.Generator().manual_seed(2)
+    advantages = torch.randn(labels.shape, generator=gen).to(DEVICE)
+    steps = [("mean", True), ("mean", False), ("mean", False), ("advantage", True),
+             ("mean", True), ("mean", False)]  # fmt: skip
+    for upstream, recomputes in steps:
+        recomputed.clear()
+        out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, upstream=hint, shift=True)
+        plain = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, shift=True)
+        weights = -1.0 / 37 if upstream == "mean" else advantages
+        got = torch.autograd.grad((out.log_probs * weights).sum(), (x, w, b))
+        n_plain = len(recomputed)
+        want = torch.autograd.grad((plain.log_probs * weights).sum(), (x, w, b))
+        assert (n_plain > 0) == recomputes, (upstream, hint)
+        assert len(recomputed) > n_plain  # the plain path always recomputes
+        assert hint.uniform == (upstream == "mean")
+        for a, r in zip(got, want):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)

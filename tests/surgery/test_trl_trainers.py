@@ -1,0 +1,144 @@
+"""TRL's trainers with a patched model: each trains, a few steps, to the parameters and metrics
+of the same trainer with TRL's own head on the same patched model (serving turned off by
+declaring the installed TRL release unchecked), and surgery's kernel is what ran."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import surgery
+import surgery.head as head_module
+from surgery.integrations import trl as serving
+from tests.models.tiny import VOCAB, sequences, tiny_model
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+STEPS = 2
+COMMON = dict(
+    max_steps=STEPS,
+    learning_rate=0.1,
+    optim="sgd",  # linear in the gradients: Adam would amplify rounding where a gradient is ~0
+    report_to=[],
+    save_strategy="no",
+    use_cpu=True,
+    logging_steps=1,
+    seed=0,
+    data_seed=0,
+    dataloader_num_workers=0,
+    bf16=False,  # TRL's configs default to bf16 autocast; fp32 compares tightly
+)
+
+
+def _tiny_tokenizer():
+    """A word-level tokenizer whose ids are exactly the tiny model's vocabulary: [PAD] 0, [UNK]
+    1, t2 (also the end of sequence) to t130."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="t2"
+    )
+
+
+def _prompts():
+    return [" ".join(f"t{i}" for i in range(3 + k, 6 + 2 * k)) for k in range(4)]
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c) % 5) for c in completions]
+
+
+def _sft(model, tmp_path, padding_free):
+    seqs = sequences([9, 3, 7, 5])
+    data = datasets.Dataset.from_dict({"input_ids": [s.clamp(min=3).tolist() for s in seqs]})
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                         padding_free=padding_free, max_length=None, **COMMON)  # fmt: skip
+    return trl.SFTTrainer(model=model, args=args, train_dataset=data,
+                          processing_class=_tiny_tokenizer())  # fmt: skip
+
+
+def _grpo(model, tmp_path, _):
+    data = datasets.Dataset.from_dict({"prompt": _prompts()})
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.0,
+                          num_generations=2, max_completion_length=4, **COMMON)  # fmt: skip
+    return trl.GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
+                           processing_class=_tiny_tokenizer())  # fmt: skip
+
+
+def _rloo(model, tmp_path, _):
+    data = datasets.Dataset.from_dict({"prompt": _prompts()})
+    args = trl.RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.0,
+                          num_generations=2, max_completion_length=4, **COMMON)  # fmt: skip
+    return trl.RLOOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
+                           processing_class=_tiny_tokenizer())  # fmt: skip
+
+
+def _kto(model, tmp_path, _):
+    prompts = _prompts()
+    data = datasets.Dataset.from_dict({
+        "prompt": prompts,
+        "completion": [" t9 t8 t7", " t4", " t5 t6", " t11 t12"],
+        "label": [True, False, True, False],
+    })  # fmt: skip
+    ref = surgery.patch(tiny_model("llama", seed=1))
+    args = trl.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **COMMON)
+    return trl.KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=data,
+                          processing_class=_tiny_tokenizer())  # fmt: skip
+
+
+TRAINERS = {
+    "sft-padded": (_sft, False),
+    "sft-padding-free": (_sft, True),
+    "grpo": (_grpo, None),
+    "rloo": (_rloo, None),
+    "kto": (_kto, None),
+}
+
+
+def _train(name, tmp_path, monkeypatch, serve):
+    build, flag = TRAINERS[name]
+    calls = []
+    original = head_module.linear_log_probs
+
+    def spy(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(head_module, "linear_log_probs", spy)
+        if not serve:
+            patch.setattr(serving, "CHECKED", ())
+        model = surgery.patch(tiny_model("llama"))
+        trainer = build(model, tmp_path / ("served" if serve else "trl"), flag)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return params, logs, calls
+
+
+@pytest.mark.parametrize("name", list(TRAINERS), ids=list(TRAINERS))
+def test_trainer_trains_as_with_trls_own_head(name, tmp_path, monkeypatch):
+    params, logs, calls = _train(name, tmp_path, monkeypatch, serve=True)
+    want_params, want_logs, trl_calls = _train(name, tmp_path, monkeypatch, serve=False)
+    assert any(calls), f"{name}: surgery's kernel never served a training call"
+    assert not trl_calls
+    assert len(logs) == len(want_logs) == STEPS
+    for got, want in zip(logs, want_logs):
+        for key, value in want.items():
+            if isinstance(value, float) and not key.endswith(("time", "runtime", "per_second")):
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    moved = 0
+    for param, want in want_params.items():
+        torch.testing.assert_close(params[param], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=param: f"{n}: {m}")  # fmt: skip
+        moved += not torch.equal(want, tiny_model("llama").state_dict()[param])
+    assert moved, "no parameter moved: the comparison would be empty"
