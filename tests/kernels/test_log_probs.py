@@ -196,3 +196,83 @@ def test_uniform_upstream_hint_takes_three_products_and_stays_exact(monkeypatch)
         assert hint.uniform == (upstream == "mean")
         for a, r in zip(got, want):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
+
+
+def _trl_chunked_log_probs():
+    """TRL's own fused head function (its CUDA path), the peer on the GPU."""
+    chunked = pytest.importorskip("trl.kernels.chunked_logprob")
+    return chunked.ChunkedLogProbFunction
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_gpu_bf16_against_fp32_beside_trl(softcap):
+    """bf16 at a real vocabulary: every output and gradient within the error of TRL's own head
+    (both against an fp32 reference on the full logits), for an RL-like upstream gradient on the
+    log-probabilities and the entropy."""
+    trl_head = _trl_chunked_log_probs()
+    n, d, v = 1024, 1024, 32000
+    x, w, _, labels = make_inputs(n, d, v, torch.bfloat16, bias=False)
+    outputs = ("log_probs", "entropy", "is_top1")
+    gen = torch.Generator().manual_seed(1)
+    g_lp, g_ent = (torch.randn(n, generator=gen).cuda() for _ in range(2))
+
+    def run(fn):
+        out = fn()
+        got = torch.autograd.grad((out[0] * g_lp).sum() + (out[1] * g_ent).sum(), (x, w))
+        return [t.detach().float() for t in (*out[:2], *got)], out[-1]
+
+    ours, top1 = run(lambda: linear_log_probs(x, w, labels, outputs=outputs, softcap=softcap))
+    valid = labels >= 0
+    safe = labels.clamp(min=0)
+
+    def trl_fn():
+        lp, ent, _, _, top = trl_head.apply(x[valid], w, None, safe[valid], 1.0, 32768, softcap,
+                                            1.0, outputs)  # fmt: skip
+        full = [torch.zeros(n, device="cuda", dtype=t.dtype).masked_scatter(valid, t)
+                for t in (lp, ent, top)]  # fmt: skip
+        return full[0], full[1], full[2]
+
+    theirs, trl_top1 = run(trl_fn)
+    ref = linear_log_probs_reference(x, w, labels, softcap=softcap)
+    ref_g = torch.autograd.grad((ref.log_probs * g_lp).sum() + (ref.entropy * g_ent).sum(), (x, w))
+    want = [ref.log_probs, ref.entropy, *ref_g]
+    for name, a, t, r in zip(("log_probs", "entropy", "dx", "dw"), ours, theirs, want):
+        err, err_trl = (float((u - r.float()).norm() / r.float().norm()) for u in (a, t))
+        assert err <= 1.25 * err_trl + 1e-6, f"{name}: {err:.3e} vs TRL's {err_trl:.3e}"
+    agree = (top1 == ref.is_top1).float().mean().item()
+    agree_trl = (trl_top1.bool() == ref.is_top1).float().mean().item()
+    assert agree >= agree_trl - 1e-3, (agree, agree_trl)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_and_cuda_graphs():
+    """The default path (no ``upstream`` hint, no ``skip_ignored``) reads nothing on the host:
+    it runs under CUDA's sync debug mode "error" and is captured and replayed in a CUDA graph."""
+    x, w, _, labels = make_inputs(512, 256, 32000, torch.bfloat16, bias=False)
+
+    def step(x, w):
+        out = linear_log_probs(x, w, labels, outputs=OUTPUTS, temperature=0.9)
+        loss = (out.log_probs * 0.5).sum() + out.entropy.sum()
+        return (loss.detach(), *torch.autograd.grad(loss, (x, w)))
+
+    eager = step(x, w)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(x, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(xs, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(xs, ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
