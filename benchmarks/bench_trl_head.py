@@ -13,8 +13,10 @@ outputs, as TRL's trainers ask for them:
 
 Contenders: TRL's ``ChunkedLogProbFunction`` (its 1.16 wheel, TRL's own chunk size), surgery's
 ``linear_log_probs`` (for ``sft`` with an ``UpstreamHint`` taught by one call first, as in
-training from the second step on), and the floor: the three bf16 matrix products every exact
-head does (``x @ W.T``, ``dlogits @ W``, ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
+training from the second step on), for ``sft`` also surgery's ``linear_cross_entropy`` (the token
+mean alone, no per-token outputs: what the per-token contract costs beside it), and the floor:
+the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W``,
+``dlogits.T @ x``). Time: ``triton.testing.do_bench``
 median of forward+backward. Memory: peak allocated over one forward+backward minus what was
 allocated before it, the gradients dX, dW excluded. Accuracy: ||a - b|| / ||b|| of log_probs
 and dX, dW between surgery and TRL (both accumulate in fp32).
@@ -95,7 +97,14 @@ def contenders(objective, softcap, advantage):
                                        upstream=hint)  # fmt: skip
         return out.log_probs, loss_of(out.log_probs)
 
-    return {"trl": trl, "surgery": surgery}
+    def surgery_lce(x, w, labels):  # the loss alone: what the per-token contract costs
+        loss = kernels.linear_cross_entropy(x, w, labels, softcap=softcap).loss
+        return -loss.detach().expand(n), loss
+
+    fns = {"trl": trl, "surgery": surgery}
+    if objective == "sft":
+        fns["surgery_lce"] = surgery_lce
+    return fns
 
 
 def bench(fn, device, grads):
@@ -167,6 +176,8 @@ def run_case(name, shape, objective, device):
         row["speedup_vs_trl"] = row["trl_ms"] / row["surgery_ms"]
     for i, what in enumerate(("log_probs", "dx", "dw")):
         row[f"rel_diff_{what}"] = rel(results["surgery"][i], results["trl"][i])
+    if "surgery_lce" in results:
+        row["rel_diff_dw_lce"] = rel(results["surgery_lce"][2], results["trl"][2])
     return row
 
 
@@ -191,11 +202,12 @@ def main(argv=None) -> int:
     stem = "trl_head_smoke" if args.smoke else "trl_head"
     write_json(args.out / f"{stem}.json", result)
     headers = ["case", "objective", "floor ms", "TRL ms", "surgery ms", "x floor", "vs TRL",
-               "TRL GiB", "surgery GiB", "dW diff"]  # fmt: skip
+               "TRL GiB", "surgery GiB", "dW diff", "LCE ms"]  # fmt: skip
     print(table(headers, [[
         r["case"], r["objective"], fmt(r.get("floor_ms")), fmt(r.get("trl_ms")),
         fmt(r.get("surgery_ms")), fmt(r.get("surgery_x_floor")), fmt(r.get("speedup_vs_trl")),
         fmt(r.get("trl_extra_gib")), fmt(r.get("surgery_extra_gib")), fmt(r["rel_diff_dw"]),
+        fmt(r.get("surgery_lce_ms")),
     ] for r in rows]))  # fmt: skip
     return 0
 

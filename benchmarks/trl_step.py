@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--scenarios", default=",".join(f"{o}:{k}" for o, k in SCENARIOS),
+                        help="objective:batch pairs, e.g. grpo:padded")  # fmt: skip
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per worker")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -194,9 +196,9 @@ def main(argv=None) -> int:
             print("RESULT " + json.dumps({**json.loads(args.worker), "error": short_error(e)}))
         return 0
     rows = []
-    stem = "trl_step_smoke" if args.smoke else "trl_step"
+    stem = "trl_step_smoke" if args.smoke else f"trl_step_{args.models.replace(',', '_')}"
     for model in args.models.split(","):
-        for objective, kind in SCENARIOS:
+        for objective, kind in (pair.split(":") for pair in args.scenarios.split(",")):
             for contender in args.contenders.split(","):
                 job = dict(model=model, contender=contender, objective=objective, kind=kind,
                            smoke=args.smoke)  # fmt: skip
