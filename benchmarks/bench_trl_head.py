@@ -181,11 +181,47 @@ def run_case(name, shape, objective, device):
     return row
 
 
+def plot(rows, path: Path) -> str | None:
+    """Milliseconds of the floor and each contender per (case, objective)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    series = [("floor", "3-GEMM floor"), ("trl", "TRL 1.16"), ("surgery", "surgery"),
+              ("surgery_lce", "surgery linear_cross_entropy (loss only)")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.2
+    for i, (key, label) in enumerate(series):
+        xs = [j + (i - 1.5) * width for j, r in enumerate(rows) if r.get(f"{key}_ms")]
+        ys = [r[f"{key}_ms"] for r in rows if r.get(f"{key}_ms")]
+        ax.bar(xs, ys, width, label=label, color=f"C{i}")
+    ax.set_xticks(range(len(rows)), [f"{r['case']}\n{r['objective']}" for r in rows], fontsize=8)
+    ax.set_ylabel("ms, forward + backward (bf16)")
+    ax.set_title("TRL's fused head: per-token log-probabilities and their gradients")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="only plot a result file")
     args = parser.parse_args(argv)
+    if args.plot:
+        import json
+
+        return (
+            0
+            if plot(json.loads(args.plot.read_text())["rows"], args.plot.with_suffix(".png"))
+            else 1
+        )
     import torch
 
     device = "cpu" if args.smoke else "cuda"

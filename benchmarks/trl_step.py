@@ -178,6 +178,44 @@ def render(rows):
     return table(headers, out)
 
 
+def plot(rows, path: Path) -> str | None:
+    """Tokens/s (bars) of every contender per (model, step, batch), peak GiB written on them."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = sorted({(r["model"], r["objective"], r["kind"]) for r in rows}, key=str)
+    contenders = [c for c in CONTENDERS if any(r["contender"] == c for r in rows)]
+    fig, ax = plt.subplots(figsize=(1.9 * len(groups) + 2, 4.2))
+    width = 0.8 / len(contenders)
+    for i, contender in enumerate(contenders):
+        for j, group in enumerate(groups):
+            match = [r for r in rows if (r["model"], r["objective"], r["kind"]) == group
+                     and r["contender"] == contender and "tokens_per_s" in r]  # fmt: skip
+            if not match:
+                continue
+            r = match[0]
+            x = j + (i - (len(contenders) - 1) / 2) * width
+            ax.bar(x, r["tokens_per_s"] / 1e3, width, color=f"C{i}",
+                   label=contender if j == 0 else None)  # fmt: skip
+            if r.get("peak_gib") is not None:
+                ax.text(x, r["tokens_per_s"] / 1e3, f"{r['peak_gib']:.0f}", ha="center",
+                        va="bottom", fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(groups)), [" ".join(g) for g in groups], fontsize=8)
+    ax.set_ylabel("k tokens/s (peak GiB above each bar)")
+    ax.set_title(
+        "TRL's step, TRL alone / with Liger's layer kernels / with surgery (bf16, 2 x 4096)"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -188,12 +226,21 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per worker")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--plot", type=Path, nargs="+", metavar="JSON",
+                        help="only merge these result files and plot them into --out")  # fmt: skip
     args = parser.parse_args(argv)
     if args.worker:
         try:
             print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         except Exception as e:
             print("RESULT " + json.dumps({**json.loads(args.worker), "error": short_error(e)}))
+        return 0
+    if args.plot:
+        files = [json.loads(p.read_text()) for p in args.plot]
+        rows = [r for f in files for r in f["rows"]]
+        write_json(args.out / "trl_step.json", {"runs": files, "rows": rows})
+        print(render(rows))
+        print(plot(rows, args.out / "trl_step.png"))
         return 0
     rows = []
     stem = "trl_step_smoke" if args.smoke else f"trl_step_{args.models.replace(',', '_')}"

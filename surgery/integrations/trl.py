@@ -122,6 +122,7 @@ def _read_request(model: nn.Module, fn: Any) -> FusedHeadRequest | None:
         return None  # TRL wrapped a forward other than surgery's
     if not head_takes_loss(model.lm_head):
         return None  # an adapter on the head: its logits, through TRL's head
+    _warn_loss_options(model)
     softcap = closure["final_logit_softcapping"]
     return FusedHeadRequest(
         outputs=tuple(closure["outputs"]),
@@ -130,6 +131,32 @@ def _read_request(model: nn.Module, fn: Any) -> FusedHeadRequest | None:
         softcap=None if softcap is None else float(softcap),
         cast_fp32=bool(closure["cast_lm_head_to_fp32"]),
     )
+
+
+LOSS_OPTIONS = ("loss_reduction", "z_loss_scale", "label_smoothing")
+"""``patch``'s options that change the loss: TRL's trainers compute their own from the
+per-token log-probabilities, so under TRL none of them applies."""
+
+
+def _warn_loss_options(model: nn.Module) -> None:
+    from ..api import patch_options
+    from ..options import PatchOptions
+
+    options, default = patch_options(model), PatchOptions()
+    if options is None:
+        return
+    changed = [
+        f"{name}={getattr(options, name)!r}"
+        for name in LOSS_OPTIONS
+        if getattr(options, name) != getattr(default, name)
+    ]
+    if changed:
+        warnings.warn(
+            f"surgery: {type(model).__name__} is patched with {', '.join(changed)}, but TRL's "
+            "trainer computes its loss itself from the per-token log-probabilities surgery's "
+            "kernel serves (TRL's token mean): these options do not apply under TRL.",
+            stacklevel=5,
+        )
 
 
 def fused_head_request(model: nn.Module) -> FusedHeadRequest | None:

@@ -234,3 +234,12 @@ def test_what_surgery_reads_of_trl_is_there():
 
     fields = set(FusedCausalLMOutput.__dataclass_fields__)
     assert {"loss", "label_mask", "aux_loss", *ALL_OUTPUTS} == fields
+
+
+def test_loss_options_that_do_not_apply_under_trl_are_named(served):
+    model = surgery.patch(tiny_model("llama"), loss_reduction="sequence", z_loss_scale=1e-4)
+    add_fused_lm_head(model)
+    inputs, labels = _batch("padded")
+    with pytest.warns(UserWarning, match=r"loss_reduction='sequence', z_loss_scale=0.0001.*TRL"):
+        model(**inputs, labels=labels, fused_lm_head=True)
+    assert served
