@@ -32,7 +32,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, environment, fmt, gib, import_surgery, table, write_json
+from common import (
+    RESULTS_DIR,
+    environment,
+    fmt,
+    gib,
+    import_surgery,
+    save_figure,
+    table,
+    write_json,
+)
 
 CASES = {  # name: (N, D, V, softcap)
     "llama3-8b": (8192, 4096, 128256, None),
@@ -202,10 +211,7 @@ def plot(rows, path: Path) -> str | None:
     ax.set_ylabel("ms, forward + backward (bf16)")
     ax.set_title("TRL's fused head: per-token log-probabilities and their gradients")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:

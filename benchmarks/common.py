@@ -181,3 +181,13 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
     """One line for the result file: the exception type and the start of its message."""
     msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def save_figure(fig, path: Path) -> str:
+    """Lay out, write (png, 120 dpi) and close a matplotlib figure; the path written."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -45,6 +45,7 @@ from common import (
     environment,
     fmt,
     import_surgery,
+    save_figure,
     short_error,
     table,
     write_json,
@@ -210,10 +211,7 @@ def plot(rows, path: Path) -> str | None:
         "TRL's step, TRL alone / with Liger's layer kernels / with surgery (bf16, 2 x 4096)"
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:

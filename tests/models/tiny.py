@@ -197,3 +197,17 @@ def assert_grads_close(got: dict, want: dict, rtol: float, atol: float) -> None:
         torch.testing.assert_close(
             got[name], want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer whose ids are exactly the tiny models' vocabulary: [PAD] 0, [UNK]
+    1, t2 (also the end of sequence) to t130; for the trainers that want a processing class."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="t2"
+    )

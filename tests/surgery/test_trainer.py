@@ -8,7 +8,7 @@ import torch
 
 import surgery
 from surgery import attention as surgery_attention
-from tests.models.tiny import VOCAB, sequences, tiny_model, twin
+from tests.models.tiny import VOCAB, sequences, tiny_model, tiny_tokenizer, twin
 from tests.utils import ListDataset
 
 STEPS = 2
@@ -72,19 +72,6 @@ def test_trainer_sequence_reduction_is_scaled_per_micro_batch(tmp_path):
     assert len(losses) == STEPS and all(0 < x < 2 * torch.log(torch.tensor(VOCAB)) for x in losses)
 
 
-def _tiny_tokenizer():
-    tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    vocab.update({"[PAD]": 0, "[UNK]": 1})
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="t2"
-    )
-
-
 def test_trl_sft_trainer_keeps_our_rope(tmp_path, monkeypatch):
     """SFTTrainer replaces the model's forward with its own fused lm_head (TRL >= 1.x) and calls the
     backbone directly: our loss is not used there, but our RoPE (on the attention modules) is."""
@@ -113,7 +100,7 @@ def test_trl_sft_trainer_keeps_our_rope(tmp_path, monkeypatch):
         logging_steps=1,
     )
     trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=data, processing_class=_tiny_tokenizer()
+        model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer()
     )
     trainer.train()
     assert calls, "our apply_rope did not run under SFTTrainer"

@@ -12,7 +12,7 @@ import torch
 import surgery
 import surgery.head as head_module
 from surgery.integrations import trl as serving
-from tests.models.tiny import VOCAB, sequences, tiny_model
+from tests.models.tiny import sequences, tiny_model, tiny_tokenizer
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -33,20 +33,6 @@ COMMON = dict(
 )
 
 
-def _tiny_tokenizer():
-    """A word-level tokenizer whose ids are exactly the tiny model's vocabulary: [PAD] 0, [UNK]
-    1, t2 (also the end of sequence) to t130."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="t2"
-    )
-
-
 def _prompts():
     return [" ".join(f"t{i}" for i in range(3 + k, 6 + 2 * k)) for k in range(4)]
 
@@ -61,23 +47,18 @@ def _sft(model, tmp_path, padding_free):
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
                          padding_free=padding_free, max_length=None, **COMMON)  # fmt: skip
     return trl.SFTTrainer(model=model, args=args, train_dataset=data,
-                          processing_class=_tiny_tokenizer())  # fmt: skip
+                          processing_class=tiny_tokenizer())  # fmt: skip
 
 
-def _grpo(model, tmp_path, _):
+def _policy_gradient(model, tmp_path, kind):
+    """GRPO or RLOO (``kind``): two completions of four tokens per prompt, a length reward."""
+    config, trainer = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer),
+                       "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}[kind]  # fmt: skip
     data = datasets.Dataset.from_dict({"prompt": _prompts()})
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.0,
-                          num_generations=2, max_completion_length=4, **COMMON)  # fmt: skip
-    return trl.GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
-                           processing_class=_tiny_tokenizer())  # fmt: skip
-
-
-def _rloo(model, tmp_path, _):
-    data = datasets.Dataset.from_dict({"prompt": _prompts()})
-    args = trl.RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.0,
-                          num_generations=2, max_completion_length=4, **COMMON)  # fmt: skip
-    return trl.RLOOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
-                           processing_class=_tiny_tokenizer())  # fmt: skip
+    args = config(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.0,
+                  num_generations=2, max_completion_length=4, **COMMON)  # fmt: skip
+    return trainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
+                   processing_class=tiny_tokenizer())  # fmt: skip
 
 
 def _kto(model, tmp_path, _):
@@ -90,14 +71,14 @@ def _kto(model, tmp_path, _):
     ref = surgery.patch(tiny_model("llama", seed=1))
     args = trl.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **COMMON)
     return trl.KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=data,
-                          processing_class=_tiny_tokenizer())  # fmt: skip
+                          processing_class=tiny_tokenizer())  # fmt: skip
 
 
 TRAINERS = {
     "sft-padded": (_sft, False),
     "sft-padding-free": (_sft, True),
-    "grpo": (_grpo, None),
-    "rloo": (_rloo, None),
+    "grpo": (_policy_gradient, "grpo"),
+    "rloo": (_policy_gradient, "rloo"),
     "kto": (_kto, None),
 }
 
