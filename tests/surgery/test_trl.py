@@ -14,7 +14,9 @@ import torch
 import surgery
 from surgery import kernels as surgery_kernels
 from surgery.integrations import trl as serving
+from tests.models import test_multimodal as mm
 from tests.models.tiny import packed_batch, padded_batch, sequences, tiny_model, twin
+from tests.utils import expect_transformers_failure
 
 trl = pytest.importorskip("trl")
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
@@ -243,3 +245,32 @@ def test_loss_options_that_do_not_apply_under_trl_are_named(served):
     with pytest.warns(UserWarning, match=r"loss_reduction='sequence', z_loss_scale=0.0001.*TRL"):
         model(**inputs, labels=labels, fused_lm_head=True)
     assert served
+
+
+@pytest.mark.parametrize("pair", mm.WRAPPERS, ids=mm.WRAPPERS)
+def test_multimodal_wrapper_is_served_as_trl_computes_it(pair, served, request):
+    """A vision-language wrapper under TRL's head: images in the batch, the wrapper's own
+    arguments through to its model. Llama 4's wrapper, whose language model is the causal LM,
+    keeps TRL's head (its patched forward delegates; surgery serves the text causal LM)."""
+    spec, wrapper = mm.PAIRS[pair]
+    expect_transformers_failure(request, wrapper.wrapper_class())
+    model = mm.tiny_vlm(spec, wrapper)
+    reference = twin(model)
+    surgery.patch(model)
+    batch = mm.image_batch(model, wrapper)
+    labels = batch.pop("labels")
+    outs = []
+    for m in (model, reference):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+        m.zero_grad(set_to_none=True)
+        out = m(**batch, labels=labels, fused_lm_head=True)
+        (out.loss + out.entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        outs.append((out, grads))
+    (out, grads), (want, want_grads) = outs
+    assert bool(served) == (wrapper.model_type != "llama4")
+    for field in ("log_probs", "entropy"):
+        torch.testing.assert_close(getattr(out, field), getattr(want, field), rtol=1e-4, atol=2e-5)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        assert (grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-6, name
