@@ -486,7 +486,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.eager_grads = None
         if entropy.numel() == 0:
             g_entropy = None
-        if ctx.hint is not None and g_loss is not None:
+        if ctx.hint is not None and g_loss is None:
+            ctx.hint.uniform = False  # nothing to scale: the next forward computes no gradients
+        elif ctx.hint is not None:
             # Per-token losses: the eager gradients hold for a uniform upstream gradient only.
             uniform = _uniform_upstream(g_loss, targets)
             ctx.hint.uniform = uniform is not None

@@ -104,33 +104,32 @@ def _trl_version() -> str:
     return ".".join(trl.__version__.split(".")[:2])
 
 
-def _read_request(model: nn.Module, fn: Any) -> FusedHeadRequest | None:
+def _read_request(model: nn.Module, fn: Any) -> tuple[FusedHeadRequest | None, int]:
+    """TRL's settings in ``fn``'s closure, and the index of its cell holding the forward TRL
+    replaced (``original_forward``); (None, -1) for a release surgery has not checked."""
     version = _trl_version()
     if version not in CHECKED:
         warnings.warn(
             f"surgery: TRL {version}'s fused LM head is not one surgery has checked (it serves "
             f"TRL {', '.join(CHECKED)}); TRL's own head computes the log-probabilities of "
             f"{type(model).__name__}, surgery's layer kernels still run.",
-            stacklevel=4,
+            stacklevel=5,
         )
-        return None
-    closure = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+        return None, -1
+    names = fn.__code__.co_freevars
+    closure = dict(zip(names, (c.cell_contents for c in fn.__closure__)))
     if not set(_CLOSURE) <= set(closure):
-        return None
-    installed = model.__dict__.get(ORIGINAL_ATTR)
-    if installed is None or closure["original_forward"] is not installed.value:
-        return None  # TRL wrapped a forward other than surgery's
-    if not head_takes_loss(model.lm_head):
-        return None  # an adapter on the head: its logits, through TRL's head
+        return None, -1
     _warn_loss_options(model)
     softcap = closure["final_logit_softcapping"]
-    return FusedHeadRequest(
+    request = FusedHeadRequest(
         outputs=tuple(closure["outputs"]),
         temperature=float(closure["temperature"]),
         logit_scale=float(closure["logit_scale"]),
         softcap=None if softcap is None else float(softcap),
         cast_fp32=bool(closure["cast_lm_head_to_fp32"]),
     )
+    return request, names.index("original_forward")
 
 
 LOSS_OPTIONS = ("loss_reduction", "z_loss_scale", "label_smoothing")
@@ -160,15 +159,28 @@ def _warn_loss_options(model: nn.Module) -> None:
 
 
 def fused_head_request(model: nn.Module) -> FusedHeadRequest | None:
-    """The request surgery serves for TRL's fused forward on ``model``, or None (TRL's head)."""
+    """The request surgery serves for TRL's fused forward on ``model``, or None (TRL's head).
+
+    TRL's settings are read once per installed function; what can change after that is checked
+    on every call: that the forward TRL hands the call to is this model's patched forward (not
+    the original's, after ``copy.deepcopy``: the copy shares TRL's function and its closure), and
+    that the head takes the loss (no adapter put on it since)."""
     fn = _trl_function(model.forward)
     if fn is None:
         return None
     cached = model.__dict__.get(REQUEST_ATTR)
     if cached is None or cached[0] is not fn:
-        cached = (fn, _read_request(model, fn))
+        cached = (fn, *_read_request(model, fn))
         model.__dict__[REQUEST_ATTR] = cached
-    return cached[1]
+    _, request, slot = cached
+    if request is None:
+        return None
+    installed = model.__dict__.get(ORIGINAL_ATTR)
+    if installed is None or fn.__closure__[slot].cell_contents is not installed.value:
+        return None  # TRL wrapped a forward other than this model's patched one
+    if not head_takes_loss(model.lm_head):
+        return None  # an adapter on the head: its logits, through TRL's head
+    return request
 
 
 def serve_fused_head(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

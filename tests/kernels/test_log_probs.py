@@ -276,3 +276,14 @@ def test_gpu_no_host_sync_and_cuda_graphs():
     torch.cuda.synchronize()
     for a, b in zip(static, eager):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_hint_unlearns_when_no_gradient_reaches_the_log_probabilities():
+    """An entropy bonus alone reaching the head: nothing for gradients made in the forward to be
+    scaled by, so the next forward makes none."""
+    x, w, b, labels = make_inputs(20, 8, 40, torch.float32)
+    hint = UpstreamHint()
+    hint.uniform = True
+    out = linear_log_probs(x, w, labels, b, outputs=("entropy",), upstream=hint)
+    out.entropy.sum().backward()
+    assert hint.uniform is False

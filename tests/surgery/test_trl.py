@@ -274,3 +274,33 @@ def test_multimodal_wrapper_is_served_as_trl_computes_it(pair, served, request):
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
         assert (grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-6, name
+
+
+def test_a_copy_is_served_with_its_own_weights_and_a_later_head_adapter_is_not(served):
+    """What can change after the first served call is checked on every call: a deep copy shares
+    TRL's function, whose closure calls the original model's forward (TRL's head runs on the
+    copy); an adapter put on the head afterwards keeps TRL's head."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    model = surgery.patch(tiny_model("llama"))
+    add_fused_lm_head(model)
+    inputs, labels = _batch("padded")
+    model(**inputs, labels=labels, fused_lm_head=True)
+    assert len(served) == 1
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(1.5)
+    got = clone(**inputs, labels=labels, fused_lm_head=True).log_probs
+    assert len(served) == 1  # TRL's head on the copy
+    reference = twin(tiny_model("llama"))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(1.5)
+    add_fused_lm_head(reference)
+    want = reference(**inputs, labels=labels, fused_lm_head=True).log_probs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    out = wrapped(**inputs, labels=labels, fused_lm_head=True)
+    assert len(served) == 1 and torch.isfinite(out.loss)
