@@ -306,9 +306,10 @@ def lce_fwd(
 
 def _statistics_buffers(stats: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A buffer of ``n`` rows for each statistic whose bit is set in ``stats``."""
-    dtypes = {name: torch.bool if name == "is_top1" else torch.float32 for name in STATISTICS}
     return {
-        name: torch.empty(n, dtype=dtypes[name], device=device)
+        name: torch.empty(
+            n, dtype=torch.bool if name == "is_top1" else torch.float32, device=device
+        )
         for i, name in enumerate(STATISTICS)
         if stats >> i & 1
     }

@@ -144,7 +144,7 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
     model: ``surgery.multimodal``), checked; nothing is changed yet."""
     _check_not_foreign(lm, spec)
     wrapper = spec.wrapper_of(lm)
-    if wrapper is not None and spec.is_instance(language_model(lm, wrapper), spec.causal_lm):
+    if _delegates(lm, spec, wrapper):
         # Llama 4: the language model is the causal LM, patched in full; the wrapper's own
         # forward runs, and hands it the labels.
         state = {STATE_ATTR: PatchState(spec=spec, options=options, wrapper=wrapper)}
@@ -289,7 +289,8 @@ def _install(
         if experts_changed:
             restore_experts(lm)
         raise
-    if spec is not None and TRL_HOOK_ATTR not in lm.__dict__ and _serves_trl(lm, spec):
+    serves_trl = spec is not None and not _delegates(lm, spec, spec.wrapper_of(lm))
+    if serves_trl and TRL_HOOK_ATTR not in lm.__dict__:
         lm.__dict__[TRL_HOOK_ATTR] = lm.register_forward_pre_hook(
             serve_fused_head, with_kwargs=True
         )
@@ -304,12 +305,11 @@ def _install(
         lm.__dict__["accepts_loss_kwargs"] = False
 
 
-def _serves_trl(lm: nn.Module, spec: ArchitectureSpec) -> bool:
-    """Whether ``lm``'s patched forward serves TRL's fused head (``surgery.integrations.trl``):
-    a causal LM or a multimodal wrapper holding the head, not one whose language model is the
-    causal LM (Llama 4's: TRL's head runs there)."""
-    wrapper = spec.wrapper_of(lm)
-    return wrapper is None or not spec.is_instance(language_model(lm, wrapper), spec.causal_lm)
+def _delegates(lm: nn.Module, spec: ArchitectureSpec, wrapper) -> bool:
+    """Whether ``lm`` is a multimodal wrapper whose language model is the causal LM (Llama 4):
+    its patched forward is ``delegating_forward``, which hands the labels down. That forward
+    serves no TRL fused head (``surgery.integrations.trl``): TRL's own head runs there."""
+    return wrapper is not None and spec.is_instance(language_model(lm, wrapper), spec.causal_lm)
 
 
 def _unpatch_lm(lm: nn.Module) -> None:

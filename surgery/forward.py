@@ -374,22 +374,21 @@ def _forward(
     capped = state.spec.logit_softcap and (wrapper is None or wrapper.logit_softcap)
     softcap = getattr(config, state.spec.logit_softcap, None) if capped else None
 
-    loss = z_loss = logits = None
+    aux_loss = aux_coef = None
+    if moe and output_router_logits:
+        aux_loss, aux_coef = _aux_loss(self, state, config, outputs, input_ids, inputs_embeds,
+                                       router_mask)  # fmt: skip
+    # The fused head's kernel settings, for the loss and for TRL's per-token outputs alike.
+    head_options = dict(
+        chunk_bytes=options.loss_chunk_bytes,
+        low_memory=options.loss_low_memory,
+        skip_ignored=options.loss_skip_ignored,
+    )
     if trl_request is not None and (labels is not None or shift_labels is not None):
-        head_options = dict(
-            chunk_bytes=options.loss_chunk_bytes,
-            low_memory=options.loss_low_memory,
-            skip_ignored=options.loss_skip_ignored,
-        )
-        output = fused_head_output(self, trl_request, hidden, labels, shift_labels,
-                                   num_items_in_batch, head_options)  # fmt: skip
-        if moe and output_router_logits:
-            output.aux_loss = _aux_loss(self, state, config, outputs, input_ids, inputs_embeds,
-                                        router_mask)  # fmt: skip
-            output.loss = output.loss + _moe_args(self, state, config).router_aux_loss_coef * (
-                output.aux_loss.to(output.loss.device)
-            )
-        return output
+        return fused_head_output(self, trl_request, hidden, labels, shift_labels,
+                                 num_items_in_batch, head_options, aux_loss, aux_coef)  # fmt: skip
+
+    loss = z_loss = logits = None
     if labels is None:
         logits = head_logits(self, hidden, softcap)
     else:
@@ -416,9 +415,7 @@ def _forward(
                 hidden,
                 labels=targets,
                 softcap=softcap,
-                low_memory=options.loss_low_memory,
-                chunk_bytes=options.loss_chunk_bytes,
-                skip_ignored=options.loss_skip_ignored,
+                **head_options,
                 **loss_options,
             )
         else:
@@ -432,13 +429,8 @@ def _forward(
 
     fields = {name: getattr(outputs, name, None) for name in state.base_fields}
     if moe:
-        aux_loss = None
-        if output_router_logits:
-            aux_loss = _aux_loss(self, state, config, outputs, input_ids, inputs_embeds,
-                                 router_mask)  # fmt: skip
-            if loss is not None:
-                coef = _moe_args(self, state, config).router_aux_loss_coef
-                loss = loss + coef * aux_loss.to(loss.device)
+        if aux_loss is not None and loss is not None:
+            loss = loss + aux_coef * aux_loss.to(loss.device)
         fields["aux_loss"] = aux_loss
     output = state.output(loss=loss, logits=logits, z_loss=z_loss, **fields)
     if request is not None:
@@ -446,16 +438,11 @@ def _forward(
     return output
 
 
-def _moe_args(self, state: PatchState, config):
-    """Where the MoE settings are read: the causal LM's attributes, or the text config of a
-    wrapper (its forward reads them there)."""
-    return self if state.wrapper is None else config
-
-
 def _aux_loss(self, state, config, outputs, input_ids, inputs_embeds, router_mask):
     """transformers' load-balancing loss of the router logits over the tokens of
-    ``router_mask``."""
-    moe_args = _moe_args(self, state, config)
+    ``router_mask``, and its weight in the loss (``router_aux_loss_coef``)."""
+    # The causal LM's attributes, or the text config of a wrapper (its forward reads them there).
+    moe_args = self if state.wrapper is None else config
     if router_mask is None:
         # Every row counts: a mask of ones says so. Without a mask, transformers up to 5.17
         # counts each layer's experts with bincount, a device-to-host read (under compile a graph
@@ -463,12 +450,13 @@ def _aux_loss(self, state, config, outputs, input_ids, inputs_embeds, router_mas
         # (exact), the same value without the read.
         tokens = input_ids if input_ids is not None else inputs_embeds
         router_mask = every_token_mask(*tokens.shape[:2], tokens.device)
-    return _load_balancing_loss(state.spec)(
+    aux_loss = _load_balancing_loss(state.spec)(
         outputs.router_logits,
         moe_args.num_experts,
         moe_args.num_experts_per_tok,
         router_mask,
     )
+    return aux_loss, moe_args.router_aux_loss_coef
 
 
 def document_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -54,12 +54,11 @@ def _log_probs(
 ):
     """``linear_log_probs`` of the head; ``cast_fp32``: of the head run in fp32 outside autocast
     (hidden states, weight and bias cast, differentiably, on entry)."""
-    weight, bias = head.weight, head.bias
+    tensors = (input, head.weight, head.bias)
     if not cast_fp32:
-        return linear_log_probs(input, weight, labels, bias=bias, **options)
+        return linear_log_probs(*tensors[:2], labels, bias=tensors[2], **options)
+    input, weight, bias = (t if t is None else t.float() for t in tensors)
     with torch.autocast(input.device.type, enabled=False):
-        fp32 = (t if t is None else t.float() for t in (input, weight, bias))
-        input, weight, bias = fp32
         return linear_log_probs(input, weight, labels, bias=bias, **options)
 
 

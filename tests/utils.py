@@ -163,6 +163,32 @@ TRANSFORMERS_FAILURES: dict[str, tuple[SpecifierSet, type[Exception], str]] = {
 }
 
 
+def assert_no_sync_and_graph_replay(step, x, w, eager) -> None:
+    """``step(x, w)`` (a training step returning tensors) reads nothing on the host (it runs
+    under CUDA's sync debug mode "error") and is captured in a CUDA graph, whose replay on fresh
+    leaf copies of ``x`` and ``w`` gives ``eager`` (the step's eager results) within bf16's
+    tolerance."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(x, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(xs, ws)  # warm-up on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(xs, ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
 def expect_transformers_failure(request: pytest.FixtureRequest, model_class: type) -> None:
     """Mark the calling test (``request``) a strict expected failure where the installed
     transformers release is one in which ``model_class``'s own forward fails

@@ -54,7 +54,8 @@ REQUEST_KWARG = "surgery_trl_request"
 
 REQUEST_ATTR = "_surgery_trl_request"
 """Instance attribute of the patched causal LM: (TRL's function, its ``FusedHeadRequest`` or
-None), read once per installed function."""
+None, the index of the closure cell holding the forward TRL replaced), read once per installed
+function."""
 
 _CLOSURE = (
     "original_forward",
@@ -206,14 +207,16 @@ def fused_head_output(
     shift_labels: torch.Tensor | None,
     num_items_in_batch: Any,
     head_options: dict,
+    aux_loss: torch.Tensor | None = None,
+    aux_coef: float | None = None,
 ):
     """TRL's ``FusedCausalLMOutput`` of the final hidden states (B, T, D), with TRL's semantics:
     targets are the labels shifted by one position in each row (``hidden[:, :-1]`` against
     ``labels[:, 1:]``), or ``shift_labels`` as given; every per-token field is (B, T - 1) (or
     (B, T)) and 0 (False) where the target is -100; ``loss`` is minus the sum of the
-    log-probabilities over ``num_items_in_batch`` (default: the number of targets, at least 1).
-    The MoE aux loss is added by the caller. ``head_options``: the patch's loss kernel settings
-    (chunk size, ``skip_ignored``, ``low_memory``)."""
+    log-probabilities over ``num_items_in_batch`` (default: the number of targets, at least 1),
+    plus ``aux_coef`` times the MoE ``aux_loss`` where there is one. ``head_options``: the
+    patch's loss kernel settings (chunk size, ``skip_ignored``, ``low_memory``)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     shift = shift_labels is None
@@ -238,4 +241,6 @@ def fused_head_output(
     mask = (targets[:, 1:] if shift else targets) != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / count
-    return FusedCausalLMOutput(loss=loss, label_mask=mask, **fields)
+    if aux_loss is not None:
+        loss = loss + aux_coef * aux_loss.to(loss.device)
+    return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)

@@ -14,7 +14,7 @@ from surgery.kernels import (
     linear_log_probs_reference,
 )
 from surgery.kernels.log_probs import OUTPUTS
-from tests.utils import DEVICE, assert_close_budget
+from tests.utils import DEVICE, assert_close_budget, assert_no_sync_and_graph_replay
 
 CASES = {
     "plain": dict(),
@@ -256,26 +256,7 @@ def test_gpu_no_host_sync_and_cuda_graphs():
         loss = (out.log_probs * 0.5).sum() + out.entropy.sum()
         return (loss.detach(), *torch.autograd.grad(loss, (x, w)))
 
-    eager = step(x, w)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(x, w)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(xs, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step(xs, ws)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(static, eager):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+    assert_no_sync_and_graph_replay(step, x, w, step(x, w))
 
 
 def test_hint_unlearns_when_no_gradient_reaches_the_log_probabilities():

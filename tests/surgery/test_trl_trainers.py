@@ -41,27 +41,27 @@ def _reward(completions, **kwargs):
     return [float(len(c) % 5) for c in completions]
 
 
-def _sft(model, tmp_path, padding_free):
+def _sft(model, tmp_path, padding_free, common):
     seqs = sequences([9, 3, 7, 5])
     data = datasets.Dataset.from_dict({"input_ids": [s.clamp(min=3).tolist() for s in seqs]})
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
-                         padding_free=padding_free, max_length=None, **COMMON)  # fmt: skip
+                         padding_free=padding_free, max_length=None, **common)  # fmt: skip
     return trl.SFTTrainer(model=model, args=args, train_dataset=data,
                           processing_class=tiny_tokenizer())  # fmt: skip
 
 
-def _policy_gradient(model, tmp_path, kind):
+def _policy_gradient(model, tmp_path, kind, common):
     """GRPO or RLOO (``kind``): two completions of four tokens per prompt, a length reward."""
     config, trainer = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer),
                        "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}[kind]  # fmt: skip
     data = datasets.Dataset.from_dict({"prompt": _prompts()})
     args = config(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.0,
-                  num_generations=2, max_completion_length=4, **COMMON)  # fmt: skip
+                  num_generations=2, max_completion_length=4, **common)  # fmt: skip
     return trainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
                    processing_class=tiny_tokenizer())  # fmt: skip
 
 
-def _kto(model, tmp_path, _):
+def _kto(model, tmp_path, _, common):
     prompts = _prompts()
     data = datasets.Dataset.from_dict({
         "prompt": prompts,
@@ -69,7 +69,7 @@ def _kto(model, tmp_path, _):
         "label": [True, False, True, False],
     })  # fmt: skip
     ref = surgery.patch(tiny_model("llama", seed=1))
-    args = trl.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **COMMON)
+    args = trl.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **common)
     return trl.KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=data,
                           processing_class=tiny_tokenizer())  # fmt: skip
 
@@ -98,10 +98,9 @@ def _train(name, tmp_path, monkeypatch, serve, **settings):
         patch.setattr(head_module, "linear_log_probs", spy)
         if not serve:
             patch.setattr(serving, "CHECKED", ())
-        if settings:
-            patch.setitem(globals(), "COMMON", {**COMMON, **settings})
         model = surgery.patch(tiny_model("llama"))
-        trainer = build(model, tmp_path / ("served" if serve else "trl"), flag)
+        trainer = build(model, tmp_path / ("served" if serve else "trl"), flag,
+                        {**COMMON, **settings})  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
