@@ -183,6 +183,28 @@ MODELS: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": False,
         },
     },
+    # A Qwen3.5-MoE-shaped hybrid: the same layer pattern and attention, the MLP a mixture of
+    # 64 experts (8 routed per token, 512 wide) with a shared expert, as Qwen3.5-35B-A3B lays it
+    # out, at 12 layers of hidden 2048.
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe_text",
+        "attn": "sdpa",
+        "config": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "vocab_size": 248320,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+        },
+    },
     # Multimodal wrappers (``vlm_inputs`` builds their image-chat batches). The layer counts keep
     # the unpatched step at 2 x 4096 near 55 GiB by estimate: 6-8 bytes a parameter (bf16
     # weights, AdamW state in the weights' dtype, gradients), the layers' activations, the vision
@@ -357,13 +379,23 @@ EXTRA_CONTENDERS = [
 ]
 # Any contender followed by model.compile().
 COMPILED = "_compiled"
+# Any contender in a process where flash-linear-attention does not import (hybrid models): with
+# fla installed, transformers' Gated DeltaNet layers pick its kernels by themselves and surgery
+# runs them through it (surgery.integrations.fla); without, both run the PyTorch path.
+NO_FLA = "_no_fla"
 
 
 def split_contender(name: str) -> tuple[str, bool]:
-    """(the contender's patch, whether the model is compiled after it)."""
+    """(the contender's patch, whether the model is compiled after it); ``NO_FLA`` taken off."""
+    name = name.replace(NO_FLA, "")
     if name.endswith(COMPILED):
         return name[: -len(COMPILED)], True
     return name, False
+
+
+def hide_fla() -> None:
+    """Make ``import fla`` fail in this process, before transformers' modeling modules import."""
+    sys.modules["fla"] = None  # type: ignore[assignment]
 
 
 def known_contender(name: str) -> bool:
@@ -486,6 +518,17 @@ def build_model(name: str, smoke: bool, device, dtype=None, layers: int | None =
     return model
 
 
+def fla_version() -> str | None:
+    """The flash-linear-attention this process can import (None: none)."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return None
+    from surgery.integrations.fla import _version
+
+    return _version()
+
+
 def apply_contender(model, contender: str) -> dict[str, Any]:
     """Patch ``model`` in place for ``contender``; returns which kernels are on."""
     if contender == "unpatched":
@@ -604,6 +647,9 @@ def worker(job: dict[str, Any]) -> None:
 
         return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
+    if NO_FLA in job["contender"]:
+        hide_fla()
+    result["fla"] = fla_version()
     try:
         torch.manual_seed(job["seed"])
         t0 = time.perf_counter()

@@ -64,7 +64,7 @@ from .layers import (
     input_embeddings,
     rms_norm_forward_for,
 )
-from .linear_attention import LINEAR_ATTENTION_ATTR, linear_attention_forward
+from .linear_attention import LINEAR_ATTENTION_ATTR, fla_ready, linear_attention_forward
 from .mla import mla_attention_forward
 from .multimodal import language_model, text_model
 from .options import PatchOptions
@@ -205,7 +205,7 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
         # Not an option: without it a packed batch carries state across its documents.
         for name, module in modules:
             if spec.is_instance(module, spec.linear_attention):
-                extra = {LINEAR_ATTENTION_ATTR: True}
+                extra = {LINEAR_ATTENTION_ATTR: fla_ready(module)}
                 wanted.append((name, module, linear_attention_forward, extra))
     if options.varlen_attention and wrapper is not None and wrapper.vision_attention:
         for name, module in lm.named_modules():  # the Qwen-VL vision tower's

@@ -12,7 +12,9 @@ layer drops those that are not for it). What a spec asks for (``BaseModelNeeds``
 - the documents of a packed batch (``linear_attention``, hybrid models): ``DOCUMENTS_KWARG``
   (``surgery.linear_attention``), unless the caller found them already: the causal-LM forward of
   a training or loss step does, from the one host read of the position ids that also gives the
-  varlen attention its documents (``surgery.forward``).
+  varlen attention its documents (``surgery.forward``). Where fla runs those layers
+  (``surgery.integrations.fla``), a padded batch's real tokens too (``padded_documents``, one host
+  read of the 2-D attention mask; not under ``torch.compile``, nor with a KV cache).
 
 Everything else goes to transformers' own forward as given.
 """
@@ -30,7 +32,8 @@ from surgery.models import ArchitectureSpec
 from .attention import MROPE_POSITIONS_KWARG
 from .chunked_attention import CHUNKED_MASK_KWARG, POSITIONS_KWARG, packed_chunked_mask
 from .forward import document_positions
-from .linear_attention import DOCUMENTS_KWARG, packed_documents
+from .integrations import fla
+from .linear_attention import DOCUMENTS_KWARG, packed_documents, padded_documents
 from .options import PatchOptions
 from .signature import CACHE, cache_argument, in_signature_of
 
@@ -118,6 +121,16 @@ def base_model_forward(
                 del kwargs[DOCUMENTS_KWARG]
         elif packed and (text := document_positions(position_ids)) is not None:
             documents = packed_documents(text, (batch, seq), tokens.device)  # multimodal: text row
+            if documents is not None:
+                kwargs[DOCUMENTS_KWARG] = documents
+        elif (
+            attention_mask is not None
+            and attention_mask.dim() == 2
+            and cache is None
+            and not torch.compiler.is_compiling()
+            and fla.linear_attention_kernels(tokens.device) is not None
+        ):
+            documents = padded_documents(attention_mask)  # fla runs the real tokens only
             if documents is not None:
                 kwargs[DOCUMENTS_KWARG] = documents
     return type(self).forward(

@@ -27,6 +27,7 @@ from .experts_install import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .forward import STATE_ATTR, PatchState
 from .head import LM_HEAD_ATTR, head_takes_loss
+from .integrations.fla import fla_status
 from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_linear, share_input
 from .linear_attention import LINEAR_ATTENTION_ATTR
 from .multimodal import text_model
@@ -166,7 +167,11 @@ def _installed(module: nn.Module, state: PatchState) -> str:
     if VISION_ATTENTION_ATTR in attrs:
         return "vision attention: each image, frame or window in one varlen call (CUDA, 16-bit)"
     if LINEAR_ATTENTION_ATTR in attrs:
-        return "linear attention: transformers' forward, one packed document at a time"
+        without = "without it: transformers' forward, one packed document at a time"
+        if not attrs[LINEAR_ATTENTION_ATTR]:
+            return f"linear attention: a layout fla's path does not know; {without}"
+        device = next(module.parameters()).device
+        return f"linear attention, each document alone: {fla_status(device)}; {without}"
     return "a surgery forward"
 
 

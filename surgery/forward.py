@@ -285,6 +285,16 @@ def _forward(
     )
     if packed_step:
         use_cache = False
+    elif (
+        state.spec.linear_attention is not None
+        and cache is None
+        and use_cache is None
+        and (labels is not None or self.training)
+    ):
+        # A hybrid's training or loss step has no use for the cache transformers would create
+        # from the config's use_cache, and with one its linear-attention layers run transformers'
+        # forward (surgery.linear_attention); a use_cache=True passed is kept.
+        use_cache = False
     output_attentions = kwargs.get("output_attentions", config.output_attentions)
     sdpa = config._attn_implementation == "sdpa"
     # Both shortcuts below read the batch on the host; under torch.compile that is one graph

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import surgery
+from surgery.integrations import fla
 from surgery.fallback import FALLBACK_ATTR, loss_only_options
 from surgery.swap import ORIGINAL_ATTR
 from tests.models.tiny import causal_lm_from_config, tiny_config, tiny_model
@@ -180,7 +181,8 @@ def test_softcap_value_in_the_probe_notes():
 )
 def test_base_model_and_linear_attention_say_what_they_do(arch, cls, what):
     """The base model's wrapped forward names what it hands its layers; a hybrid's linear
-    attention says it runs one packed document at a time (no generic "a surgery forward")."""
+    attention says what runs it (without fla on CPU: what installing it would do, and one packed
+    document at a time meanwhile; no generic "a surgery forward")."""
     report = surgery.describe(surgery.patch(tiny_model(arch)))
     assert kernels_of(report, cls) == {
         f"base model forward: transformers' own, handing its layers {what}"
@@ -188,7 +190,9 @@ def test_base_model_and_linear_attention_say_what_they_do(arch, cls, what):
     assert not any(g.what == "a surgery forward" for g in report.patched)
     if arch == "qwen3_next":
         assert kernels_of(report, "Qwen3NextGatedDeltaNet") == {
-            "linear attention: transformers' forward, one packed document at a time"
+            "linear attention, each document alone: on CUDA, "
+            f"{fla.EXTRA} would run them with flash-linear-attention's kernels; without it: "
+            "transformers' forward, one packed document at a time"
         }
 
 

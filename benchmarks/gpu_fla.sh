@@ -1,0 +1,31 @@
+# flash-linear-attention on the GPU machine (issue 32), whose image lacks it: fla-core 0.6 and,
+# since fla 0.6 on Hopper with triton < 3.7.1 runs its backward through TileLang, TileLang and its
+# needs. The wheels exceed one call's 64 MiB beside the repository, so they travel in two calls
+# while the machine stays warm (it keeps /tmp between calls until it is given back).
+#
+# Here, once (TileLang's wheel is cut in two, one piece per call):
+#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64"
+#   pip download $P -d .fla1 tilelang==0.1.15 apache-tvm-ffi==0.1.12 \
+#       torch-c-dlpack-ext==0.1.5 fla-core==0.6.0 flash-linear-attention==0.6.0
+#   pip download $P -d .fla2 z3-solver==4.15.4.0
+#   split -b 40M .fla1/tilelang-*.whl .fla1/tilelang.part. && rm .fla1/tilelang-*.whl
+#   mv .fla1/tilelang.part.ab .fla1/apache_tvm_ffi-* .fla1/fla_core-* .fla1/flash_linear-* .fla2/
+#   echo /.fla1/ >> .git/info/exclude; echo /.fla2/ >> .git/info/exclude
+# Then the first call (carry .fla1) runs `source benchmarks/gpu_fla.sh 1`, and the next one
+# (carry .fla2) `source benchmarks/gpu_fla.sh 2`, which installs everything into /tmp/site2;
+# every later call of that machine only `source benchmarks/gpu_fla.sh` to use it.
+TILELANG=tilelang-0.1.15-cp39-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+if [ "$1" = 1 ]; then
+    mkdir -p /tmp/fla_wheels && cp .fla1/* /tmp/fla_wheels/ || return 1
+elif [ "$1" = 2 ]; then
+    cat /tmp/fla_wheels/tilelang.part.aa .fla2/tilelang.part.ab > "/tmp/fla_wheels/$TILELANG" \
+        && rm /tmp/fla_wheels/tilelang.part.aa && cp .fla2/*.whl /tmp/fla_wheels/ \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target /tmp/site2 /tmp/fla_wheels/*.whl || return 1
+fi
+if [ "$1" != 1 ]; then
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site2"
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/tmp/site2/z3/lib"
+fi

@@ -1,0 +1,371 @@
+"""The linear-attention layers of hybrid models through flash-linear-attention
+(``surgery.integrations.fla``, ``surgery.linear_attention``).
+
+On CPU, fla's kernels do not run: ``StandIn`` has their signatures and computes each document
+alone with a reference (a per-token delta-rule recurrence, a per-document convolution, the gated
+norm in fp32), and records what it was given. Against transformers' layers run on each document
+alone, the patched model's loss, every gradient and every logit show that surgery's path through
+those entry points is transformers' math with the documents kept apart: packed rows, padded rows
+(their real tokens only), whole rows. On the GPU (``-m gpu``), fla's real kernels against
+transformers' PyTorch path run on each document alone, within the dtype's budget."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import surgery
+from surgery.integrations import fla
+from surgery.linear_attention import DOCUMENTS_KWARG, padded_documents
+from tests.models.tiny import (
+    SPECS,
+    assert_grads_close,
+    left_padded_batch,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    sequences,
+    sized_config,
+    tiny_model,
+    twin,
+)
+from tests.utils import FP32_CLOSE as TOL
+from tests.utils import assert_close_budget
+
+HYBRIDS = [arch for arch, spec in SPECS.items() if spec.linear_attention is not None]
+LENGTHS = [9, 6, 11]  # each longer than the convolution window (4 tokens)
+
+
+def lm_only(arch: str) -> dict:
+    # The router's load-balancing loss is one statistic of the whole batch (test_hybrid says why).
+    return {"output_router_logits": False} if SPECS[arch].router_aux_loss else {}
+
+
+def _documents(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu):
+    """The documents of (b, t, ...) as (1, length, ...) pieces, after checking fla's varlen
+    contract: batch 1, int64 offsets on the tensor's device, the host copy equal."""
+    if cu_seqlens is None:
+        assert cu_seqlens_cpu is None
+        return [x[i : i + 1] for i in range(x.shape[0])]
+    assert x.shape[0] == 1 and cu_seqlens.dtype == torch.long
+    assert cu_seqlens.device == x.device and cu_seqlens_cpu.device.type == "cpu"
+    assert cu_seqlens.tolist() == cu_seqlens_cpu.tolist() and cu_seqlens_cpu[-1] == x.shape[1]
+    bounds = cu_seqlens_cpu.tolist()
+    return [x[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class StandIn:
+    """fla's ``causal_conv1d``, ``chunk_gated_delta_rule`` and ``rms_norm_gated`` (their
+    signatures, as far as surgery calls them), each document computed alone in fp32; ``calls``
+    records (entry point, tokens, document lengths)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, tuple[int, ...] | None]] = []
+        self.kernels = fla.LinearAttentionKernels(
+            conv=self.conv, delta_rule=self.delta_rule, gated_norm=self.gated_norm, name="stand-in"
+        )
+
+    def _record(self, name, x, cu_seqlens_cpu):
+        lengths = None if cu_seqlens_cpu is None else tuple(cu_seqlens_cpu.diff().tolist())
+        self.calls.append((name, x.shape[0] * x.shape[1], lengths))
+
+    def conv(self, x, weight=None, bias=None, residual=None, initial_state=None,
+             output_final_state=False, activation=None, backend="triton", cu_seqlens=None,
+             cu_seqlens_cpu=None, **kwargs):  # fmt: skip
+        assert residual is None and initial_state is None and activation in ("silu", "swish")
+        self._record("conv", x, cu_seqlens_cpu)
+        width = weight.shape[-1]
+        out = []
+        for doc in _documents(x, cu_seqlens, cu_seqlens_cpu):
+            y = F.conv1d(doc.float().transpose(1, 2), weight.float()[:, None], bias,
+                         padding=width - 1, groups=weight.shape[0])  # fmt: skip
+            out.append(F.silu(y[..., : doc.shape[1]]).transpose(1, 2))
+        return torch.cat(out, dim=1 if cu_seqlens is not None else 0).to(x.dtype), None
+
+    def delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None,
+                   output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                   cu_seqlens_cpu=None, **kwargs):  # fmt: skip
+        assert initial_state is None and not output_final_state and use_qk_l2norm_in_kernel
+        assert g.dtype == torch.float32 and (g <= 0).all()
+        self._record("delta_rule", q, cu_seqlens_cpu)
+        out = []
+        pieces = [_documents(t, cu_seqlens, cu_seqlens_cpu) for t in (q, k, v, g, beta)]
+        for dq, dk, dv, dg, db in zip(*pieces):
+            out.append(_recurrence(dq, dk, dv, dg, db, scale))
+        return torch.cat(out, dim=1 if cu_seqlens is not None else 0).to(v.dtype), None
+
+    def gated_norm(self, x, g, weight, bias=None, activation="swish", residual=None,
+                   prenorm=False, residual_in_fp32=False, eps=1e-6):  # fmt: skip
+        assert bias is None and residual is None and activation == "swish"
+        self._record("gated_norm", x[None], None)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return (h * F.silu(g.float())).to(x.dtype)
+
+
+def _recurrence(q, k, v, g, beta, scale):
+    """The gated delta rule token by token on (1, t, h, d) (grouped value heads: each query and
+    key head serves hv / h value heads), queries and keys L2-normalised as fla does
+    (``x / sqrt(sum(x^2) + 1e-6)``), in fp32."""
+    group = v.shape[2] // q.shape[2]
+    q, k = (x.float() / (x.float().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() for x in (q, k))
+    q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
+    v, g, beta = v.float(), g.float(), beta.float()
+    state = q.new_zeros(v.shape[2], q.shape[-1], v.shape[-1])
+    out = []
+    for t in range(q.shape[1]):
+        state = state * g[0, t].exp()[:, None, None]
+        delta = (v[0, t] - torch.einsum("hk,hkv->hv", k[0, t], state)) * beta[0, t][:, None]
+        state = state + k[0, t][:, :, None] * delta[:, None, :]
+        out.append(torch.einsum("hk,hkv->hv", q[0, t], state))
+    return torch.stack(out)[None]
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """fla's kernels, for every device, are the stand-in's."""
+    kernels = StandIn()
+    monkeypatch.setattr(fla, "linear_attention_kernels", lambda device: kernels.kernels)
+    return kernels
+
+
+def alone(reference, seqs, **kwargs):
+    """Token-mean loss, gradients and logits of each document run alone through ``reference``
+    (each document's first label ignored, as the packing collator does)."""
+    reference.zero_grad(set_to_none=True)
+    n_tokens = sum(len(s) - 1 for s in seqs)
+    total, logits = 0.0, []
+    for s in seqs:
+        out = reference(input_ids=s[None], labels=s[None], use_cache=False, **kwargs)
+        part = out.loss * (len(s) - 1) / n_tokens
+        part.backward()
+        total += part.detach()
+        logits.append(out.logits[0].detach())
+    grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    return torch.as_tensor(total), grads, torch.cat(logits)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_packed_row_through_fla_trains_as_if_alone(arch, stand_in):
+    """Three documents in one packed row: loss, gradients and logits are each document's alone
+    through transformers' layers, and every fla entry point ran the row with its documents."""
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    seqs = sequences(LENGTHS)
+    packed = packed_batch(seqs).kwargs()
+    want_loss, want_grads, want_logits = alone(reference, seqs, **lm_only(arch))
+    surgery.patch(model)
+    loss, grads = loss_and_grads(model, **packed, **lm_only(arch))
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in packed.items() if k != "labels"}, **lm_only(arch))
+    torch.testing.assert_close(logits.logits[0], want_logits, **TOL)
+    layers = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert [c for c in stand_in.calls if c[0] == "delta_rule"] == [
+        ("delta_rule", sum(LENGTHS), tuple(LENGTHS))
+    ] * (2 * layers)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_runs_its_real_tokens(arch, side, stand_in):
+    """A padded training batch (right or left): fla is given each row's real tokens alone, as
+    one row of documents, and the loss and gradients are transformers' on the padded batch."""
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    seqs = sequences([7, 12, 4], seed=4)
+    batch = (padded_batch if side == "right" else left_padded_batch)(seqs).kwargs()
+    want_loss, want_grads = loss_and_grads(reference, **batch, **lm_only(arch))
+    surgery.patch(model)
+    loss, grads = loss_and_grads(model, **batch, **lm_only(arch))
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    assert {c[1:] for c in stand_in.calls if c[0] != "gated_norm"} == {(23, (7, 12, 4))}
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_whole_rows_through_fla(arch, stand_in):
+    """Rows without padding or packing (no mask, no position ids): fla runs the batch as it is,
+    no ``cu_seqlens``; an eval forward's logits are transformers'."""
+    model = tiny_model(arch).eval()
+    reference = twin(model)
+    surgery.patch(model)
+    ids = torch.stack(sequences([10, 10], seed=5))
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+        want = reference(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, **TOL)
+    assert {c[1:] for c in stand_in.calls if c[0] != "gated_norm"} == {(20, None)}
+
+
+def test_generation_and_gapped_masks_keep_transformers_forward(stand_in):
+    """A KV cache (generation) and a mask whose real tokens are not one run per row never reach
+    fla: transformers' forward runs them, and its results come out."""
+    arch = "qwen3_5_text"
+    model = tiny_model(arch).eval()
+    reference = twin(model)
+    surgery.patch(model)
+    prompt = padded_batch(sequences([6]))
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    got = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
+    want = reference.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
+    torch.testing.assert_close(got, want)
+    ids = torch.stack(sequences([8, 8], seed=6))
+    mask = torch.ones_like(ids)
+    mask[0, 3] = 0  # a gap: transformers runs the row with a zero there
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want_logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(logits[mask.bool()], want_logits[mask.bool()], **TOL)
+    assert stand_in.calls == []
+
+
+def test_padded_documents_layout():
+    """Right, left and gapped masks -> the real tokens' flat indices and offsets, or None."""
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]])
+    docs = padded_documents(mask)
+    assert docs.tokens.tolist() == [0, 1, 2, 5, 6, 7, 12, 13]
+    assert docs.cu_seqlens.tolist() == [0, 3, 6, 8] and docs.gather is None
+    assert padded_documents(torch.ones(2, 4, dtype=torch.long)) is None
+    assert padded_documents(torch.tensor([[1, 0, 1, 1]])) is None
+
+
+def test_fla_entry_points_checked(monkeypatch):
+    """An fla whose entry point lacks an argument surgery passes is not used (a warning, and
+    ``fla_status`` says why); off CUDA nothing is imported."""
+
+    def module(name, **functions):
+        mod = types.ModuleType(name)
+        mod.__dict__.update(functions)
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    def conv(x, weight, bias=None, activation=None, cu_seqlens=None):  # no cu_seqlens_cpu
+        raise AssertionError("not to be called")
+
+    module("fla")
+    module("fla.modules")
+    module("fla.modules.causal_conv1d", causal_conv1d=conv)
+    module("fla.modules.norm")
+    module("fla.modules.norm.fused_norm_gate", rms_norm_gated=StandIn().gated_norm)
+    module("fla.ops")
+    module("fla.ops.gated_delta_rule", chunk_gated_delta_rule=StandIn().delta_rule)
+    fla._fla.cache_clear()
+    try:
+        assert fla.linear_attention_kernels(torch.device("cpu")) is None
+        with pytest.warns(UserWarning, match=r"causal_conv1d takes no \['cu_seqlens_cpu'\]"):
+            assert fla.linear_attention_kernels(torch.device("cuda")) is None
+        assert "cu_seqlens_cpu" in fla.fla_status(torch.device("cuda"))
+    finally:
+        fla._fla.cache_clear()
+
+
+def test_describe_without_fla(monkeypatch):
+    """Without fla installed, describe says what installing the extra would do."""
+    monkeypatch.setattr(fla.importlib.util, "find_spec", lambda name: None)
+    model = tiny_model("qwen3_5_text")
+    surgery.patch(model)
+    assert fla.EXTRA in str(surgery.describe(model))
+
+
+def test_layout_unknown_to_fla_keeps_padded_path(stand_in):
+    """A linear-attention module whose layout fla's path does not know (here: no ``A_log``) is
+    never given to fla: its packed documents run padded through transformers' forward."""
+    arch = "qwen3_5_text"
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    spec = SPECS[arch]
+    for module in model.modules():
+        if spec.is_instance(module, spec.linear_attention):
+            module.activation = "gelu"  # not the SiLU fla's convolution applies
+    for module in reference.modules():
+        if spec.is_instance(module, spec.linear_attention):
+            module.activation = "gelu"
+    surgery.patch(model)
+    assert "a layout fla's path does not know" in str(surgery.describe(model))
+    seqs = sequences(LENGTHS)
+    want_loss, want_grads, _ = alone(reference, seqs)
+    loss, grads = loss_and_grads(model, **packed_batch(seqs).kwargs())
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    assert stand_in.calls == []
+
+
+def test_documents_kwarg_reaches_no_attention_layer(stand_in):
+    """The documents are for the linear-attention layers: the attention layers drop them."""
+    model = tiny_model("qwen3_5_text").eval()
+    surgery.patch(model)
+    seen = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and "Linear" not in type(module).__name__:
+            module.register_forward_pre_hook(
+                lambda m, a, kw: seen.append(DOCUMENTS_KWARG in kw), with_kwargs=True
+            )
+    with torch.no_grad():
+        model(**{k: v for k, v in packed_batch(sequences(LENGTHS)).kwargs().items()
+                 if k != "labels"}, use_cache=False)  # fmt: skip
+    assert seen and stand_in.calls
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: fla's own kernels
+
+needs_fla = pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or fla.linear_attention_kernels(torch.device("cuda")) is None,
+    reason="needs CUDA and flash-linear-attention",
+)
+
+# Documents that cross fla's 64-token chunks, at widths where the chunked kernels tile.
+GPU_LENGTHS = [150, 37, 200]
+GPU_SIZE = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _torch_path(monkeypatch, arch):
+    """transformers' PyTorch Gated DeltaNet in the reference model (with fla installed,
+    transformers' layers pick fla's kernels by themselves)."""
+    module = sys.modules[SPECS[arch].module]
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_fla_release_is_checked():
+    """The installed fla takes every argument surgery passes and is a checked release."""
+    kernels = fla.linear_attention_kernels(torch.device("cuda"))
+    assert kernels.name.split()[-1].startswith(tuple(f"{c}." for c in fla.CHECKED))
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_kernels_against_transformers_alone(arch, dtype, monkeypatch):
+    """fla's kernels, packed: the loss, the gradients and the logits against transformers'
+    PyTorch path on each document alone, both in a precision above (fp32 for bf16, fp64 for
+    fp32: its delta rule computes in fp32 whatever the dtype, so fp32 is as high as it goes),
+    within the dtype's budget of transformers' own error in ``dtype``."""
+    _torch_path(monkeypatch, arch)
+    device = torch.device("cuda")
+    config = sized_config(arch, **GPU_SIZE)
+    up = torch.float64 if dtype == torch.float32 else torch.float32
+    torch.manual_seed(0)
+    base = SPECS[arch].causal_lm_class()._from_config(config, dtype=up, attn_implementation="sdpa")
+    base = base.to(device).train()
+    models = {name: twin(base).to(dtype) for name in ("patched", "eager")}
+    surgery.patch(models["patched"])
+    seqs = [s.to(device) for s in sequences(GPU_LENGTHS, seed=7)]
+    packed = {k: v.to(device) for k, v in packed_batch(seqs).kwargs().items()}
+    loss, grads = loss_and_grads(models["patched"], **packed, **lm_only(arch))
+    ref_loss, ref_grads, _ = alone(base, seqs, **lm_only(arch))
+    eager_loss, eager_grads, _ = alone(models["eager"], seqs, **lm_only(arch))
+    assert_close_budget(loss[None], ref_loss[None], eager_loss[None], dtype, "loss")
+    for name, ref in ref_grads.items():
+        assert_close_budget(grads[name], ref, eager_grads[name], dtype, name)
