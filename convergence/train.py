@@ -418,6 +418,42 @@ def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor
     return {k: v.to(device) for k, v in batch.items()}
 
 
+LINEAR_ATTENTION_KERNELS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+"""The functions of transformers' hybrid modeling modules that it binds, once, to an installed
+package's kernel (flash-linear-attention, causal-conv1d) in place of its PyTorch code."""
+
+
+def pytorch_linear_attention(forward: Callable) -> Callable:
+    """``forward`` with transformers' PyTorch Gated DeltaNet for the length of each call: in the
+    modeling module of ``forward``'s model, the ``LINEAR_ATTENTION_KERNELS`` bound to a package
+    are swapped for the PyTorch functions they wrap, and put back after (the backward runs the
+    ops recorded). For the fp64 yardstick: those kernels have no fp64 code."""
+    module = sys.modules[type(forward.__self__).__module__]
+    swaps = {
+        name: inspect.unwrap(fn)
+        for name in LINEAR_ATTENTION_KERNELS
+        if (fn := getattr(module, name, None)) is not None
+    }
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        bound = {name: getattr(module, name) for name in swaps}
+        try:
+            for name, fn in swaps.items():
+                setattr(module, name, fn)
+            return forward(*args, **kwargs)
+        finally:
+            for name, fn in bound.items():
+                setattr(module, name, fn)
+
+    return run
+
+
 @functools.lru_cache(maxsize=1)
 def _initial_model(name: str, size: str, seed: int, overrides: str = "", multimodal=False):
     """The fp32 CPU model every run of ``name`` starts from; kept while runs of the same model
@@ -582,6 +618,10 @@ def train_and_compare(
             # transformers' default experts implementation (grouped_mm) has no fp64 kernel; its
             # reference loop computes the same experts (Gemma 4's mixture has no aux loss).
             model.set_experts_implementation("eager")
+        if model_dtype == torch.float64 and spec.linear_attention is not None:
+            # Nor has flash-linear-attention, which transformers' Gated DeltaNet picks once it
+            # is installed: the yardstick runs transformers' PyTorch path.
+            model.forward = pytorch_linear_attention(model.forward)
         if patched:
             # A model outside the registry gets the fused loss through the fallback.
             fallback = {"fallback": "loss"} if cfg.model in FALLBACK and not cfg.multimodal else {}

@@ -169,3 +169,37 @@ def test_router_aux_loss_found_in_every_release(name, multimodal, adds):
 
     model = build_multimodal_model(name) if multimodal else build_model(name, "tiny")
     assert adds_router_aux_loss(model) is adds
+
+
+def test_fp64_yardstick_runs_transformers_pytorch_linear_attention(monkeypatch):
+    """With flash-linear-attention installed, transformers binds its Gated DeltaNet's functions to
+    fla's kernels, which have no fp64 code: the fp64 yardstick's forward swaps them back to the
+    PyTorch functions they wrap for each call (the same logits as transformers' PyTorch path), and
+    puts them back after. Here a stand-in for fla's binding refuses fp64, as fla's kernels do."""
+    import functools
+    import importlib
+
+    from surgery.convergence.train import pytorch_linear_attention
+    from tests.models.tiny import sequences, tiny_model
+
+    model = tiny_model("qwen3_5_text", dtype=torch.float64).eval()
+    module = importlib.import_module(type(model).__module__)
+    pytorch = module.torch_chunk_gated_delta_rule
+
+    @functools.wraps(pytorch)
+    def bound(*args, **kwargs):
+        assert args[0].dtype != torch.float64, "no fp64 kernel"
+        return pytorch(*args, **kwargs)
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", bound)
+    ids = torch.stack(sequences([9]))
+    with pytest.raises(AssertionError, match="no fp64 kernel"):
+        model(input_ids=ids, use_cache=False)
+    yardstick = pytorch_linear_attention(model.forward)
+    with torch.no_grad():
+        got = yardstick(input_ids=ids, use_cache=False).logits
+    assert module.torch_chunk_gated_delta_rule is bound
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", pytorch)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

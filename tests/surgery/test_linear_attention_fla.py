@@ -36,7 +36,7 @@ from tests.models.tiny import (
     twin,
 )
 from tests.utils import FP32_CLOSE as TOL
-from tests.utils import assert_close_budget
+from tests.utils import assert_close_budget, assert_step_within_drift
 
 HYBRIDS = [arch for arch, spec in SPECS.items() if spec.linear_attention is not None]
 LENGTHS = [9, 6, 11]  # each longer than the convolution window (4 tokens)
@@ -355,7 +355,11 @@ def test_fla_kernels_against_transformers_alone(arch, dtype, monkeypatch):
     PyTorch path computes the recurrence in fp32 whatever the dtype; fla computes in the dtype
     with fp32 accumulation, and its fp32 products run in TF32 (measured on the H200: 3.9e-4
     relative on an embedding gradient where the fp32 PyTorch path is 3e-7 from fp64), so the
-    budget is fla's own error, not the PyTorch path's."""
+    budget is fla's own error, not the PyTorch path's. The gradients are one whole step's,
+    held as the model-step tests hold theirs (``assert_step_within_drift``: one parameter's
+    error is a draw with a wide spread; on the H200, Qwen3.5's bf16 ``A_log`` gradient came
+    1.09e-2 from fp32 where transformers with fla came 4.5e-3, 2.4x, inside the per-parameter
+    3x)."""
     device = torch.device("cuda")
     config = sized_config(arch, **GPU_SIZE)
     torch.manual_seed(0)
@@ -373,5 +377,4 @@ def test_fla_kernels_against_transformers_alone(arch, dtype, monkeypatch):
         ref_loss, ref_grads, _ = alone(base, seqs, **lm_only(arch))
     eager_loss, eager_grads, _ = alone(models["eager"], seqs, **lm_only(arch))
     assert_close_budget(loss[None], ref_loss[None], eager_loss[None], dtype, "loss")
-    for name, ref in ref_grads.items():
-        assert_close_budget(grads[name], ref, eager_grads[name], dtype, name)
+    assert_step_within_drift(grads, ref_grads, eager_grads, dtype, arch)
