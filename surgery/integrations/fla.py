@@ -57,8 +57,15 @@ EXTRA = 'pip install "transformers-surgery[hybrid]"'
 REQUIRED = {
     "causal_conv1d": ("x", "weight", "bias", "activation", "cu_seqlens", "cu_seqlens_cpu"),
     "chunk_gated_delta_rule": (
-        "q", "k", "v", "g", "beta", "use_qk_l2norm_in_kernel", "cu_seqlens", "cu_seqlens_cpu",
-    ),  # fmt: skip
+        "q",
+        "k",
+        "v",
+        "g",
+        "beta",
+        "use_qk_l2norm_in_kernel",
+        "cu_seqlens",
+        "cu_seqlens_cpu",
+    ),
     "rms_norm_gated": ("x", "g", "weight", "bias", "activation", "eps"),
 }
 """The arguments surgery passes to each fla entry point, by name."""
@@ -115,7 +122,9 @@ def _fla() -> LinearAttentionKernels | str:
                 f"flash-linear-attention {version}: {name} takes no {sorted(missing)}; surgery "
                 f"was checked on {', '.join(CHECKED)}"
             )
-            warnings.warn(f"surgery: {reason}; the linear-attention layers run without it")
+            warnings.warn(
+                f"surgery: {reason}; the linear-attention layers run without it", stacklevel=2
+            )
             return reason
     if not version.startswith(tuple(f"{c}." for c in CHECKED)):
         warnings.warn(
@@ -146,8 +155,7 @@ def fla_status(device: torch.device) -> str:
     if device.type != "cuda":
         installed = importlib.util.find_spec("fla") is not None
         return (
-            "flash-linear-attention's kernels on CUDA (installed; this model is on "
-            f"{device.type})"
+            f"flash-linear-attention's kernels on CUDA (installed; this model is on {device.type})"
             if installed
             else f"on CUDA, {EXTRA} would run them with flash-linear-attention's kernels"
         )

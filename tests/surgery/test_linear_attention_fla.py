@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import sys
 import types
 
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 import surgery
 from surgery.integrations import fla
 from surgery.linear_attention import DOCUMENTS_KWARG, padded_documents
+from tests.models import test_hybrid
+from tests.models.test_hybrid import HYBRIDS, alone, lm_only
 from tests.models.tiny import (
     SPECS,
     assert_grads_close,
@@ -38,13 +41,7 @@ from tests.models.tiny import (
 from tests.utils import FP32_CLOSE as TOL
 from tests.utils import assert_close_budget, assert_step_within_drift
 
-HYBRIDS = [arch for arch, spec in SPECS.items() if spec.linear_attention is not None]
 LENGTHS = [9, 6, 11]  # each longer than the convolution window (4 tokens)
-
-
-def lm_only(arch: str) -> dict:
-    # The router's load-balancing loss is one statistic of the whole batch (test_hybrid says why).
-    return {"output_router_logits": False} if SPECS[arch].router_aux_loss else {}
 
 
 def _documents(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu):
@@ -57,7 +54,7 @@ def _documents(x: torch.Tensor, cu_seqlens, cu_seqlens_cpu):
     assert cu_seqlens.device == x.device and cu_seqlens_cpu.device.type == "cpu"
     assert cu_seqlens.tolist() == cu_seqlens_cpu.tolist() and cu_seqlens_cpu[-1] == x.shape[1]
     bounds = cu_seqlens_cpu.tolist()
-    return [x[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return [x[:, a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class StandIn:
@@ -136,22 +133,6 @@ def stand_in(monkeypatch):
     return kernels
 
 
-def alone(reference, seqs, **kwargs):
-    """Token-mean loss, gradients and logits of each document run alone through ``reference``
-    (each document's first label ignored, as the packing collator does)."""
-    reference.zero_grad(set_to_none=True)
-    n_tokens = sum(len(s) - 1 for s in seqs)
-    total, logits = 0.0, []
-    for s in seqs:
-        out = reference(input_ids=s[None], labels=s[None], use_cache=False, **kwargs)
-        part = out.loss * (len(s) - 1) / n_tokens
-        part.backward()
-        total += part.detach()
-        logits.append(out.logits[0].detach())
-    grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-    return torch.as_tensor(total), grads, torch.cat(logits)
-
-
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_packed_row_through_fla_trains_as_if_alone(arch, stand_in):
     """Three documents in one packed row: loss, gradients and logits are each document's alone
@@ -207,17 +188,14 @@ def test_whole_rows_through_fla(arch, stand_in):
 
 
 def test_generation_and_gapped_masks_keep_transformers_forward(stand_in):
-    """A KV cache (generation) and a mask whose real tokens are not one run per row never reach
-    fla: transformers' forward runs them, and its results come out."""
-    arch = "qwen3_5_text"
-    model = tiny_model(arch).eval()
+    """A KV cache (generation, an eval forward with the config's use_cache) and a mask whose real
+    tokens are not one run per row never reach fla: transformers' forward runs them, and its
+    results come out."""
+    test_hybrid.test_generate_and_padded_eval_match_unpatched("qwen3_5_text")
+    assert stand_in.calls == []
+    model = tiny_model("qwen3_5_text").eval()
     reference = twin(model)
     surgery.patch(model)
-    prompt = padded_batch(sequences([6]))
-    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-    got = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
-    want = reference.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
-    torch.testing.assert_close(got, want)
     ids = torch.stack(sequences([8, 8], seed=6))
     mask = torch.ones_like(ids)
     mask[0, 3] = 0  # a gap: transformers runs the row with a zero there
@@ -318,8 +296,7 @@ def test_documents_kwarg_reaches_no_attention_layer(stand_in):
 # GPU: fla's own kernels
 
 needs_fla = pytest.mark.skipif(
-    not torch.cuda.is_available()
-    or fla.linear_attention_kernels(torch.device("cuda")) is None,
+    not torch.cuda.is_available() or fla.linear_attention_kernels(torch.device("cuda")) is None,
     reason="needs CUDA and flash-linear-attention",
 )
 
@@ -363,8 +340,10 @@ def test_fla_kernels_against_transformers_alone(arch, dtype, monkeypatch):
     device = torch.device("cuda")
     config = sized_config(arch, **GPU_SIZE)
     torch.manual_seed(0)
-    base = SPECS[arch].causal_lm_class()._from_config(
-        config, dtype=torch.float32, attn_implementation="sdpa"
+    base = (
+        SPECS[arch]
+        .causal_lm_class()
+        ._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     )
     base = base.to(device).train()
     models = {name: twin(base).to(dtype) for name in ("patched", "eager")}
