@@ -25,6 +25,7 @@ import surgery
 from surgery.integrations import fla
 from surgery.linear_attention import DOCUMENTS_KWARG, padded_documents
 from tests.models import test_hybrid
+from tests.models import test_multimodal as multimodal
 from tests.models.test_hybrid import HYBRIDS, alone, lm_only
 from tests.models.tiny import (
     SPECS,
@@ -357,3 +358,44 @@ def test_fla_kernels_against_transformers_alone(arch, dtype, monkeypatch):
     eager_loss, eager_grads, _ = alone(models["eager"], seqs, **lm_only(arch))
     assert_close_budget(loss[None], ref_loss[None], eager_loss[None], dtype, "loss")
     assert_step_within_drift(grads, ref_grads, eager_grads, dtype, arch)
+
+
+@pytest.mark.parametrize("pair", ["qwen3_5_text-qwen3_5", "qwen3_5_moe_text-qwen3_5_moe"])
+def test_multimodal_wrapper_packed_through_fla(pair, stand_in):
+    """A Qwen3.5 multimodal wrapper, two image chats packed into one row with (4, 1, seq)
+    position ids: its linear-attention layers run the row through fla with the documents of the
+    text row, and the loss and every gradient (vision tower included) are each chat's alone
+    through transformers."""
+    spec, wrapper = multimodal.PAIRS[pair]
+    model = multimodal.tiny_vlm(spec, wrapper)
+    model.config.text_config.output_router_logits = False  # one statistic of the whole batch
+    reference = twin(model)
+    surgery.patch(model)
+    rows = multimodal.image_batch(model, wrapper)
+    lengths = (multimodal.SEQ, multimodal.SEQ - 3)
+    docs, packed = [], {k: [] for k in ("input_ids", "mm_token_type_ids", "position_ids")}
+    for row, length in enumerate(lengths):
+        ids = rows["input_ids"][row : row + 1, :length]
+        kinds = rows["mm_token_type_ids"][row : row + 1, :length]
+        grid = rows["image_grid_thw"][row : row + 1]
+        rope, _ = model.model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid)
+        pixels = rows["pixel_values"].view(2, -1, rows["pixel_values"].shape[-1])[row]
+        docs.append(dict(input_ids=ids, mm_token_type_ids=kinds, image_grid_thw=grid,
+                         pixel_values=pixels, labels=ids))  # fmt: skip
+        packed["input_ids"].append(ids)
+        packed["mm_token_type_ids"].append(kinds)
+        packed["position_ids"].append(torch.cat([torch.arange(length).view(1, 1, -1), rope]))
+    batch = {k: torch.cat(v, dim=-1) for k, v in packed.items()}
+    batch["labels"] = torch.cat([d["labels"].masked_fill(torch.arange(n) == 0, -100)
+                                 for d, n in zip(docs, lengths)], dim=-1)  # fmt: skip
+    batch.update(pixel_values=rows["pixel_values"], image_grid_thw=rows["image_grid_thw"])
+    loss, grads = loss_and_grads(model, **batch)
+    reference.zero_grad(set_to_none=True)
+    targets = sum(n - 1 for n in lengths)
+    want = sum(reference(**d, use_cache=False).loss * (n - 1) / targets
+               for d, n in zip(docs, lengths))  # fmt: skip
+    want.backward()
+    want_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    assert_grads_close({n: grads[n] for n in want_grads}, want_grads, **TOL)
+    assert {c[1:] for c in stand_in.calls if c[0] == "delta_rule"} == {(sum(lengths), lengths)}
