@@ -40,7 +40,6 @@ from .fallback import (
     FALLBACKS,
     fallback_patched_lm,
     find_fallback_lm,
-    loss_only_options,
     plan_loss_fallback,
     prove_loss_fallback,
 )
@@ -67,7 +66,7 @@ from .layers import (
 from .linear_attention import LINEAR_ATTENTION_ATTR, fla_ready, linear_attention_forward
 from .mla import mla_attention_forward
 from .multimodal import language_model, text_model
-from .options import PatchOptions
+from .options import OPTIONS, PatchOptions, loss_only_options
 from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .registry import UnsupportedModelError, find_causal_lm
 from .signature import in_signature_of
@@ -357,42 +356,23 @@ def patch(
     """Patch ``model`` in place and return it (the same object).
 
     ``model`` is a supported transformers causal LM, or anything containing one (a ``PeftModel``).
-    The options are those of ``PatchOptions``. Patching again with the same options is a no-op (it
-    also patches an lm_head copy that PEFT added since); with other options the model is unpatched
-    and patched anew. An unsupported model raises ``UnsupportedModelError`` naming the supported
-    architectures, or with ``strict=False`` warns and returns the model untouched.
+    The options are ``surgery.options.OPTIONS`` (``docs/options.md``). Patching again with the
+    same options is a no-op (it also patches an lm_head copy that PEFT added since); with other
+    options the model is unpatched and patched anew. An unsupported model raises
+    ``UnsupportedModelError`` naming the supported architectures, or with ``strict=False`` warns
+    and returns the model untouched.
 
     ``fallback="loss"``: a causal LM outside the registry gets the fused loss alone (its lm_head
     and causal-LM forwards; attention, norms and MLPs keep their own, and the options acting on
-    them are off: ``surgery.fallback.loss_only_options``), once a probe has shown that the fused
+    them are off: ``surgery.options.loss_only_options``), once a probe has shown that the fused
     loss computes exactly what its forward computes (``surgery.fallback``). A model that fails the
     probe raises ``FallbackRefusedError`` (an ``UnsupportedModelError``) saying what differed, or
     with ``strict=False`` warns and is left untouched. A supported model ignores ``fallback``.
     """
+    given = locals()  # the keyword options: OPTIONS, in this signature's order (a test holds it)
     if fallback is not None and fallback not in FALLBACKS:
         raise ValueError(f"fallback must be None or one of {FALLBACKS}, got {fallback!r}")
-    options = PatchOptions(
-        rope=rope,
-        fused_linear_cross_entropy=fused_linear_cross_entropy,
-        loss_reduction=loss_reduction,  # type: ignore[arg-type]
-        z_loss_scale=float(z_loss_scale),
-        label_smoothing=float(label_smoothing),
-        return_logits=return_logits,
-        rms_norm=rms_norm,
-        gated_mlp=gated_mlp,
-        embedding_backward=embedding_backward,
-        recompute_mlp_product=recompute_mlp_product,
-        recompute_norm_output=recompute_norm_output,
-        loss_low_memory=loss_low_memory,
-        loss_chunk_bytes=loss_chunk_bytes,
-        loss_skip_ignored=loss_skip_ignored,
-        share_attention_mask=share_attention_mask,
-        causal_right_padding=causal_right_padding,
-        padding_free=padding_free,
-        eager_attention_recompute=eager_attention_recompute,
-        varlen_attention=varlen_attention,
-        experts_implementation=experts_implementation,
-    )
+    options = PatchOptions(**{option.name: given[option.name] for option in OPTIONS})
     try:
         lm, spec = find_causal_lm(model)
         plan = functools.partial(_plan_lm, lm, spec)

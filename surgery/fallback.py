@@ -35,7 +35,6 @@ planned, after the probe: what differs is reported first.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from surgery.models import ArchitectureSpec, MiniConfig
 from .foreign import ForeignForwardError, foreign_kernel_modules
 from .forward import STATE_ATTR, PatchState, causal_lm_forward, moe_causal_lm_forward
 from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
-from .options import PatchOptions
+from .options import PatchOptions, loss_only_options
 from .registry import UnsupportedModelError
 from .signature import CACHE
 from .swap import Swap, check_signature, plan_swap
@@ -98,27 +97,6 @@ class LossFallback:
     """The derived spec the generic forward is bound to (``loss_only_spec``)."""
     checks: tuple[str, ...]
     """What the probe compared, in words."""
-
-
-def loss_only_options(options: PatchOptions) -> PatchOptions:
-    """``options`` with everything off that acts on modules the fallback leaves alone: RoPE,
-    RMSNorm, MLP and embedding kernels (and their recomputation), the attention options, and
-    ``causal_right_padding`` and ``padding_free`` (dropping a mask is exact only under causal
-    attention everywhere, which the probe does not prove). The loss options are kept."""
-    return dataclasses.replace(
-        options,
-        rope=False,
-        rms_norm=False,
-        gated_mlp=False,
-        embedding_backward=False,
-        recompute_mlp_product=False,
-        recompute_norm_output=False,
-        share_attention_mask=False,
-        causal_right_padding=False,
-        padding_free=False,
-        eager_attention_recompute=False,
-        varlen_attention=False,
-    )
 
 
 def find_fallback_lm(model: nn.Module) -> nn.Module:
