@@ -11,8 +11,8 @@ from .apply import *  # noqa: F403  (revert, and apply_<name> for every supporte
 from .describe import PatchReport, describe
 from .fallback import FallbackRefusedError
 from .foreign import ForeignForwardError
-from .forward import CausalLMOutputWithZLoss
 from .options import PatchOptions
+from .outputs import CausalLMOutputWithZLoss, MoeCausalLMOutputWithZLoss, ZLossOutput
 from .registry import UnsupportedModelError, supported
 
 __version__ = "0.1.0"
@@ -21,9 +21,11 @@ __all__ = [
     "CausalLMOutputWithZLoss",
     "FallbackRefusedError",
     "ForeignForwardError",
+    "MoeCausalLMOutputWithZLoss",
     "PatchOptions",
     "PatchReport",
     "UnsupportedModelError",
+    "ZLossOutput",
     "__version__",
     "describe",
     "supported",

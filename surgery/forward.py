@@ -46,6 +46,7 @@ from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .chunked_attention import packed_chunk_size
 from .compiling import graph_break_allowed, host_read
 from .head import fuse_replaced_head, head_logits, head_takes_loss, warn_unfused
+from .integrations import fla
 from .integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
 from .integrations.trl import FusedHeadRequest, fused_head_output
 from .linear_attention import DOCUMENTS_KWARG, documents_of
@@ -290,10 +291,15 @@ def _forward(
         and cache is None
         and use_cache is None
         and (labels is not None or self.training)
+        and fla.linear_attention_kernels(
+            (input_ids if input_ids is not None else inputs_embeds).device
+        )
+        is not None
     ):
-        # A hybrid's training or loss step has no use for the cache transformers would create
-        # from the config's use_cache, and with one its linear-attention layers run transformers'
-        # forward (surgery.linear_attention); a use_cache=True passed is kept.
+        # Where fla runs a hybrid's linear-attention layers (surgery.linear_attention), a
+        # training or loss step makes no KV cache from the config's use_cache, as a packed or
+        # padding-free step makes none: with one, the layers would run transformers' forward. A
+        # use_cache=True passed is kept.
         use_cache = False
     output_attentions = kwargs.get("output_attentions", config.output_attentions)
     sdpa = config._attn_implementation == "sdpa"

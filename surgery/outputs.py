@@ -6,7 +6,8 @@ class of their own (``Gemma4CausalLMOutputWithPast``: ``shared_kv_states``; Gemm
 ``image_hidden_states``). The patched forward returns that class (read from the forward's return
 annotation, ``causal_lm_output_class``) plus a ``z_loss`` field (``with_z_loss``): the loss
 fields it computes itself (``COMPUTED_FIELDS``), every other field copied from the base model's
-output as transformers' forward copies it.
+output as transformers' forward copies it. Every such class is a ``ZLossOutput``: the one class a
+caller can test a patched model's output against.
 """
 
 from __future__ import annotations
@@ -25,13 +26,23 @@ __all__ = [
     "COMPUTED_FIELDS",
     "CausalLMOutputWithZLoss",
     "MoeCausalLMOutputWithZLoss",
+    "ZLossOutput",
     "causal_lm_output_class",
     "with_z_loss",
 ]
 
 
+class ZLossOutput:
+    """The base of every output class a patched forward returns (``CausalLMOutputWithZLoss``,
+    ``MoeCausalLMOutputWithZLoss``, and those made for other transformers classes by
+    ``with_z_loss``, e.g. ``Gemma4CausalLMOutputWithZLoss``): ``isinstance(out, ZLossOutput)``
+    holds for all of them, and each has the field ``z_loss``."""
+
+    z_loss: torch.Tensor | None
+
+
 @dataclass
-class CausalLMOutputWithZLoss(CausalLMOutputWithPast):
+class CausalLMOutputWithZLoss(CausalLMOutputWithPast, ZLossOutput):
     """``CausalLMOutputWithPast`` plus ``z_loss``: the z-loss term already inside ``loss`` (same
     reduction, detached, for logging); None unless ``z_loss_scale > 0`` and a loss was computed."""
 
@@ -39,7 +50,7 @@ class CausalLMOutputWithZLoss(CausalLMOutputWithPast):
 
 
 @dataclass
-class MoeCausalLMOutputWithZLoss(MoeCausalLMOutputWithPast):
+class MoeCausalLMOutputWithZLoss(MoeCausalLMOutputWithPast, ZLossOutput):
     """transformers' ``MoeCausalLMOutputWithPast`` (``aux_loss``, ``router_logits``) plus
     ``z_loss``, as in ``CausalLMOutputWithZLoss``."""
 
@@ -70,7 +81,7 @@ def with_z_loss(output: type) -> type:
             "__annotations__": {"z_loss": "torch.Tensor | None"},
             "z_loss": None,
         }
-        found = _Z_LOSS_OUTPUTS[output] = dataclass(type(name, (output,), namespace))
+        found = _Z_LOSS_OUTPUTS[output] = dataclass(type(name, (output, ZLossOutput), namespace))
         globals().setdefault(name, found)  # found by name, as pickle looks it up
     return found
 

@@ -148,7 +148,8 @@ def test_wrapper_trains_as_transformers(pair, request):
     # the padding positions' keys and values as transformers computes them.)
     with torch.no_grad():
         out, ref = (m(**batch, output_hidden_states=True) for m in (model, reference))
-    assert isinstance(out, type(ref)) and out.logits is None
+    assert isinstance(out, type(ref)) and isinstance(out, surgery.ZLossOutput)
+    assert out.logits is None
     assert set(out.keys()) == set(ref.keys()) - {"logits"}
     for field in ref.keys() - {"loss", "logits"}:
         assert_same_value(out[field], ref[field], field)

@@ -70,8 +70,8 @@ def assert_same_value(got, want, where: str) -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_outputs_carry_transformers_fields(name):
     """A training step with labels, every optional output asked for: the patched output is an
-    instance of the unpatched one's class, with the same fields set (``z_loss`` added, ``logits``
-    None) and the same values."""
+    instance of the unpatched one's class and of ``surgery.ZLossOutput``, with the same fields set
+    (``z_loss`` added, ``logits`` None) and the same values."""
     model = MODELS[name]().train()
     reference = twin(model)
     surgery.patch(model)
@@ -82,6 +82,8 @@ def test_outputs_carry_transformers_fields(name):
         want = reference(**kwargs)
         got = model(**kwargs)
     assert isinstance(got, output), f"{type(got).__name__} is not a {output.__name__}"
+    assert isinstance(got, surgery.ZLossOutput)
+    assert "z_loss" in {field.name for field in dataclasses.fields(got)}
     assert got.logits is None and want.logits is not None
     assert set(got.keys()) == set(want.keys()) - {"logits"}
     for field in want.keys() - {"logits"}:

@@ -399,3 +399,21 @@ def test_multimodal_wrapper_packed_through_fla(pair, stand_in):
     torch.testing.assert_close(loss, want.detach(), **TOL)
     assert_grads_close({n: grads[n] for n in want_grads}, want_grads, **TOL)
     assert {c[1:] for c in stand_in.calls if c[0] == "delta_rule"} == {(sum(lengths), lengths)}
+
+
+def test_training_step_makes_no_cache_where_fla_runs(stand_in, monkeypatch):
+    """Where fla runs the layers, a training step with labels makes no KV cache from the
+    config's use_cache (with one the layers would run transformers' forward); without fla it
+    returns transformers' cache, and a use_cache=True passed is kept either way."""
+    model = surgery.patch(tiny_model("qwen3_5_text").train())
+    batch = padded_batch(sequences([7, 4])).kwargs()
+
+    def cache(**kwargs):  # the field transformers 5.24 renamed from past_key_values
+        out = model(**batch, **kwargs)
+        return out.get("cache", out.get("past_key_values"))
+
+    with torch.no_grad():
+        assert cache() is None
+        assert cache(use_cache=True) is not None
+        monkeypatch.setattr(fla, "linear_attention_kernels", lambda device: None)
+        assert cache() is not None
