@@ -4,8 +4,8 @@ Eagerly, ``F.embedding``'s backward on CUDA sorts the token ids and sums each ro
 fp32 within its segment, writing the gradient in the weight's dtype. Under ``torch.compile``,
 Inductor decomposes the same backward into a zero-filled table in fp32, an accumulating
 ``index_put`` and a cast: for a bf16 model an fp32 copy of the whole table is alive at the end of
-the backward beside the bf16 gradient (1.2 GB at a 151936 x 2048 vocabulary; on the H100 it was
-the largest block at the compiled Qwen3-MoE step's peak, ``benchmarks/results/memory_*``).
+the backward beside the bf16 gradient (the largest block at the compiled Qwen3-MoE step's peak:
+``benchmarks/results/memory_qwen3_moe_surgery_compiled_padded-before-embedding-op.txt``).
 
 ``embedding`` is ``F.embedding`` with its backward in the torch library op
 ``surgery::embedding_backward``, which calls ``torch.ops.aten.embedding_dense_backward``: the

@@ -6,8 +6,8 @@ expert outputs weighted by their routing weights (rows sorted by expert, ``index
 of each (token, slot)), and in the backward to sum the gradients of a token's top-k gathered input
 rows. Written as
 ``values[index].view(-1, group, width).sum(1)`` the compiler materialises nothing but runs a
-reduction of length ``group`` per output element, about four times slower than a copy of the
-rows on the H100 (``benchmarks/results/``, the compiled Qwen3-MoE step); the kernel gives each
+reduction of length ``group`` per output element, several times slower than a copy of the
+rows (``benchmarks/results/train_step-qwen3_moe-compile-gather-sum*``); the kernel gives each
 program a block of one output row and adds the ``group`` source rows in order: one read of every
 gathered row and one write of the output, at copy speed.
 

@@ -93,8 +93,8 @@ def _scale_launch(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> bool:
 @torch.library.custom_op("surgery::scaled_by_upstream", mutates_args=())
 def scaled_by_upstream(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``t * g`` in a new tensor (``g`` 0-dim): ``scale_by_upstream_`` under ``torch.compile``,
-    through the same kernel, out of place: one vectorised pass (on the H100 PyTorch's multiply
-    by a 0-dim tensor took 0.68 ms over Llama's lm_head gradient, twice a copy's time)."""
+    through the same kernel, out of place: one vectorised pass, where PyTorch's multiply by a
+    0-dim tensor took twice a copy's time over an lm_head gradient."""
     out = torch.empty_like(t)
     if not _scale_launch(t, out, g):
         torch.mul(t, g.to(t.dtype), out=out)
@@ -110,9 +110,10 @@ def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``t`` scaled by a 0-dim upstream gradient ``g``: in place eagerly (a no-op on the device if
     g == 1). Under ``torch.compile`` a new tensor from one opaque op: the saved gradient is a
     buffer the compiled backward may reuse for a multiply written in the graph, and a gradient
-    returned in such a buffer is copied again by autograd before it is accumulated (on the H100
-    a second 594 MiB lm_head gradient alive to the end of the compiled Qwen3-MoE backward); a new
-    tensor is taken as it is, and the saved one is freed at once."""
+    returned in such a buffer is copied again by autograd before it is accumulated (a second
+    lm_head gradient alive to the end of the compiled backward: ``benchmarks/results/
+    memory_qwen3_moe_surgery_compiled_padded-before-lm-head-grad-fix.txt``); a new tensor is
+    taken as it is, and the saved one is freed at once."""
     if t.numel() == 0:
         return t
     if torch.compiler.is_compiling():
@@ -460,7 +461,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # ctx and are scaled in place; the backward drops them, so a second backward
         # (retain_graph) recomputes instead of reusing scaled ones. Compiled, that would keep them
         # to the end of the step (the compiler keeps tensors put on ctx until the graph is freed:
-        # on the H100 a second lm_head gradient beside the real one): there they are saved
+        # a second lm_head gradient beside the real one): there they are saved
         # tensors, handed to the backward graph, which frees them once scaled out of place
         # (``scale_by_upstream_``). Compiled graphs have no retain_graph (donated buffers).
         compiled = torch.compiler.is_compiling()

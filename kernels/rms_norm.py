@@ -351,9 +351,8 @@ def rms_norm_bwd(
     )
     if not compute_dw:
         return dx, None
-    # One small kernel sums the buffer's rows and rounds: PyTorch's column sum and cast took
-    # 17 us a norm on the H100 for Llama's 528 x 2048 buffer; with this one over 264 rows the
-    # compiled Llama step's norm backwards went from 1.92 to 1.48 ms (launch sweep:
+    # One small kernel sums the buffer's rows and rounds, faster than PyTorch's column sum and
+    # cast (the launch sweep and the compiled Llama step's norm backwards:
     # benchmarks/results/rms_norm_bwd_launch.txt).
     dw = torch.empty(N, dtype=weight.dtype, device=dev)
     block_p = min(launch.sum_rows, next_power_of_2(programs))

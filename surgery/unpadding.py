@@ -18,7 +18,7 @@ region they were kept by the partitioner), put the rotated queries, keys and val
 (batch, seq) layout instead, with zeros at the padding (the queries and keys inside that region),
 for one sdpa call, and take the real rows of the output again (``pad_heads``, ``Unpadded.take``).
 Neither runs flash attention's variable-length kernel, the one that takes a row's end from a list
-of lengths: it ran 1.5x slower than sdpa's cuDNN kernel over the same rows on the H100
+of lengths: it ran slower than sdpa's cuDNN kernel over the same rows
 (``benchmarks/results/padding_free_attention.txt``).
 
 Exact for every trained token: each attends causally to its own row's real tokens, at the
@@ -54,8 +54,8 @@ __all__ = [
 
 ROW_CALLS_MAX = 8
 """The most rows whose attention runs one sdpa call a row; a batch of more runs one padded call.
-Measured at 2 rows on the H100 (the per-row calls faster: ``README.md``, issue 18); the bound
-itself is not tuned."""
+The per-row calls were measured faster at 2 rows (``docs/benchmarks.md``, padding-free steps);
+the bound itself is not tuned."""
 
 UNPADDED_KWARG = "surgery_unpadded"
 """The keyword argument that carries ``Unpadded`` from the causal-LM forward through the base model
@@ -63,7 +63,7 @@ and its decoder layers to the attention."""
 
 
 # Two ops, each the other's backward, both gathers: autograd's own backward of a gather is a
-# scatter-add into zeros, which on the H100 ran six times as long. Ops rather than autograd
+# scatter-add into zeros, several times as long as a gather. Ops rather than autograd
 # Functions: under torch.compile a Function's output inside an activation-checkpoint region was
 # kept instead of rebuilt by torch 2.11's partitioner (the padded rotated queries and keys of the
 # q/k-norm models, rebuilt with the rest of their region: surgery.attention).

@@ -264,8 +264,8 @@ def flash_layout(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a contiguous copy where flash attention would read it at a misaligned address:
     its kernels load 16-byte vectors, so besides the head size every stride but the last (which
     must be 1) and the start must be whole vectors. Projections' views always are; a slice such
-    as MLA's values (a part of ``kv_b_proj``'s output) may not be (on the H100: "misaligned
-    address" on a tiny Mistral 4)."""
+    as MLA's values (a part of ``kv_b_proj``'s output) may not be (flash attention then fails
+    with "misaligned address": seen on a tiny Mistral 4)."""
     if torch.compiler.is_compiling():
         # The start is not traceable (``storage_offset``); a copy only where not contiguous.
         return x.contiguous()

@@ -11,7 +11,7 @@ so the rotate-half kernel compiles to the same code whatever other layouts exist
 backward is the same kernel with the flags swapped and the angle negated. Interleaved pairs move
 as whole contiguous rows (vector loads and stores) and are split or joined in registers; reading
 them interleaved and writing them half-split moves values between threads, through shared
-memory. TODO: time the interleaved layouts on the H100 (a layout option in
+memory. TODO: time the interleaved layouts on the GPU (a layout option in
 benchmarks/bench_rope.py) to know what that shuffle costs against a copy.
 
 Multimodal RoPE (MROPE, a constexpr) changes only where a frequency's position comes from: one
