@@ -180,7 +180,7 @@ def fla_ready(module: nn.Module) -> bool:
     layer laid out as transformers' Qwen3.5 (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
     ``in_proj_a``) or Qwen3-Next (``in_proj_qkvz``, ``in_proj_ba`` and its
     ``fix_query_key_value_ordering``), with SiLU activations, a gated RMSNorm and no
-    accelerate hook moving its convolution's weight."""
+    accelerate hook moving its convolution's or its norm's weight."""
     names = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_k_dim", "head_v_dim",
              "key_dim", "value_dim")  # fmt: skip
     layouts = (
@@ -194,8 +194,15 @@ def fla_ready(module: nn.Module) -> bool:
         and getattr(module, "activation", None) in _SILU
         and getattr(norm, "activation", None) in _SILU
         and hasattr(norm, "variance_epsilon")
-        and not hasattr(module.conv1d, "_hf_hook")
+        and not any(hasattr(m, "_hf_hook") for m in (module.conv1d, norm))
     )
+
+
+def _partitioned(self: nn.Module) -> bool:
+    """Whether the weights the fla path reads without calling their modules (the convolution's,
+    the gated norm's) are DeepSpeed ZeRO-3 partitions, gathered only around their modules'
+    own forwards."""
+    return any(hasattr(p, "ds_id") for p in (self.conv1d.weight, self.norm.weight))
 
 
 def _projections(self: nn.Module, hidden: torch.Tensor):
@@ -260,9 +267,9 @@ def linear_attention_forward(
     **kwargs,
 ) -> torch.Tensor:
     """The linear-attention forward on the batch's documents (see the module docstring): through
-    fla where it runs (``fla_ready`` at patch time, CUDA, no cache, not compiling), else a packed
-    batch's documents as a right-padded batch through transformers' forward, else transformers'
-    forward as it is."""
+    fla where it runs (``fla_ready`` at patch time, CUDA, no cache, not compiling, weights not
+    ZeRO-3 partitions), else a packed batch's documents as a right-padded batch through
+    transformers' forward, else transformers' forward as it is."""
     cache = cache_argument(cache, kwargs)
     documents: Documents | None = kwargs.pop(DOCUMENTS_KWARG, None)
     # transformers' own forward (the patch checked that the class's is); an instance forward
@@ -272,7 +279,9 @@ def linear_attention_forward(
         return forward(self, hidden_states, cache, attention_mask, **kwargs)
     kernels = (
         fla.linear_attention_kernels(hidden_states.device)
-        if self.__dict__.get(LINEAR_ATTENTION_ATTR) and not torch.compiler.is_compiling()
+        if self.__dict__.get(LINEAR_ATTENTION_ATTR)
+        and not torch.compiler.is_compiling()
+        and not _partitioned(self)
         else None
     )
     if kernels is not None and (documents is not None or attention_mask is None):

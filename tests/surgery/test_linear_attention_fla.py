@@ -417,3 +417,23 @@ def test_training_step_makes_no_cache_where_fla_runs(stand_in, monkeypatch):
         assert cache(use_cache=True) is not None
         monkeypatch.setattr(fla, "linear_attention_kernels", lambda device: None)
         assert cache() is not None
+
+
+def test_zero3_partitioned_weights_keep_the_padded_path(stand_in):
+    """Weights DeepSpeed ZeRO-3 partitions (marked ``ds_id``) are gathered only around their own
+    modules' forwards, which the fla path does not call for the convolution and the norm: such
+    a layer runs its packed documents padded through transformers' forward."""
+    arch = "qwen3_5_text"
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    spec = SPECS[arch]
+    surgery.patch(model)
+    for module in model.modules():
+        if spec.is_instance(module, spec.linear_attention):
+            module.norm.weight.ds_id = 0
+    seqs = sequences(LENGTHS)
+    want_loss, want_grads, _ = alone(reference, seqs)
+    loss, grads = loss_and_grads(model, **packed_batch(seqs).kwargs())
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+    assert stand_in.calls == []
