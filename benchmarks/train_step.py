@@ -34,6 +34,12 @@ Scenarios, in this order (the ones most likely to run out of memory last):
 - packed 2x4096: each row is several documents of 512-2048 tokens, ``position_ids`` restarting at
   every document, no attention mask, the first token of each document not predicted;
 - padded 4x4096 and 8x4096: the same as padded 2x4096 with more rows;
+- on request (``--scenarios``), the other input structures a user feeds (issue 33), text models
+  only: ``plain`` (``input_ids`` and ``labels`` alone, every token labelled), ``ones`` (the same
+  with an attention mask of ones), ``prompts`` (plain, the first quarter of each row's labels
+  -100, as masked prompts), ``leftpadded`` (the padded rows' padding at the left),
+  ``packedcu`` (packed, with the ``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k`` keyword
+  arguments a padding-free collator adds: ``DataCollatorWithFlattening``, TRL's);
 - longest sequence at batch 1 (one document, no padding): 4096, 8192, ... 65536 until one does not
   fit; one step each.
 
@@ -440,14 +446,19 @@ def scenarios_to_run(asked: list[tuple[str, int]] | None, quick: bool) -> list[t
     return [s for s in SCENARIOS if not (quick and s[1] == 4)]
 
 
+KINDS = ("padded", "packed", "plain", "ones", "prompts", "leftpadded", "packedcu")
+"""The input structures ``make_batch`` makes (the module docstring says what each holds); the
+multimodal models take padded and packed only."""
+
+
 def parse_scenarios(text: str) -> list[tuple[str, int]]:
-    """``"padded2,packed1"`` -> ``[("padded", 2), ("packed", 1)]``: any batch of either layout."""
+    """``"padded2,packed1"`` -> ``[("padded", 2), ("packed", 1)]``: any batch of any ``KINDS``."""
     out = []
     for item in text.split(","):
-        match = re.fullmatch(r"(padded|packed)([1-9][0-9]*)", item.strip())
+        match = re.fullmatch(rf"({'|'.join(KINDS)})([1-9][0-9]*)", item.strip())
         if match is None:
             raise argparse.ArgumentTypeError(
-                f"scenario {item!r} is not padded<batch> or packed<batch>"
+                f"scenario {item!r} is not <kind><batch> with a kind of {KINDS}"
             )
         out.append((match.group(1), int(match.group(2))))
     return out
@@ -582,15 +593,22 @@ def make_batch(kind: str, batch: int, seq: int, vocab: int, device, seed: int):
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = ids.clone()
     out: dict[str, Any] = {}
-    if kind == "padded":
+    if kind in ("padded", "leftpadded"):
         mask = torch.zeros(batch, seq, dtype=torch.long)
         for r in range(batch):
             length = seq - (r % 4) * seq // 8
-            mask[r, :length] = 1
+            if kind == "padded":
+                mask[r, :length] = 1
+            else:
+                mask[r, seq - length :] = 1
         ids = ids.masked_fill(mask == 0, 0)
         labels = labels.masked_fill(mask == 0, -100)
         out["attention_mask"] = mask
-    elif kind == "packed":
+    elif kind == "ones":
+        out["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    elif kind == "prompts":
+        labels[:, : seq // 4] = -100
+    elif kind in ("packed", "packedcu"):
         pos = torch.empty(batch, seq, dtype=torch.long)
         lo, hi = max(1, seq // 8), max(2, seq // 2)
         for r in range(batch):
@@ -601,12 +619,19 @@ def make_batch(kind: str, batch: int, seq: int, vocab: int, device, seed: int):
                 labels[r, t] = -100  # never predict a document's first token from the one before
                 t += n
         out["position_ids"] = pos
-    elif kind != "single":
+        if kind == "packedcu":  # as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+            starts = torch.nonzero(pos.flatten() == 0).flatten()
+            cu = torch.cat([starts, starts.new_tensor([batch * seq])]).to(torch.int32)
+            longest = int(cu.diff().max())
+            out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                       max_length_k=longest)  # fmt: skip
+    elif kind not in ("single", "plain"):
         raise ValueError(kind)
     out["input_ids"] = ids
     out["labels"] = labels
-    real_tokens = int((labels != -100).sum()) if kind == "padded" else batch * seq
-    return {k: v.to(device) for k, v in out.items()}, real_tokens
+    padded = kind in ("padded", "leftpadded")
+    real_tokens = int(out["attention_mask"].sum()) if padded else batch * seq
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in out.items()}, real_tokens
 
 
 def make_inputs(name: str, model, kind: str, batch: int, seq: int, device, seed: int, smoke: bool):
@@ -618,6 +643,8 @@ def make_inputs(name: str, model, kind: str, batch: int, seq: int, device, seed:
         return data, real, {}
     import vlm_inputs
 
+    if kind not in ("padded", "packed", "single"):
+        raise ValueError(f"the multimodal models take padded and packed batches, not {kind}")
     data, real, info = vlm_inputs.make_vlm_batch(model, kind, batch, seq, seed, smoke=smoke)
     return {k: v.to(device) for k, v in data.items()}, real, info
 
@@ -1174,7 +1201,7 @@ def parse_args(argv=None):
         default="surgery",
         help="comma list of contenders to profile (e.g. surgery,surgery_compiled)",
     )
-    p.add_argument("--profile-scenario", choices=["padded", "packed"], default="padded")
+    p.add_argument("--profile-scenario", choices=list(KINDS), default="padded")
     p.add_argument(
         "--profile-trace", action="store_true", help="with the tables, the gzipped chrome trace"
     )

@@ -31,6 +31,32 @@ def test_quick_drops_batch_4_from_the_defaults_only():
     assert train_step.scenarios_to_run(None, quick=False) == train_step.SCENARIOS
 
 
+def test_every_input_structure_is_a_scenario():
+    """Issue 33's input structures: each kind parses, and each batch holds what its name says
+    (a tiny one, on CPU)."""
+    assert train_step.parse_scenarios("plain2,ones1,prompts2,leftpadded4,packedcu2") == [
+        ("plain", 2), ("ones", 1), ("prompts", 2), ("leftpadded", 4), ("packedcu", 2),
+    ]  # fmt: skip
+    cpu = torch.device("cpu")
+    batches = {kind: train_step.make_batch(kind, 4, 32, 101, cpu, 0) for kind in train_step.KINDS}
+    assert set(batches["plain"][0]) == {"input_ids", "labels"} and batches["plain"][1] == 128
+    assert (batches["plain"][0]["labels"] != -100).all()
+    ones = batches["ones"][0]
+    assert ones["attention_mask"].all() and torch.equal(ones["labels"], ones["input_ids"])
+    assert (batches["prompts"][0]["labels"][:, :8] == -100).all()
+    assert (batches["prompts"][0]["labels"][:, 8:] != -100).all()
+    left, right = batches["leftpadded"][0]["attention_mask"], batches["padded"][0]["attention_mask"]
+    assert torch.equal(left, right.flip(1)) and batches["leftpadded"][1] == int(right.sum())
+    packed, cu = batches["packed"][0], batches["packedcu"][0]
+    assert torch.equal(packed["position_ids"], cu["position_ids"])
+    starts = (cu["position_ids"].flatten() == 0).nonzero().flatten().tolist()
+    assert (
+        cu["cu_seq_lens_q"].tolist() == [*starts, 128]
+        and cu["cu_seq_lens_q"] is cu["cu_seq_lens_k"]
+    )
+    assert cu["max_length_q"] == max(torch.tensor([*starts, 128]).diff().tolist())
+
+
 @pytest.mark.parametrize("text", ["padded", "packed0", "varlen2", "padded2,", "padded-1"])
 def test_scenarios_refuse_what_is_not_a_layout_and_a_batch(text):
     with pytest.raises(argparse.ArgumentTypeError):
