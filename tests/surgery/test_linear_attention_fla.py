@@ -126,6 +126,16 @@ def _recurrence(q, k, v, g, beta, scale):
     return torch.stack(out)[None]
 
 
+def assert_packed_as_alone(model, reference, **kwargs) -> None:
+    """``model``'s loss and gradients on ``LENGTHS`` documents packed in one row are
+    ``reference``'s on each document alone."""
+    seqs = sequences(LENGTHS)
+    want_loss, want_grads, _ = alone(reference, seqs, **kwargs)
+    loss, grads = loss_and_grads(model, **packed_batch(seqs).kwargs(), **kwargs)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     """fla's kernels, for every device, are the stand-in's."""
@@ -269,11 +279,7 @@ def test_layout_unknown_to_fla_keeps_padded_path(stand_in):
             module.activation = "gelu"
     surgery.patch(model)
     assert "a layout fla's path does not know" in str(surgery.describe(model))
-    seqs = sequences(LENGTHS)
-    want_loss, want_grads, _ = alone(reference, seqs)
-    loss, grads = loss_and_grads(model, **packed_batch(seqs).kwargs())
-    torch.testing.assert_close(loss, want_loss, **TOL)
-    assert_grads_close(grads, want_grads, **TOL)
+    assert_packed_as_alone(model, reference)
     assert stand_in.calls == []
 
 
@@ -431,9 +437,5 @@ def test_zero3_partitioned_weights_keep_the_padded_path(stand_in):
     for module in model.modules():
         if spec.is_instance(module, spec.linear_attention):
             module.norm.weight.ds_id = 0
-    seqs = sequences(LENGTHS)
-    want_loss, want_grads, _ = alone(reference, seqs)
-    loss, grads = loss_and_grads(model, **packed_batch(seqs).kwargs())
-    torch.testing.assert_close(loss, want_loss, **TOL)
-    assert_grads_close(grads, want_grads, **TOL)
+    assert_packed_as_alone(model, reference)
     assert stand_in.calls == []
