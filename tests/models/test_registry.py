@@ -144,3 +144,26 @@ def test_convergence_configs_build(name, size):
     assert type(config).__name__ == spec.mini_config.config_class
     assert config._attn_implementation == spec.mini_config.attention("sdpa")
     assert config.hidden_size == SIZES[size].hidden_size
+
+
+def test_registry_collects_the_family_files(monkeypatch):
+    """``SPECS`` is collected from the family files: a spec written in one comes after that file's
+    others, one without a causal LM is a multimodal-only spec, a private one is left out."""
+    import dataclasses
+
+    from surgery import models
+    from surgery.models import gemma, qwen
+
+    new = dataclasses.replace(qwen.QWEN3, model_type="qwen_new", causal_lm="QwenNewForCausalLM")
+    text_only = dataclasses.replace(new, model_type="qwen_new_text", causal_lm=None)
+    template = dataclasses.replace(new, model_type="qwen_template")
+    monkeypatch.setattr(qwen, "QWEN_NEW", new, raising=False)
+    monkeypatch.setattr(qwen, "QWEN_NEW_TEXT", text_only, raising=False)
+    monkeypatch.setattr(qwen, "_QWEN_TEMPLATE", template, raising=False)
+    collected = [s.model_type for s in models._collected()]
+    first_gemma = collected.index(gemma.GEMMA.model_type)
+    assert collected[first_gemma - 2 : first_gemma] == ["qwen_new", "qwen_new_text"]
+    assert "qwen_template" not in collected
+    registered = [s.model_type for s in (*models.SPECS, *models.MULTIMODAL_ONLY_SPECS)]
+    assert sorted(registered) == sorted(set(collected) - {"qwen_new", "qwen_new_text"})
+    assert len(registered) == len(set(registered))
