@@ -291,6 +291,7 @@ def _forward(
         and cache is None
         and use_cache is None
         and (labels is not None or self.training)
+        and not torch.compiler.is_compiling()  # compiled, the layers take the padded path
         and fla.linear_attention_kernels(
             (input_ids if input_ids is not None else inputs_embeds).device
         )
