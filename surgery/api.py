@@ -138,6 +138,10 @@ def _check_not_foreign(lm: nn.Module, spec: ArchitectureSpec) -> None:
         )
 
 
+Wanted = list[tuple[str, nn.Module, Callable, dict[str, Any]]]
+"""Planned swaps before their checks: (module name, module, generic forward, attributes)."""
+
+
 def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[Swap]:
     """Every swap ``options`` asks for on ``lm`` (a causal LM, a multimodal wrapper or a text
     model: ``surgery.multimodal``), checked; nothing is changed yet."""
@@ -153,10 +157,28 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
         return swaps if swap is None else [*swaps, swap]
     text, text_name = text_model(lm, spec)
     plan = _recompute_plan(spec, options)
-    norm_plan = {RECOMPUTE_ATTR: plan} if plan is not None and plan.norm_output else {}
     prefix = text_name + "." if text_name else ""
     modules = [(prefix + name if name else text_name, m) for name, m in text.named_modules()]
-    wanted: list[tuple[str, nn.Module, Callable, dict[str, Any]]] = []
+    wanted = [
+        *_layer_swaps(text, modules, spec, options, plan),
+        *batched_experts_swaps(modules, text.config, spec, options),  # Llama 4's experts
+        *_model_swaps(lm, text, text_name, modules, spec, options, wrapper),
+    ]
+    swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
+    return [swap for swap in swaps if swap is not None]
+
+
+def _layer_swaps(
+    text: nn.Module,
+    modules: list[tuple[str, nn.Module]],
+    spec: ArchitectureSpec,
+    options: PatchOptions,
+    plan: RecomputePlan | None,
+) -> Wanted:
+    """The decoder layers' swaps the options ask for: attention, RMSNorm, input embedding,
+    gated MLP, and (always) the linear attention of a hybrid."""
+    norm_plan = {RECOMPUTE_ATTR: plan} if plan is not None and plan.norm_output else {}
+    wanted: Wanted = []
     if options.rope:
         binding = AttentionBinding(
             spec=spec,
@@ -167,10 +189,10 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
             lean_eager=options.eager_attention_recompute and spec.eager_softmax_fp32,
             mrope=mrope_layout(getattr(text, spec.rotary_attr)) if spec.mrope else None,
         )
+        generic = mla_attention_forward if spec.latent_attention else attention_forward
         for name, module in modules:
             if spec.is_instance(module, spec.attention):
                 extra = {BINDING_ATTR: binding, **norm_plan}
-                generic = mla_attention_forward if spec.latent_attention else attention_forward
                 wanted.append((name, module, attention_forward_for(module, generic), extra))
     if options.rms_norm and spec.rms_norm is not None:
         for name, module in modules:
@@ -184,28 +206,55 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
         if any(module is e for e in embeddings):
             wanted.append((name, module, embedding_forward, {EMBEDDING_ATTR: True}))
     if options.gated_mlp and spec.mlp is not None:
-        activation = spec.gated_activation(text.config)
-        if activation is None:
-            warnings.warn(
-                f"surgery: no fused kernel for the MLP activation "
-                f"{getattr(text.config, spec.mlp_activation_attr, None)!r}; the MLPs keep their "
-                "own forward",
-                stacklevel=4,
-            )
-        else:
-            for name, module in modules:
-                if spec.is_instance(module, spec.mlp) and not spec.mlp_sparsity(module):
-                    extra = {MLP_ATTR: activation}
-                    if plan is not None:
-                        extra[RECOMPUTE_ATTR] = plan
-                    wanted.append((name, module, gated_mlp_forward_for(module), extra))
-    wanted += batched_experts_swaps(modules, text.config, spec, options)  # Llama 4's experts
+        wanted += _mlp_swaps(text, modules, spec, plan)
     if spec.linear_attention is not None:
         # Not an option: without it a packed batch carries state across its documents.
         for name, module in modules:
             if spec.is_instance(module, spec.linear_attention):
                 extra = {LINEAR_ATTENTION_ATTR: fla_ready(module)}
                 wanted.append((name, module, linear_attention_forward, extra))
+    return wanted
+
+
+def _mlp_swaps(
+    text: nn.Module,
+    modules: list[tuple[str, nn.Module]],
+    spec: ArchitectureSpec,
+    plan: RecomputePlan | None,
+) -> Wanted:
+    """The dense gated MLPs' swaps (none, with a warning, for an activation without a kernel)."""
+    activation = spec.gated_activation(text.config)
+    if activation is None:
+        warnings.warn(
+            f"surgery: no fused kernel for the MLP activation "
+            f"{getattr(text.config, spec.mlp_activation_attr, None)!r}; the MLPs keep their "
+            "own forward",
+            stacklevel=5,  # the caller of patch
+        )
+        return []
+    wanted: Wanted = []
+    for name, module in modules:
+        if spec.is_instance(module, spec.mlp) and not spec.mlp_sparsity(module):
+            extra = {MLP_ATTR: activation}
+            if plan is not None:
+                extra[RECOMPUTE_ATTR] = plan
+            wanted.append((name, module, gated_mlp_forward_for(module), extra))
+    return wanted
+
+
+def _model_swaps(
+    lm: nn.Module,
+    text: nn.Module,
+    text_name: str,
+    modules: list[tuple[str, nn.Module]],
+    spec: ArchitectureSpec,
+    options: PatchOptions,
+    wrapper,
+) -> Wanted:
+    """The swaps above the layers: the Qwen-VL vision tower's attention, the base model's
+    forward (where its layers need something of the whole batch), the lm_head and the causal
+    LM's (or wrapper's) forward carrying the ``PatchState``."""
+    wanted: Wanted = []
     if options.varlen_attention and wrapper is not None and wrapper.vision_attention:
         for name, module in lm.named_modules():  # the Qwen-VL vision tower's
             if wrapper.is_vision_attention(module):
@@ -222,20 +271,19 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
     if text is lm:  # a text model on its own: no head; its forward carries the state
         extra = {BASE_MODEL_ATTR: needs or BaseModelNeeds(False, False, False), **state}
         wanted.append(("", lm, base_model_forward_for(lm), extra))
-    elif needs is not None:  # Llama 4's position ids, a hybrid's documents
+        return wanted
+    if needs is not None:  # Llama 4's position ids, a hybrid's documents
         base = base_model_forward_for(text)
         wanted.append((text_name, text, base, {BASE_MODEL_ATTR: needs}))
-    if options.fused_linear_cross_entropy and text is not lm:
+    if options.fused_linear_cross_entropy:
         names = {id(m): n for n, m in lm.named_modules()}
         for head in head_linears(lm):
             wanted.append((names[id(head)], head, lm_head_forward, {LM_HEAD_ATTR: True}))
-    if text is not lm:
-        forward = moe_causal_lm_forward if spec.router_aux_loss else causal_lm_forward
-        if wrapper is not None:  # the wrapper's arguments, in its order
-            forward = in_signature_of(forward, type(lm).forward)
-        wanted.append(("", lm, forward, state))
-    swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
-    return [swap for swap in swaps if swap is not None]
+    forward = moe_causal_lm_forward if spec.router_aux_loss else causal_lm_forward
+    if wrapper is not None:  # the wrapper's arguments, in its order
+        forward = in_signature_of(forward, type(lm).forward)
+    wanted.append(("", lm, forward, state))
+    return wanted
 
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")

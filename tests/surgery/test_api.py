@@ -206,8 +206,10 @@ def test_mlp_activation_without_kernel_keeps_the_mlp_forward():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
     reference = twin(model)
-    with pytest.warns(UserWarning, match="no fused kernel for the MLP activation 'relu'"):
+    with pytest.warns(UserWarning, match="no fused kernel for the MLP activation 'relu'") as seen:
         surgery.patch(model)
+    # The warning names the line that called patch.
+    assert [w.filename for w in seen if "MLP activation" in str(w.message)] == [__file__]
     assert "forward" not in model.model.layers[0].mlp.__dict__
     assert "forward" in model.model.layers[0].input_layernorm.__dict__
     loss, grads = loss_and_grads(model, **BATCH.kwargs())
