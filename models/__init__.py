@@ -44,13 +44,14 @@ def _collected() -> tuple[ArchitectureSpec, ...]:
     return tuple(found.values())
 
 
-SPECS: tuple[ArchitectureSpec, ...] = tuple(s for s in _collected() if s.causal_lm is not None)
+_SPECS_WRITTEN = _collected()
+SPECS: tuple[ArchitectureSpec, ...] = tuple(s for s in _SPECS_WRITTEN if s.causal_lm is not None)
 
 # Text architectures without a causal LM of their own, patched only as the language model of their
 # multimodal wrappers (``ArchitectureSpec.multimodal``): not in SPECS, whose every entry is a causal
 # LM (surgery.supported(), apply_<name>, the tests' and the convergence suite's models).
 MULTIMODAL_ONLY_SPECS: tuple[ArchitectureSpec, ...] = tuple(
-    s for s in _collected() if s.causal_lm is None
+    s for s in _SPECS_WRITTEN if s.causal_lm is None
 )
 
 __all__ = [

@@ -32,8 +32,7 @@ from surgery.models import ArchitectureSpec
 from .attention import MROPE_POSITIONS_KWARG
 from .chunked_attention import CHUNKED_MASK_KWARG, POSITIONS_KWARG, packed_chunked_mask
 from .forward import document_positions
-from .integrations import fla
-from .linear_attention import DOCUMENTS_KWARG, packed_documents, padded_documents
+from .linear_attention import DOCUMENTS_KWARG, fla_kernels, packed_documents, padded_documents
 from .options import PatchOptions
 from .signature import CACHE, cache_argument, in_signature_of
 
@@ -127,8 +126,7 @@ def base_model_forward(
             attention_mask is not None
             and attention_mask.dim() == 2
             and cache is None
-            and not torch.compiler.is_compiling()
-            and fla.linear_attention_kernels(tokens.device) is not None
+            and fla_kernels(tokens.device) is not None
         ):
             documents = padded_documents(attention_mask)  # fla runs the real tokens only
             if documents is not None:

@@ -46,10 +46,9 @@ from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .chunked_attention import packed_chunk_size
 from .compiling import graph_break_allowed, host_read
 from .head import fuse_replaced_head, head_logits, head_takes_loss, warn_unfused
-from .integrations import fla
 from .integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
 from .integrations.trl import FusedHeadRequest, fused_head_output
-from .linear_attention import DOCUMENTS_KWARG, documents_of
+from .linear_attention import DOCUMENTS_KWARG, documents_of, fla_kernels
 from .options import PatchOptions
 from .outputs import (
     COMPUTED_FIELDS,
@@ -291,11 +290,7 @@ def _forward(
         and cache is None
         and use_cache is None
         and (labels is not None or self.training)
-        and not torch.compiler.is_compiling()  # compiled, the layers take the padded path
-        and fla.linear_attention_kernels(
-            (input_ids if input_ids is not None else inputs_embeds).device
-        )
-        is not None
+        and fla_kernels((input_ids if input_ids is not None else inputs_embeds).device) is not None
     ):
         # Where fla runs a hybrid's linear-attention layers (surgery.linear_attention), a
         # training or loss step makes no KV cache from the config's use_cache, as a packed or

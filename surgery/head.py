@@ -54,10 +54,10 @@ def _log_probs(
 ):
     """``linear_log_probs`` of the head; ``cast_fp32``: of the head run in fp32 outside autocast
     (hidden states, weight and bias cast, differentiably, on entry)."""
-    tensors = (input, head.weight, head.bias)
+    weight, bias = head.weight, head.bias
     if not cast_fp32:
-        return linear_log_probs(*tensors[:2], labels, bias=tensors[2], **options)
-    input, weight, bias = (t if t is None else t.float() for t in tensors)
+        return linear_log_probs(input, weight, labels, bias=bias, **options)
+    input, weight, bias = (t if t is None else t.float() for t in (input, weight, bias))
     with torch.autocast(input.device.type, enabled=False):
         return linear_log_probs(input, weight, labels, bias=bias, **options)
 

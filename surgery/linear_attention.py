@@ -58,6 +58,7 @@ __all__ = [
     "DOCUMENTS_KWARG",
     "Documents",
     "documents_of",
+    "fla_kernels",
     "fla_ready",
     "linear_attention_forward",
     "packed_documents",
@@ -175,6 +176,15 @@ def padded_documents(attention_mask: torch.Tensor) -> Documents | None:
     return Documents(cu_seqlens.to(device), cu_seqlens, tokens.to(device))
 
 
+def fla_kernels(device: torch.device) -> fla.LinearAttentionKernels | None:
+    """fla's kernels where they run a layer on ``device`` (``fla.linear_attention_kernels``),
+    None under ``torch.compile``, where the layers take the padded path. What the causal-LM
+    forward (no KV cache), the base model (a padded batch's documents) and each layer ask."""
+    if torch.compiler.is_compiling():
+        return None
+    return fla.linear_attention_kernels(device)
+
+
 def fla_ready(module: nn.Module) -> bool:
     """Whether ``linear_attention_forward`` can run ``module`` through fla: a Gated DeltaNet
     layer laid out as transformers' Qwen3.5 (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
@@ -277,13 +287,8 @@ def linear_attention_forward(
     forward = type(self).forward
     if cache is not None:
         return forward(self, hidden_states, cache, attention_mask, **kwargs)
-    kernels = (
-        fla.linear_attention_kernels(hidden_states.device)
-        if self.__dict__.get(LINEAR_ATTENTION_ATTR)
-        and not torch.compiler.is_compiling()
-        and not _partitioned(self)
-        else None
-    )
+    ready = self.__dict__.get(LINEAR_ATTENTION_ATTR) and not _partitioned(self)
+    kernels = fla_kernels(hidden_states.device) if ready else None
     if kernels is not None and (documents is not None or attention_mask is None):
         if documents is None:  # whole rows
             return _fla_forward(self, hidden_states, kernels, None, None)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 __all__ = [
     "LOSS_REDUCTIONS",
+    "OPTION",
     "OPTIONS",
     "SECTIONS",
     "Kind",
@@ -206,6 +207,7 @@ OPTIONS: tuple[Option, ...] = (
 """Every keyword option of ``surgery.patch``, in the order of its signature."""
 
 OPTION = {option.name: option for option in OPTIONS}
+"""``OPTIONS`` by name."""
 
 
 def _check(self) -> None:

@@ -140,15 +140,15 @@ per-token log-probabilities, so under TRL none of them applies."""
 
 def _warn_loss_options(model: nn.Module) -> None:
     from ..api import patch_options
-    from ..options import PatchOptions
+    from ..options import OPTION
 
-    options, default = patch_options(model), PatchOptions()
+    options = patch_options(model)
     if options is None:
         return
     changed = [
         f"{name}={getattr(options, name)!r}"
         for name in LOSS_OPTIONS
-        if getattr(options, name) != getattr(default, name)
+        if getattr(options, name) != OPTION[name].default
     ]
     if changed:
         warnings.warn(
