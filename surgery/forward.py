@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.utils.generic import ModelOutput, can_return_tuple
@@ -231,226 +232,261 @@ def moe_causal_lm_forward(
                     labels, use_cache, logits_to_keep, output_router_logits, kwargs)  # fmt: skip
 
 
-def _forward(
-    self,
-    input_ids,
-    attention_mask,
-    position_ids,
-    cache,
-    inputs_embeds,
-    labels,
-    use_cache,
-    logits_to_keep,
-    output_router_logits,
-    kwargs,
-):
+def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+             use_cache, logits_to_keep, output_router_logits, kwargs):  # fmt: skip
+    """The causal-LM forward (the module docstring), in three steps: the batch's layout (the
+    cache rules, a packed step's documents, a right-padded step's real tokens), the base model,
+    then the head (``_head_output``)."""
     cache = cache_argument(cache, kwargs)
     state: PatchState = self.__dict__[STATE_ATTR]
-    options = state.options
-    wrapper = state.wrapper
+    options, wrapper = state.options, state.wrapper
     # A multimodal wrapper's config holds the text model's as text_config.
     config = self.config if wrapper is None else self.config.text_config
-    request: LossRequest | None = kwargs.pop(LOSS_REQUEST_KWARG, None)
-    if request is not None:  # the labels of a multimodal wrapper around this causal LM
-        labels = request.labels
-    # TRL's fused head (surgery.integrations.trl): per-token outputs in TRL's output class.
-    trl_request: FusedHeadRequest | None = kwargs.pop(TRL_REQUEST_KWARG, None)
+    request, trl_request, targets = _pop_requests(kwargs, labels)
     if trl_request is not None:
         use_cache = False
-    moe = state.spec.router_aux_loss
-    if moe:
-        if output_router_logits is None and (state.router_logits_by_default or trl_request):
-            output_router_logits = getattr(config, "output_router_logits", False)
+    if state.spec.router_aux_loss:
+        output_router_logits = _router_logits(state, config, output_router_logits, trl_request)
         if output_router_logits is not None:
             kwargs["output_router_logits"] = output_router_logits
-    # The load-balancing loss counts the tokens of the caller's mask, also when the attention
-    # runs without it (causal_right_padding).
-    router_mask = attention_mask
-    # transformers' loss kwargs: the base model has no use for them.
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    ignore_index = kwargs.pop("ignore_index", -100)
-
-    # A packed batch (position ids, no mask, no cache yet) in a training or loss call:
-    # transformers only builds its block-diagonal packed mask (sdpa, eager, flex) when no KV cache
-    # exists, and with use_cache on it creates one first, so tokens would attend across sequences.
-    # A loss call has no use for the cache; without it every sequence sees only itself (flash
-    # attention reads the boundaries from position_ids / cu_seq_lens either way).
+    labels = targets.labels
+    tokens = input_ids if input_ids is not None else inputs_embeds
     text_positions = document_positions(position_ids)
-    packed_step = (
-        cache is None
-        and attention_mask is None
-        and text_positions is not None
-        and (labels is not None or self.training)
+    step = labels is not None or self.training
+    packed_step = cache is None and attention_mask is None and text_positions is not None and step
+    if packed_step or _fla_step(state, cache, use_cache, step, tokens):
+        use_cache = False
+    plain_sdpa = config._attn_implementation == "sdpa" and not kwargs.get(
+        "output_attentions", config.output_attentions
     )
-    if packed_step:
-        use_cache = False
-    elif (
-        state.spec.linear_attention is not None
-        and cache is None
-        and use_cache is None
-        and (labels is not None or self.training)
-        and fla_kernels((input_ids if input_ids is not None else inputs_embeds).device) is not None
-    ):
-        # Where fla runs a hybrid's linear-attention layers (surgery.linear_attention), a
-        # training or loss step makes no KV cache from the config's use_cache, as a packed or
-        # padding-free step makes none: with one, the layers would run transformers' forward. A
-        # use_cache=True passed is kept.
-        use_cache = False
-    output_attentions = kwargs.get("output_attentions", config.output_attentions)
-    sdpa = config._attn_implementation == "sdpa"
-    # Both shortcuts below read the batch on the host; under torch.compile that is one graph
+    # The shortcuts below read the batch on the host; under torch.compile that is one graph
     # break before the model, taken only where the caller allows breaks (surgery.compiling).
     host_reads = not torch.compiler.is_compiling() or graph_break_allowed()
-    # Tokens that transformers lets attend both ways (Gemma 3's images) rule out both shortcuts,
-    # which are causal: the attention then runs the mask the multimodal model built.
+    # Tokens that transformers lets attend both ways (Gemma 3's images) rule out the causal
+    # shortcuts: the attention then runs the mask the multimodal model built.
     causal = wrapper is None or not _bidirectional(wrapper, kwargs, host_reads, config)
-    tokens = input_ids if input_ids is not None else inputs_embeds
-    model_mask = attention_mask
-    if packed_step and not causal and host_reads:
-        # transformers' mask of a packed row with two-way image attention is not each
-        # conversation's own (surgery.multimodal): build it from theirs, each conversation alone.
-        dtype = self.get_input_embeddings().weight.dtype if input_ids is not None else tokens.dtype
-        types = kwargs[wrapper.bidirectional_tokens]
-        masks = _packed_bidirectional_masks(self.model, text_positions, types, dtype)
-        model_mask = attention_mask if masks is None else masks
+    # The load-balancing loss counts the tokens of the caller's mask, also when the attention
+    # runs without it (causal_right_padding).
+    model_mask = router_mask = attention_mask
     if packed_step:
-        varlen = (
-            options.varlen_attention and options.rope and sdpa and not output_attentions and causal
-        )
-        # A local, so that nothing is on the stack at the host read's graph break (a bound
-        # ``kwargs.update`` there is guarded on, and the guard fails every step).
-        chunk_size = packed_chunk_size(config, state.spec)
-        layout = _packed_layout(state.spec, text_positions, tokens, varlen, host_reads, chunk_size)
+        varlen = options.varlen_attention and options.rope and plain_sdpa and causal
+        types = None if causal else kwargs[wrapper.bidirectional_tokens]
+        model_mask, layout = _packed_step(self, state, config, text_positions, tokens, types,
+                                          varlen, host_reads)  # fmt: skip
         kwargs.update(layout)
-
-    fused = (
-        labels is not None
-        and self.training
-        and options.fused_linear_cross_entropy
-        and not options.return_logits
-    )
+    fused = labels is not None and self.training and options.fused_linear_cross_entropy
+    fused = fused and not options.return_logits
     head_fused = fused and (head_takes_loss(self.lm_head) or fuse_replaced_head(self))
     right_padded, unpadded = False, None
     if (
-        options.causal_right_padding
-        and head_fused
-        and causal
-        and attention_mask is not None
-        and cache is None
-        and position_ids is None
-        and sdpa
-        and not kwargs.get("output_hidden_states", config.output_hidden_states)
-        and not output_attentions
-        and host_reads
-    ):
-        targets = labels if shift_labels is None else shift_labels
-        whole_rows = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        head_fused and causal and host_reads and plain_sdpa and cache is None
+        and _right_padding_applies(options, config, kwargs, attention_mask, position_ids)
+    ):  # fmt: skip
+        given = labels if targets.shift_labels is None else targets.shift_labels
         # TRL's per-token outputs keep the batch's layout: the real tokens are not gathered.
-        unpad = state.padding_free and whole_rows and trl_request is None
-        right_padded, unpadded = unpadded_layout(attention_mask, targets, ignore_index, unpad)
-    if right_padded:
-        # See PatchOptions.causal_right_padding. A multimodal model keeps the mask, as it may read
-        # it for more than the attention (Qwen2-VL's 3-D positions): the layers drop it.
-        if wrapper is None:
-            attention_mask = None
+        unpad = state.padding_free and _whole_rows(logits_to_keep) and trl_request is None
+        right_padded, unpadded = unpadded_layout(attention_mask, given, targets.ignore_index,
+                                                 unpad)  # fmt: skip
+    if right_padded:  # the attention layers without a sliding window drop the mask
         kwargs[CAUSAL_KWARG] = True
     if unpadded is not None:
-        # PatchOptions.padding_free: the real tokens as one row; each attention layer runs each
-        # row's tokens alone or pads them again (surgery.unpadding). The loss takes each row's
-        # end as a sequence boundary from the positions; the load-balancing loss counts every
-        # token left.
-        if input_ids is not None:
-            input_ids = unpadded.take(input_ids)
-        else:
-            inputs_embeds = unpadded.take(inputs_embeds)
-        if shift_labels is not None:
-            shift_labels = unpadded.take(shift_labels.to(unpadded.index.device))
-        else:
-            labels = unpadded.take(labels.to(unpadded.index.device))
-        text_positions = unpadded.positions
-        model_mask = router_mask = None
+        input_ids, inputs_embeds, targets = _unpad(unpadded, input_ids, inputs_embeds, targets)
+        text_positions, model_mask, router_mask = unpadded.positions, None, None
         use_cache = False  # a cache of the one-row layout would be of no use to the caller
         kwargs[UNPADDED_KWARG] = unpadded
-
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=model_mask,
-        position_ids=position_ids,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **{CACHE: cache},
-        **kwargs,
-    )
+    outputs = self.model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE: cache},
+                         **kwargs)  # fmt: skip
+    aux = None
+    if state.spec.router_aux_loss and output_router_logits:
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        aux = _aux_loss(self, state, config, outputs, tokens, router_mask)
+    if _whole_rows(logits_to_keep):
+        # Sequence boundaries: for "sequence", and so that the prediction of a sequence's first
+        # token from the previous sequence's last token is never trained on packed rows.
+        targets = targets._replace(position_ids=text_positions,
+                                   cu_seqlens=kwargs.get("cu_seq_lens_q"))  # fmt: skip
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    output = _head_output(self, state, config, outputs, hidden, targets, fused, head_fused,
+                          aux, trl_request)  # fmt: skip
+    if request is not None:
+        request.output = output
+    return output
+
+
+def _pop_requests(kwargs: dict, labels):
+    """What the forward takes out of its keyword arguments before the base model sees them: a
+    multimodal wrapper's ``LossRequest`` (its labels replace ``labels``), TRL's fused-head
+    request (surgery.integrations.trl: per-token outputs in TRL's output class), and
+    transformers' loss kwargs, as ``_Targets`` (boundaries not yet known)."""
+    request: LossRequest | None = kwargs.pop(LOSS_REQUEST_KWARG, None)
+    if request is not None:  # the labels of a multimodal wrapper around this causal LM
+        labels = request.labels
+    trl_request: FusedHeadRequest | None = kwargs.pop(TRL_REQUEST_KWARG, None)
+    targets = _Targets(
+        labels,
+        kwargs.pop("shift_labels", None),
+        kwargs.pop("ignore_index", -100),
+        kwargs.pop("num_items_in_batch", None),
+    )
+    return request, trl_request, targets
+
+
+def _right_padding_applies(options, config, kwargs, attention_mask, position_ids) -> bool:
+    """Whether a fused, causal, plain-sdpa step without a cache may drop the attention mask of
+    a right-padded batch (``PatchOptions.causal_right_padding``; the mask itself is read after):
+    a mask given and no position ids, no hidden states asked for. Where it may, the attention
+    layers without a sliding window drop the mask (``CAUSAL_KWARG``); the base model still gets
+    it: a multimodal model may read it for more than the attention (Qwen2-VL's 3-D positions), a
+    hybrid's linear-attention layers their documents, the sliding-window layers their masks."""
+    return (
+        options.causal_right_padding
+        and attention_mask is not None
+        and position_ids is None
+        and not kwargs.get("output_hidden_states", config.output_hidden_states)
+    )
+
+
+def _router_logits(state, config, output_router_logits, trl_request):
+    """A MoE forward's ``output_router_logits``: the caller's, else the config's where the
+    forward takes it by default (``PatchState.router_logits_by_default``) or TRL asks."""
+    if output_router_logits is None and (state.router_logits_by_default or trl_request):
+        return getattr(config, "output_router_logits", False)
+    return output_router_logits
+
+
+def _fla_step(state: PatchState, cache, use_cache, step: bool, tokens: torch.Tensor) -> bool:
+    """Whether a hybrid's training or loss step (``step``) makes no KV cache from the config's
+    ``use_cache``: where fla runs its linear-attention layers (``surgery.linear_attention``),
+    as a packed or padding-free step makes none (with one, the layers would run transformers'
+    forward). A ``use_cache=True`` passed is kept.
+
+    A packed step (position ids, no mask, no cache yet) makes none either, in ``_forward``:
+    transformers only builds its block-diagonal packed mask (sdpa, eager, flex) when no KV cache
+    exists, and with use_cache on it creates one first, so tokens would attend across sequences.
+    A loss call has no use for the cache; without it every sequence sees only itself (flash
+    attention reads the boundaries from position_ids / cu_seq_lens either way)."""
+    return (
+        state.spec.linear_attention is not None
+        and cache is None
+        and use_cache is None
+        and step
+        and fla_kernels(tokens.device) is not None
+    )
+
+
+def _packed_step(self, state, config, text_positions, tokens, types, varlen, host_reads):
+    """A packed step's attention mask for the base model and the keyword arguments that give it
+    the documents (``_packed_layout``). ``types``: a multimodal row's token types where its
+    images attend both ways (else None): transformers' mask of such a packed row is not each
+    conversation's own (surgery.multimodal), so it is built from theirs, each conversation
+    alone (with host reads; without, the caller's mask, None)."""
+    model_mask = None
+    if types is not None and host_reads:
+        dtype = (
+            tokens.dtype if tokens.is_floating_point() else self.get_input_embeddings().weight.dtype
+        )
+        model_mask = _packed_bidirectional_masks(self.model, text_positions, types, dtype)
+    # A local, so that nothing is on the stack at the host read's graph break (a bound
+    # ``kwargs.update`` there is guarded on, and the guard fails every step).
+    chunk_size = packed_chunk_size(config, state.spec)
+    layout = _packed_layout(state.spec, text_positions, tokens, varlen, host_reads, chunk_size)
+    return model_mask, layout
+
+
+def _whole_rows(logits_to_keep) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+def _unpad(unpadded, input_ids, inputs_embeds, targets: _Targets):
+    """``PatchOptions.padding_free``: the real tokens as one row; each attention layer runs each
+    row's tokens alone or pads them again (surgery.unpadding). The loss takes each row's end as a
+    sequence boundary from the positions; the load-balancing loss counts every token left."""
+    if input_ids is not None:
+        input_ids = unpadded.take(input_ids)
+    else:
+        inputs_embeds = unpadded.take(inputs_embeds)
+    device = unpadded.index.device
+    if targets.shift_labels is not None:
+        targets = targets._replace(shift_labels=unpadded.take(targets.shift_labels.to(device)))
+    else:
+        targets = targets._replace(labels=unpadded.take(targets.labels.to(device)))
+    return input_ids, inputs_embeds, targets
+
+
+class _Targets(NamedTuple):
+    """What the loss reads besides the hidden states: transformers' labels or shift_labels and
+    loss kwargs, and the documents' boundaries of whole rows (None where ``logits_to_keep``
+    keeps part of them)."""
+
+    labels: torch.Tensor | None
+    shift_labels: torch.Tensor | None
+    ignore_index: int
+    num_items_in_batch: torch.Tensor | int | None
+    position_ids: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+
+def _head_output(self, state, config, outputs, hidden, targets, fused, head_fused, aux,
+                 trl_request):  # fmt: skip
+    """The output of the forward from the base model's: logits, or the loss through the fused
+    head (``head_fused``) or through ``cross_entropy`` of the logits, plus the router aux loss
+    ``aux`` (loss, coefficient) of a MoE; or TRL's per-token outputs where it asked."""
+    options = state.options
+    wrapper = state.wrapper
     capped = state.spec.logit_softcap and (wrapper is None or wrapper.logit_softcap)
     softcap = getattr(config, state.spec.logit_softcap, None) if capped else None
-
-    aux_loss = aux_coef = None
-    if moe and output_router_logits:
-        aux_loss, aux_coef = _aux_loss(self, state, config, outputs, input_ids, inputs_embeds,
-                                       router_mask)  # fmt: skip
+    aux_loss, aux_coef = (None, None) if aux is None else aux
     # The fused head's kernel settings, for the loss and for TRL's per-token outputs alike.
     head_options = dict(
         chunk_bytes=options.loss_chunk_bytes,
         low_memory=options.loss_low_memory,
         skip_ignored=options.loss_skip_ignored,
     )
+    labels, shift_labels = targets.labels, targets.shift_labels
     if trl_request is not None and (labels is not None or shift_labels is not None):
         return fused_head_output(self, trl_request, hidden, labels, shift_labels,
-                                 num_items_in_batch, head_options, aux_loss, aux_coef)  # fmt: skip
-
+                                 targets.num_items_in_batch, head_options, aux_loss,
+                                 aux_coef)  # fmt: skip
     loss = z_loss = logits = None
     if labels is None:
         logits = head_logits(self, hidden, softcap)
     else:
-        targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-        targets = targets.to(hidden.device)
-        # Sequence boundaries: for "sequence", and so that the prediction of a sequence's first
-        # token from the previous sequence's last token is never trained on packed rows.
-        whole_rows = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        given, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+        given = given.to(hidden.device)
         sequence = options.loss_reduction == "sequence"
         loss_options = dict(
-            ignore_index=ignore_index,
+            ignore_index=targets.ignore_index,
             reduction=options.loss_reduction,
             # num_items_in_batch counts tokens; a per-sequence mean has no use for it (the model
             # says accepts_loss_kwargs=False instead, see api.patch).
-            num_items_in_batch=None if sequence else num_items_in_batch,
-            position_ids=text_positions if whole_rows else None,
-            cu_seqlens=kwargs.get("cu_seq_lens_q") if whole_rows else None,
+            num_items_in_batch=None if sequence else targets.num_items_in_batch,
+            position_ids=targets.position_ids,
+            cu_seqlens=targets.cu_seqlens,
             z_loss_scale=options.z_loss_scale,
             label_smoothing=options.label_smoothing,
             shift=shift,
         )
         if head_fused:
-            out = self.lm_head(
-                hidden,
-                labels=targets,
-                softcap=softcap,
-                **head_options,
-                **loss_options,
-            )
+            out = self.lm_head(hidden, labels=given, softcap=softcap, **head_options,
+                               **loss_options)  # fmt: skip
         else:
             if fused:
                 warn_unfused(self.lm_head)
             logits = head_logits(self, hidden, softcap)
-            out = cross_entropy(logits, targets, **loss_options)
+            out = cross_entropy(logits, given, **loss_options)
         loss = out.loss
         if options.z_loss_scale > 0:
             z_loss = out.z_loss.detach()
-
     fields = {name: getattr(outputs, name, None) for name in state.base_fields}
-    if moe:
+    if state.spec.router_aux_loss:
         if aux_loss is not None and loss is not None:
             loss = loss + aux_coef * aux_loss.to(loss.device)
         fields["aux_loss"] = aux_loss
-    output = state.output(loss=loss, logits=logits, z_loss=z_loss, **fields)
-    if request is not None:
-        request.output = output
-    return output
+    return state.output(loss=loss, logits=logits, z_loss=z_loss, **fields)
 
 
-def _aux_loss(self, state, config, outputs, input_ids, inputs_embeds, router_mask):
+def _aux_loss(self, state, config, outputs, tokens, router_mask):
     """transformers' load-balancing loss of the router logits over the tokens of
     ``router_mask``, and its weight in the loss (``router_aux_loss_coef``)."""
     # The causal LM's attributes, or the text config of a wrapper (its forward reads them there).
@@ -460,7 +496,6 @@ def _aux_loss(self, state, config, outputs, input_ids, inputs_embeds, router_mas
         # counts each layer's experts with bincount, a device-to-host read (under compile a graph
         # break, the GPU idle while the host catches up); with one the counts are sums of ones
         # (exact), the same value without the read.
-        tokens = input_ids if input_ids is not None else inputs_embeds
         router_mask = every_token_mask(*tokens.shape[:2], tokens.device)
     aux_loss = _load_balancing_loss(state.spec)(
         outputs.router_logits,
