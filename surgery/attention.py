@@ -200,14 +200,74 @@ def attention_forward(
     shared_kv_states=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention of every architecture (the module docstring): the projections
+    (``_projected``), the q/k norms and RoPE (``_rotated``), the cache or the keys and values an
+    earlier layer shares, then the attention: varlen over a packed batch's documents, or
+    transformers' attention function (``_attend``), and the output projection."""
     cache = cache_argument(cache, kwargs)
     binding: AttentionBinding = self.__dict__[BINDING_ATTR]
     spec = binding.spec
     # A layer reusing an earlier layer's keys and values (spec.kv_sharing) has no k/v of its own.
     kv_shared = spec.kv_sharing and self.is_kv_shared_layer
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
+    query, key, value, gate = _projected(self, spec, hidden_states, kv_shared)
+    # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
+    # positions_to_attention); on its layers without RoPE nothing is rotated.
+    position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
+    # A padding-free step (surgery.unpadding): one row of real tokens, each at its own position.
+    unpadded: Unpadded | None = kwargs.pop(UNPADDED_KWARG, None)
+    if unpadded is not None:
+        position_ids = unpadded.positions
+    rope_positions = kwargs.pop(MROPE_POSITIONS_KWARG, None)
+    query, key, per_row = _rotated(self, binding, query, key, position_ids, rope_positions,
+                                   unpadded, position_embeddings, kv_shared)  # fmt: skip
 
+    if kv_shared:
+        key, value = shared_kv_states[_shared_kv_key(self, reading=True)]
+        key, value = key.to(query.device), value.to(query.device)  # a device map's other GPU
+    elif cache is not None:
+        key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
+    if spec.kv_sharing and self.store_full_length_kv:
+        shared_kv_states[_shared_kv_key(self, reading=False)] = key, value
+
+    dropout = self.attention_dropout if self.training else 0.0
+    extra = {name: read_path(self, path) for name, path in spec.attention_kwargs}
+    packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
+    chunked = is_chunked_layer(self, spec)  # Llama 4: a packed batch's chunks come with it
+    attention_mask = chunked_layer_mask(chunked, attention_mask, cache, kwargs)
+    if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None and not chunked:
+        attention_mask = None
+    kwargs.pop(DOCUMENTS_KWARG, None)  # for the linear-attention layers of a hybrid model
+    if chunked and packed is not None:
+        # Each chunk of a document attends causally to itself: the documents' chunks, found
+        # once per forward (none: the masked path).
+        packed = packed.chunks
+    if packed is not None and cache is None and _varlen_runs(self, query, value, dropout, extra):
+        attn_output = varlen_attention(
+            query, key, value, packed, self.scaling, extra.get("sliding_window")
+        )
+        attn_output = attn_output.reshape(*input_shape, -1)
+        if gate is not None:
+            attn_output = attn_output * torch.sigmoid(gate)
+        return self.o_proj(attn_output), None
+
+    attn_output, attn_weights, shared = _attend(
+        self, binding, query, key, value, attention_mask, unpadded, per_row, dropout, extra, kwargs
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)
+    output = self.o_proj(attn_output)
+    if shared is not None:
+        output = zero_unattended_rows(output, shared.unattended, self.o_proj)
+    return output, attn_weights
+
+
+def _projected(self: nn.Module, spec: ArchitectureSpec, hidden_states: torch.Tensor, kv_shared):
+    """The layer's query (b, t, heads, d), key (the same; empty in a kv-sharing layer), value
+    (b, heads, t, d: v-normed where the spec says) and output gate (b, t, heads * d, or None)."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
     # The projections save hidden_states, the input norm's output: rebuilt in the backward when
     # the norm registered it (surgery.recompute).
     plan = self.__dict__.get(RECOMPUTE_ATTR)
@@ -222,49 +282,56 @@ def attention_forward(
         gate = gate.reshape(*input_shape, -1)
     else:
         query = q.view(hidden_shape)
-    if kv_shared:  # RoPE below rotates the query alone
+    if kv_shared:  # RoPE rotates the query alone
         key = value = query[..., :0, :]
     else:
         key = kv[0].view(hidden_shape)
         value = key if len(kv) == 1 else kv[1].view(hidden_shape)
     if spec.v_norm and not kv_shared:
         value = self.v_norm(value)
-    value = value.transpose(1, 2)
+    return query, key, value.transpose(1, 2), gate
 
-    # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
-    # positions_to_attention); on its layers without RoPE nothing is rotated.
-    position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
-    # A padding-free step (surgery.unpadding): one row of real tokens, each at its own position.
-    unpadded: Unpadded | None = kwargs.pop(UNPADDED_KWARG, None)
-    if unpadded is not None:
-        position_ids = unpadded.positions
+
+def _rope(self: nn.Module, binding: AttentionBinding, query: torch.Tensor, rope_positions):
+    """``apply_rope`` bound to the layer's rotary settings, the frequencies on the query's
+    device, and the positions as (rows, seq)."""
+    spec = binding.spec
+    if rope_positions.dim() == 1:
+        rope_positions = rope_positions.unsqueeze(0)
+    inv_freq, scaling = rope_frequencies(self, binding)
+    if inv_freq.device != query.device:
+        # A device map (accelerate's hooks) put the rotary module on another GPU than this
+        # layer; unpatched, its cos/sin would be moved here with the layer's inputs.
+        inv_freq = inv_freq.to(query.device)
+    rotary_dim = 2 * inv_freq.shape[-1]
+    section, interleaved = binding.mrope if binding.mrope is not None else (None, False)
+    rope = functools.partial(
+        apply_rope,
+        attention_scaling=scaling,
+        rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
+        layout=spec.rope_layout,
+        mrope_section=section,
+        mrope_interleaved=interleaved,
+    )
+    return rope, inv_freq, rope_positions
+
+
+def _rotated(self, binding, query, key, position_ids, rope_positions, unpadded,
+             position_embeddings, kv_shared):  # fmt: skip
+    """The query and key (b, heads, t, d) q/k-normed and rotated, as the layer does after its
+    rotation (``after_rope``, ``position_query_scale``); and whether a padding-free step runs
+    its attention one call per row. ``rope_positions``: a multimodal model's rotary positions
+    (3-D over images), not the text ones the decoder layers pass."""
+    spec = binding.spec
+    plan = self.__dict__.get(RECOMPUTE_ATTR)
     rotated = spec.rope_layer_attr is None or bool(getattr(self, spec.rope_layer_attr))
-    # Multimodal RoPE: the positions of the rotary module (3-D over images), not the text ones
-    # the decoder layers pass (or None where only 3-D ones exist).
-    rope_positions = kwargs.pop(MROPE_POSITIONS_KWARG, None)
     if not spec.mrope:
         rope_positions = position_ids
     elif binding.mrope is None:  # a layout apply_rope does not know: transformers' cos/sin
         rope_positions = None
     rope = inv_freq = None
     if rope_positions is not None and rotated:
-        if rope_positions.dim() == 1:
-            rope_positions = rope_positions.unsqueeze(0)
-        inv_freq, scaling = rope_frequencies(self, binding)
-        if inv_freq.device != query.device:
-            # A device map (accelerate's hooks) put the rotary module on another GPU than this
-            # layer; unpatched, its cos/sin would be moved here with the layer's inputs.
-            inv_freq = inv_freq.to(query.device)
-        rotary_dim = 2 * inv_freq.shape[-1]
-        section, interleaved = binding.mrope if binding.mrope is not None else (None, False)
-        rope = functools.partial(
-            apply_rope,
-            attention_scaling=scaling,
-            rotary_dim=None if rotary_dim == self.head_dim else rotary_dim,
-            layout=spec.rope_layout,
-            mrope_section=section,
-            mrope_interleaved=interleaved,
-        )
+        rope, inv_freq, rope_positions = _rope(self, binding, query, rope_positions)
 
     def normed_and_rotated(query, key, rope_positions, inv_freq, *layout):
         if spec.qk_norm:  # RMSNorm over the head dim: the same before or after the transpose
@@ -304,44 +371,27 @@ def attention_forward(
     query, key = after_rope(self, spec, query, key, position_ids, rotated)
     if spec.position_query_scale:
         query = query * position_query_scale(self, spec, position_ids).to(query.dtype)
+    return query, key, per_row
 
-    if kv_shared:
-        key, value = shared_kv_states[_shared_kv_key(self, reading=True)]
-        key, value = key.to(query.device), value.to(query.device)  # a device map's other GPU
-    elif cache is not None:
-        key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
-    if spec.kv_sharing and self.store_full_length_kv:
-        shared_kv_states[_shared_kv_key(self, reading=False)] = key, value
 
-    dropout = self.attention_dropout if self.training else 0.0
-    extra = {name: read_path(self, path) for name, path in spec.attention_kwargs}
-    packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
-    chunked = is_chunked_layer(self, spec)  # Llama 4: a packed batch's chunks come with it
-    attention_mask = chunked_layer_mask(chunked, attention_mask, cache, kwargs)
-    if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None and not chunked:
-        attention_mask = None
-    kwargs.pop(DOCUMENTS_KWARG, None)  # for the linear-attention layers of a hybrid model
-    if chunked and packed is not None:
-        # Each chunk of a document attends causally to itself: the documents' chunks, found
-        # once per forward (none: the masked path).
-        packed = packed.chunks
-    if (
-        packed is not None
-        and query.dtype in (torch.float16, torch.bfloat16)
+def _varlen_runs(self: nn.Module, query, value, dropout: float, extra: dict) -> bool:
+    """Whether a packed batch's attention (no cache) runs ``varlen_attention``: half precision,
+    no dropout or softcap, heads flash attention takes."""
+    return (
+        query.dtype in (torch.float16, torch.bfloat16)
         and not dropout
         and extra.get("softcap") is None
         and self.head_dim <= 256
         and flash_head_size(query, value)
-        and cache is None
-    ):
-        attn_output = varlen_attention(
-            query, key, value, packed, self.scaling, extra.get("sliding_window")
-        )
-        attn_output = attn_output.reshape(*input_shape, -1)
-        if gate is not None:
-            attn_output = attn_output * torch.sigmoid(gate)
-        return self.o_proj(attn_output), None
+    )
 
+
+def _attend(self, binding, query, key, value, attention_mask, unpadded, per_row, dropout, extra,
+            kwargs):  # fmt: skip
+    """transformers' attention function (``attention_interface``) over (b, heads, t, d): one
+    call, or in a padding-free step one per row's real tokens (``per_row``) or one over the
+    tokens padded again (then causal, unmasked); the output (b, t, heads, d) in the step's
+    layout, the weights, and the shared mask (``SharedMask``) or None."""
     if per_row:
         # Each row's real tokens attend causally to themselves alone (no padding to compute),
         # the outputs one after another again.
@@ -352,24 +402,17 @@ def attention_forward(
                 **kwargs,
             )  # fmt: skip
             outputs.append(row_output)
-        attn_output, attn_weights, shared = torch.cat(outputs, dim=1), None, None
-    else:
-        if unpadded is not None:  # the values padded too, for one causal sdpa call
-            value = unpadded.pad(value)
-            attention_mask = None
-        attn_output, attn_weights, shared = attention_interface(
-            self, binding, query, key, value, attention_mask,
-            dropout=dropout, scaling=self.scaling, **extra, **kwargs,
-        )  # fmt: skip
-        if unpadded is not None:
-            attn_output = unpadded.take(attn_output)
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if gate is not None:
-        attn_output = attn_output * torch.sigmoid(gate)
-    output = self.o_proj(attn_output)
-    if shared is not None:
-        output = zero_unattended_rows(output, shared.unattended, self.o_proj)
-    return output, attn_weights
+        return torch.cat(outputs, dim=1), None, None
+    if unpadded is not None:  # the values padded too, for one causal sdpa call
+        value = unpadded.pad(value)
+        attention_mask = None
+    attn_output, attn_weights, shared = attention_interface(
+        self, binding, query, key, value, attention_mask,
+        dropout=dropout, scaling=self.scaling, **extra, **kwargs,
+    )  # fmt: skip
+    if unpadded is not None:
+        attn_output = unpadded.take(attn_output)
+    return attn_output, attn_weights, shared
 
 
 def attention_forward_for(module: nn.Module, generic: Callable = attention_forward) -> Callable:
