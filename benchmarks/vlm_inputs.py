@@ -57,12 +57,13 @@ from surgery.convergence.data import (  # noqa: E402
     USER,
 )
 from surgery.convergence.multimodal import (  # noqa: E402
+    MROPE_WRAPPERS,
     MULTIMODAL,
     ImageDocument,
     collate_multimodal,
     image_inputs,
     image_markers,
-    is_qwen_vl,
+    image_recipe,
 )
 
 __all__ = [
@@ -94,7 +95,7 @@ def _text_vocabulary(config) -> int:
 
 
 def _image_sizes(config, smoke: bool) -> Sequence[tuple[int, ...]]:
-    if is_qwen_vl(config.model_type):
+    if image_recipe(config).layout == "patch_grid":
         return QWEN_GRIDS["smoke" if smoke else "full"]
     return ((),)  # Gemma 3: one size, the processor resizes
 
@@ -232,7 +233,7 @@ def make_vlm_batch(
                         g,
                         first_phase=phase,
                         turn_tokens=turn_tokens,
-                        rope_model=model if is_qwen_vl(config.model_type) else None,
+                        rope_model=model if config.model_type in MROPE_WRAPPERS else None,
                     )
                 )
                 phase += 1

@@ -42,18 +42,28 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec, MultimodalWrapper
+from surgery.models import (
+    MULTIMODAL_ONLY_SPECS,
+    SPECS,
+    ArchitectureSpec,
+    MiniImages,
+    MultimodalWrapper,
+)
 
 from .configs import SIZES, Size, condition_attention
 from .data import ASSISTANT, BOS, EOS, FIRST_CONTENT, IGNORE_INDEX, USER, Document, SyntheticCorpus
 from .data import collate as collate_text
 
 __all__ = [
+    "IMAGE_LAYOUTS",
+    "MROPE_WRAPPERS",
     "MULTIMODAL",
     "ImageDocument",
     "build_multimodal_model",
     "collate_multimodal",
     "image_inputs",
+    "image_markers",
+    "image_recipe",
     "make_multimodal_config",
     "multimodal_batches",
     "pattern",
@@ -69,22 +79,10 @@ MULTIMODAL: dict[str, tuple[ArchitectureSpec, MultimodalWrapper]] = {
     for spec in (*SPECS, *MULTIMODAL_ONLY_SPECS)
     for wrapper in spec.multimodal
 }
-_MROPE = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
+# The wrappers whose packed rows carry 3-D rotary positions (the text row, then each
+# conversation's get_rope_index).
+MROPE_WRAPPERS = frozenset(name for name, (spec, _) in MULTIMODAL.items() if spec.mrope)
 
-# Image sizes a sample draws from, as the family's processor gives them: Qwen (t, h, w) patch
-# grids, Pixtral (height, width) pixels; one fixed size elsewhere.
-_QWEN_GRIDS = {"tiny": ((1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 2, 4)),
-               "full": ((1, 8, 8), (1, 8, 12), (1, 12, 8), (1, 16, 16))}  # fmt: skip
-_PIXTRAL_SIZES = {"tiny": ((32, 32), (16, 32), (32, 16)), "full": ((32, 32), (16, 32), (32, 16))}
-# Gemma 4's (height, width) patch grids, every image padded to _GEMMA4_PATCHES patches (its
-# processor pads each image to one patch budget, the padding at position (-1, -1)).
-_GEMMA4_GRIDS = {"tiny": ((4, 4), (2, 4), (4, 2)), "full": ((4, 4), (2, 4), (4, 2))}
-_GEMMA4_PATCHES = 16
-# The begin / end of image around the image tokens (Qwen: vision start / end).
-_AROUND = {"gemma3": ("boi_token_index", "eoi_token_index"),
-           "gemma4": ("boi_token_id", "eoi_token_id"),
-           "llama4": ("boi_token_index", "eoi_token_index"),
-           "qwen": ("vision_start_token_id", "vision_end_token_id")}  # fmt: skip
 # How many pixel patterns there are (the response's first token names one).
 PATTERNS = 8
 
@@ -95,75 +93,107 @@ def pattern(*shape: int, phase: float) -> torch.Tensor:
     return 0.5 + 0.5 * torch.sin(0.37 * index + phase) * torch.cos(0.11 * index)
 
 
-def _family(model_type: str) -> str:
-    return "qwen" if model_type.startswith("qwen") else model_type
-
-
-def is_qwen_vl(model_type: str) -> bool:
-    """Whether ``model_type`` is of the Qwen-VL family (patch grids, 3-D rotary positions)."""
-    return _family(model_type) == "qwen"
+def image_recipe(config: transformers.PretrainedConfig) -> MiniImages:
+    """How ``config``'s wrapper lays out an image (``MiniMultimodalConfig.images`` of its
+    spec); a wrapper without one, or with a layout that has no builder here, stops with its
+    name."""
+    entry = MULTIMODAL.get(config.model_type)
+    recipe = None if entry is None else entry[1].mini_config.images
+    if recipe is None:
+        raise NotImplementedError(
+            f"the convergence suite has no image inputs for the {config.model_type} wrapper of the "
+            "registry: give its MultimodalWrapper's mini_config a MiniImages (models/<family>.py)"
+        )
+    if recipe.layout not in IMAGE_LAYOUTS:
+        raise NotImplementedError(
+            f"the {config.model_type} wrapper's image layout {recipe.layout!r} has no builder: "
+            "add one to surgery.convergence.multimodal.IMAGE_LAYOUTS"
+        )
+    return recipe
 
 
 def image_markers(config: transformers.PretrainedConfig) -> tuple[int, int] | None:
-    """The ids of the tokens that open and close an image's tokens in ``config``'s family (Qwen:
-    vision start / end), or None where its processor puts none around them (Mistral 3)."""
-    names = _AROUND.get(_family(config.model_type))
+    """The ids of the tokens that open and close an image's tokens in ``config``'s wrapper
+    (Qwen: vision start / end), or None where its processor puts none around them (Mistral 3)."""
+    names = image_recipe(config).around
     return None if names is None else tuple(getattr(config, name) for name in names)
 
 
 def image_inputs(config: transformers.PretrainedConfig, size: Sequence[int], phase: float):
     """One image of pattern ``phase`` at ``size`` as ``config``'s processor gives it: (the image's
     inputs, each with a leading image or patch dimension, how many tokens it becomes)."""
-    model_type, vision = config.model_type, config.vision_config
-    if _family(model_type) == "qwen":  # (t, h, w) patches of t_patch x p x p x channels pixels
-        t, h, w = size
-        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        merge = vision.spatial_merge_size
-        return {
-            "pixel_values": pattern(t * h * w, width, phase=phase),
-            "image_grid_thw": torch.tensor([list(size)]),
-        }, t * h * w // merge**2
-    if model_type == "mistral3":  # (height, width) pixels; patches merged spatial_merge_size^2
-        h, w = size
-        merge = vision.patch_size * config.spatial_merge_size
-        pixels = pattern(1, vision.num_channels, h, w, phase=phase)
-        return {"pixel_values": pixels, "image_sizes": torch.tensor([[h, w]])}, (h // merge) * (
-            w // merge
-        )
-    if model_type == "gemma3":  # one size: the processor resizes
-        side = vision.image_size
-        pixels = pattern(1, vision.num_channels, side, side, phase=phase)
-        return {"pixel_values": pixels}, config.mm_tokens_per_image
-    if model_type == "llama4":  # one tile (the processor resizes); pixel-shuffled patches
-        side = vision.image_size
-        pixels = pattern(1, vision.num_channels, side, side, phase=phase)
-        tokens = (side // vision.patch_size) ** 2 * vision.pixel_shuffle_ratio**2
-        return {"pixel_values": pixels}, int(tokens)
-    if model_type == "gemma4":  # (h, w) patches at their (x, y) positions, pooled k x k
-        h, w = size
-        y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        positions = torch.stack([x, y], -1).reshape(h * w, 2)
-        pad = _GEMMA4_PATCHES - h * w
-        positions = F.pad(positions, (0, 0, 0, pad), value=-1)
-        pixels = F.pad(pattern(h * w, 3 * vision.patch_size**2, phase=phase), (0, 0, 0, pad))
-        k = vision.pooling_kernel_size
-        return {"pixel_values": pixels[None], "image_position_ids": positions[None]}, (
-            (h // k) * (w // k)
-        )
-    raise NotImplementedError(
-        f"the convergence suite has no image inputs for the {model_type} wrapper of the registry: "
-        "give its processor's inputs in surgery.convergence.multimodal.image_inputs"
+    recipe = image_recipe(config)
+    return IMAGE_LAYOUTS[recipe.layout](config, recipe, tuple(size), phase)
+
+
+def _patch_grid(config, recipe: MiniImages, size, phase):
+    # (t, h, w) patches of t_patch x p x p x channels pixels, merged spatial_merge_size^2.
+    vision = config.vision_config
+    t, h, w = size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    merge = vision.spatial_merge_size
+    inputs = {
+        "pixel_values": pattern(t * h * w, width, phase=phase),
+        "image_grid_thw": torch.tensor([list(size)]),
+    }
+    return inputs, t * h * w // merge**2
+
+
+def _pixels(config, recipe: MiniImages, size, phase):
+    # (height, width) pixels; patches merged spatial_merge_size^2.
+    vision = config.vision_config
+    h, w = size
+    merge = vision.patch_size * config.spatial_merge_size
+    pixels = pattern(1, vision.num_channels, h, w, phase=phase)
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([[h, w]])}, (h // merge) * (
+        w // merge
     )
 
 
+def _square(config, recipe: MiniImages, size, phase):
+    # One size: the processor resizes.
+    side = config.vision_config.image_size
+    pixels = pattern(1, config.vision_config.num_channels, side, side, phase=phase)
+    return {"pixel_values": pixels}, config.mm_tokens_per_image
+
+
+def _shuffled_tile(config, recipe: MiniImages, size, phase):
+    # One tile (the processor resizes); its patches pixel-shuffled.
+    vision = config.vision_config
+    side = vision.image_size
+    pixels = pattern(1, vision.num_channels, side, side, phase=phase)
+    tokens = (side // vision.patch_size) ** 2 * vision.pixel_shuffle_ratio**2
+    return {"pixel_values": pixels}, int(tokens)
+
+
+def _positioned_patches(config, recipe: MiniImages, size, phase):
+    # (h, w) patches at their (x, y) positions, padded to the budget at (-1, -1), pooled k x k.
+    vision = config.vision_config
+    h, w = size
+    y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    positions = torch.stack([x, y], -1).reshape(h * w, 2)
+    pad = recipe.patch_budget - h * w
+    positions = F.pad(positions, (0, 0, 0, pad), value=-1)
+    pixels = F.pad(pattern(h * w, 3 * vision.patch_size**2, phase=phase), (0, 0, 0, pad))
+    k = vision.pooling_kernel_size
+    return {"pixel_values": pixels[None], "image_position_ids": positions[None]}, (
+        (h // k) * (w // k)
+    )
+
+
+# The processors' image layouts (``MiniImages.layout``), each (config, recipe, size, phase) ->
+# (the image's inputs, how many tokens it becomes).
+IMAGE_LAYOUTS = {
+    "patch_grid": _patch_grid,
+    "pixels": _pixels,
+    "square": _square,
+    "shuffled_tile": _shuffled_tile,
+    "positioned_patches": _positioned_patches,
+}
+
+
 def _image_sizes(config, size: str) -> tuple[tuple[int, ...], ...]:
-    if _family(config.model_type) == "qwen":
-        return _QWEN_GRIDS[size]
-    if config.model_type == "mistral3":
-        return _PIXTRAL_SIZES[size]
-    if config.model_type == "gemma4":
-        return _GEMMA4_GRIDS[size]
-    return ((),)
+    return image_recipe(config).sizes.get(size, ((),))
 
 
 @dataclass(frozen=True)
@@ -282,7 +312,7 @@ def multimodal_batches(
     ``MULTIMODAL``), deterministic in ``seed``; the Qwen-VL family's documents carry their
     multimodal positions."""
     s = SIZES[size]
-    mrope = model.config.model_type in _MROPE
+    mrope = model.config.model_type in MROPE_WRAPPERS
     corpus = _Corpus(model.config, size, seed, model if mrope else None)
     g = torch.Generator().manual_seed(seed + 1)
     max_prompt = max(2, s.max_doc_len // 4)
@@ -320,11 +350,12 @@ def collate_multimodal(
     wrapper = MULTIMODAL[model_type][1]
     batch.update(_cat_images([i for d in docs for i in d.images]))
     is_image = batch["input_ids"] == getattr(config, wrapper.mini_config.special_tokens[0])
-    if _family(model_type) == "qwen":
-        batch["mm_token_type_ids"] = is_image.long()
+    token_types = wrapper.mini_config.images.token_types
+    if token_types is not None:
+        batch[token_types] = is_image.long()
     if wrapper.bidirectional_tokens is not None:
         batch[wrapper.bidirectional_tokens] = is_image.long()
-    if layout == "packed" and model_type in _MROPE:
+    if layout == "packed" and model_type in MROPE_WRAPPERS:
         rope = torch.cat([d.rope for d in docs], dim=-1)
         batch["position_ids"] = torch.cat([batch["position_ids"][None], rope[:, None]])
     return batch

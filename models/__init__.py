@@ -5,7 +5,9 @@ from .gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4
 from .llama import LLAMA, LLAMA4
 from .mini import (
     MINI_VISION_TOWER,
+    SIZE_NAMES,
     MiniConfig,
+    MiniImages,
     MiniMultimodalConfig,
     MiniSize,
     alternating_layer_types,
@@ -80,9 +82,11 @@ __all__ = [
     "QWEN3_NEXT",
     "QWEN3_VL",
     "QWEN3_VL_MOE",
+    "SIZE_NAMES",
     "SPECS",
     "ArchitectureSpec",
     "MiniConfig",
+    "MiniImages",
     "MiniMultimodalConfig",
     "MiniSize",
     "MultimodalWrapper",

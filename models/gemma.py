@@ -11,7 +11,9 @@ import dataclasses
 
 from .mini import (
     MINI_VISION_TOWER,
+    SIZE_NAMES,
     MiniConfig,
+    MiniImages,
     MiniMultimodalConfig,
     MiniSize,
     alternating_layer_types,
@@ -32,6 +34,7 @@ GEMMA3_MULTIMODAL = MultimodalWrapper(
         {**MINI_VISION_TOWER, "image_size": 16, "patch_size": 4},
         special_tokens=("image_token_index", "boi_token_index", "eoi_token_index"),
         arguments={"mm_tokens_per_image": 4},
+        images=MiniImages("square", around=("boi_token_index", "eoi_token_index")),
     ),
     bidirectional_tokens="token_type_ids",
 )
@@ -63,6 +66,13 @@ GEMMA4_MULTIMODAL = MultimodalWrapper(
             "audio_token_id",
             "boa_token_id",
             "eoa_token_index",
+        ),
+        # Its processor pads each image to one patch budget.
+        images=MiniImages(
+            "positioned_patches",
+            {size: ((4, 4), (2, 4), (4, 2)) for size in SIZE_NAMES},
+            around=("boi_token_id", "eoi_token_id"),
+            patch_budget=16,
         ),
     ),
     logit_softcap=True,

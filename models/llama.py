@@ -9,7 +9,7 @@ the experts' input by the MoE block (``batched_experts``); the shared expert and
 MLPs are plain gated.
 """
 
-from .mini import MINI_VISION_TOWER, MiniConfig, MiniMultimodalConfig, from_size
+from .mini import MINI_VISION_TOWER, MiniConfig, MiniImages, MiniMultimodalConfig, from_size
 from .spec import ArchitectureSpec, MultimodalWrapper, RMSNormStyle
 
 LLAMA = ArchitectureSpec(
@@ -46,6 +46,7 @@ LLAMA4_MULTIMODAL = MultimodalWrapper(
             "projector_output_dim": 32,
         },
         special_tokens=("image_token_index", "boi_token_index", "eoi_token_index"),
+        images=MiniImages("shuffled_tile", around=("boi_token_index", "eoi_token_index")),
     ),
 )
 

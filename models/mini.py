@@ -19,13 +19,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MINI_VISION_TOWER",
+    "SIZE_NAMES",
     "MiniConfig",
+    "MiniImages",
     "MiniMultimodalConfig",
     "MiniSize",
     "alternating_layer_types",
     "from_size",
     "text_hidden_size",
 ]
+
+
+# The mini sizes the convergence suite builds (its ``SIZES``), by name: a wrapper's image sizes
+# (``MiniImages.sizes``) are given for each.
+SIZE_NAMES = ("tiny", "full")
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,35 @@ class MiniConfig:
 
 
 @dataclass(frozen=True)
+class MiniImages:
+    """How a wrapper's processor lays out one image, for the inputs of its mini models (made by
+    ``surgery.convergence.multimodal.image_inputs``, which the convergence suite and the VLM
+    benchmark draw their image chats from)."""
+
+    layout: str
+    """The processor's layout, one of the convergence suite's ``IMAGE_LAYOUTS``:
+    ``"patch_grid"`` (flattened (t, h, w) patches of t_patch x p x p pixels and
+    ``image_grid_thw``, merged ``spatial_merge_size``² to a token: the Qwen-VL family),
+    ``"pixels"`` ((height, width) pixels and ``image_sizes``, patches merged
+    ``spatial_merge_size``²: Pixtral), ``"square"`` (one size, the processor resizes; the config's
+    ``mm_tokens_per_image`` tokens: Gemma 3), ``"shuffled_tile"`` (one tile whose patches are
+    pixel-shuffled: Llama 4), ``"positioned_patches"`` ((h, w) patches at their (x, y) positions,
+    padded to ``patch_budget`` at (-1, -1), pooled k x k: Gemma 4)."""
+    sizes: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, hash=False)
+    """The image sizes a sample draws from, by mini size name (``"tiny"``, ``"full"``), in the
+    layout's units ((t, h, w) patches, (height, width) pixels, (h, w) patches); none: the one
+    size of the layout."""
+    around: tuple[str, str] | None = None
+    """The config arguments naming the tokens that open and close an image's tokens (Qwen:
+    vision start and end), or None where the processor puts none around them (Mistral 3)."""
+    token_types: str | None = None
+    """The forward argument, 1 at image tokens, the processor gives besides the images (Qwen's
+    ``mm_token_type_ids``); the wrapper's ``bidirectional_tokens`` are given anyway."""
+    patch_budget: int | None = None
+    """``"positioned_patches"``: the patches every image is padded to."""
+
+
+@dataclass(frozen=True)
 class MiniMultimodalConfig:
     """How to build the config of a multimodal wrapper's mini model around a text mini config: a
     vision tower of its own tiny size, and the special tokens (image, begin/end of image, ...) at
@@ -134,6 +170,9 @@ class MiniMultimodalConfig:
     """Arguments the text mini config takes inside this wrapper, on top of its own (Qwen's
     multimodal RoPE sections, sized to the mini head): the caller builds the text config with
     them (``tests/models/test_multimodal.py``)."""
+    images: MiniImages | None = None
+    """How its processor lays out an image (the convergence suite's image chats); None: the
+    suite has no image inputs for it and says so."""
 
     def text_vocabulary(self, text_config: PretrainedConfig) -> int:
         """Token ids below this are text: the special tokens take the rest."""

@@ -9,7 +9,9 @@ import dataclasses
 
 from .mini import (
     MINI_VISION_TOWER,
+    SIZE_NAMES,
     MiniConfig,
+    MiniImages,
     MiniMultimodalConfig,
     MiniSize,
     alternating_layer_types,
@@ -29,6 +31,7 @@ MISTRAL3_MULTIMODAL = MultimodalWrapper(
         {**MINI_VISION_TOWER, "head_dim": 8, "image_size": 32, "patch_size": 8},
         special_tokens=("image_token_index",),
         arguments={"spatial_merge_size": 2},
+        images=MiniImages("pixels", {size: ((32, 32), (16, 32), (32, 16)) for size in SIZE_NAMES}),
     ),
 )
 

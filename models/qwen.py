@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from .mini import MiniConfig, MiniMultimodalConfig, MiniSize, from_size, text_hidden_size
+from .mini import (
+    MiniConfig,
+    MiniImages,
+    MiniMultimodalConfig,
+    MiniSize,
+    from_size,
+    text_hidden_size,
+)
 from .spec import GEMMA_RMS_NORM, ArchitectureSpec, MultimodalWrapper
 
 # The layers from max_window_layers on slide: full and sliding layers in one model.
@@ -168,6 +175,16 @@ _QWEN_VISION_TOKENS = (
     "vision_start_token_id",
     "vision_end_token_id",
 )
+# (t, h, w) patch grids as Qwen's processor gives them, between vision start and end tokens.
+_MINI_QWEN_IMAGES = MiniImages(
+    "patch_grid",
+    {
+        "tiny": ((1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 2, 4)),
+        "full": ((1, 8, 8), (1, 8, 12), (1, 12, 8), (1, 16, 16)),
+    },
+    around=("vision_start_token_id", "vision_end_token_id"),
+    token_types="mm_token_type_ids",
+)
 
 
 def _qwen_multimodal(
@@ -192,6 +209,7 @@ def _qwen_multimodal(
             f"{prefix}VisionConfig",
             vision,
             special_tokens=_QWEN_VISION_TOKENS,
+            images=_MINI_QWEN_IMAGES,
             **mini,
         ),
     )

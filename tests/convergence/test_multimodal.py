@@ -5,6 +5,7 @@ image features fails them."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ import surgery
 from surgery.convergence.compare import evaluate
 from surgery.convergence.data import IGNORE_INDEX
 from surgery.convergence.multimodal import (
+    IMAGE_LAYOUTS,
     MULTIMODAL,
     build_multimodal_model,
     collate_multimodal,
@@ -21,7 +23,7 @@ from surgery.convergence.multimodal import (
     multimodal_batches,
 )
 from surgery.convergence.train import RunConfig, Variant, train_and_compare
-from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
+from surgery.models import MULTIMODAL_ONLY_SPECS, SIZE_NAMES, SPECS
 from tests.utils import expect_transformers_failure
 
 
@@ -63,6 +65,25 @@ def test_every_wrapper_of_the_registry_is_trained_and_one_without_image_inputs_f
     new = SimpleNamespace(model_type="new_vlm", vision_config=SimpleNamespace())
     with pytest.raises(NotImplementedError, match="new_vlm wrapper"):
         image_inputs(new, (1, 4, 4), phase=0.0)
+
+
+@pytest.mark.parametrize("name", sorted(MULTIMODAL))
+def test_every_wrapper_spec_says_how_its_images_are_laid_out(name, monkeypatch):
+    """The image inputs come from the wrapper's spec (``MiniMultimodalConfig.images``): a layout
+    the suite builds, sizes for every mini size or none (the layout's one size); a spec whose
+    layout has no builder stops with its name and the layout's."""
+    spec, wrapper = MULTIMODAL[name]
+    recipe = wrapper.mini_config.images
+    assert recipe.layout in IMAGE_LAYOUTS
+    assert set(recipe.sizes) in (set(), set(SIZE_NAMES))
+    config = build_multimodal_model(name).config
+    inputs, tokens = image_inputs(config, recipe.sizes.get("tiny", ((),))[0], phase=0.0)
+    assert tokens > 0 and inputs["pixel_values"].numel() > 0
+    odd = dataclasses.replace(wrapper, mini_config=dataclasses.replace(
+        wrapper.mini_config, images=dataclasses.replace(recipe, layout="hexagons")))  # fmt: skip
+    monkeypatch.setitem(MULTIMODAL, name, (spec, odd))
+    with pytest.raises(NotImplementedError, match=f"{name} wrapper's image layout 'hexagons'"):
+        image_inputs(config, (1, 4, 4), phase=0.0)
 
 
 @pytest.mark.parametrize("name", sorted(MULTIMODAL))
