@@ -55,6 +55,7 @@ from .train import (
     _to_device,
     _values,
     adds_router_aux_loss,
+    patch_as_the_suite_does,
     rel_err,
     router_aux_loss_trained,
 )
@@ -260,15 +261,7 @@ class SequentialRunner:
 
     def _patched(self, model):
         """``model`` patched as ``train``'s sides are."""
-        v = self.run.variant
-        return self.patch(
-            model,
-            rope=True,
-            fused_linear_cross_entropy=True,
-            loss_reduction=v.reduction,
-            z_loss_scale=v.z_loss_scale,
-            label_smoothing=v.label_smoothing,
-        )
+        return patch_as_the_suite_does(self.patch, model, self.run.variant)
 
     def _replayed(self, side: _Side, batch, phase: str, trace: SideTrace) -> Forward:
         """``side.forward(batch)`` with the routing of ``phase`` that every side replays: the

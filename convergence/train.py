@@ -588,57 +588,59 @@ def train_and_compare(
     """
     t0 = time.perf_counter()
     patch = patch or _default_patch()
-    dtype, device, v = DTYPES[cfg.dtype], torch.device(cfg.device), cfg.variant
+    dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     initial = _initial_model(cfg.model, cfg.size, cfg.seed, cfg.config_overrides, cfg.multimodal)
-    vision: list[str] = []
-    if cfg.multimodal:
-        from . import multimodal
-
-        spec = multimodal.MULTIMODAL[cfg.model][0]
-        vision = multimodal.vision_parameters(initial, cfg.model)
-        train_docs, eval_docs = multimodal.multimodal_batches(
-            initial, cfg.size, cfg.steps, seed=cfg.seed
-        )
-        collate_fn = functools.partial(multimodal.collate_multimodal, config=initial.config)
-    else:
-        spec = ARCHITECTURES[cfg.model]
-        train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
-        collate_fn = collate
+    inputs = _run_inputs(cfg, initial)
     base = _cast(copy.deepcopy(initial), dtype, device)
     base.train()
     init = {k: p.detach().clone() for k, p in base.named_parameters()}
+    side = functools.partial(_new_side, base, inputs, cfg, patch)
 
-    def side(name, layout, patched, model_dtype=dtype, mask=True, probe=False):
-        model = _cast(copy.deepcopy(base), model_dtype)
-        if spec.router_aux_loss:
-            # Trained and compared (module docstring), with the mini config's coefficient (a
-            # multimodal wrapper's text config holds it).
-            model.config.get_text_config().output_router_logits = True
-        if model_dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
-            # transformers' default experts implementation (grouped_mm) has no fp64 kernel; its
-            # reference loop computes the same experts (Gemma 4's mixture has no aux loss).
-            model.set_experts_implementation("eager")
-        if model_dtype == torch.float64 and spec.linear_attention is not None:
-            # Nor has flash-linear-attention, which transformers' Gated DeltaNet picks once it
-            # is installed: the yardstick runs transformers' PyTorch path.
-            model.forward = pytorch_linear_attention(model.forward)
-        if patched:
-            # A model outside the registry gets the fused loss through the fallback.
-            fallback = {"fallback": "loss"} if cfg.model in FALLBACK and not cfg.multimodal else {}
-            model = patch(
-                model,
-                **fallback,
-                rope=True,
-                fused_linear_cross_entropy=True,
-                loss_reduction=v.reduction,
-                z_loss_scale=v.z_loss_scale,
-                label_smoothing=v.label_smoothing,
+    run, pairs = _plan_sides(cfg, side)
+    sides, exact_name = run.sides, run.exact_name
+
+    collate_fn, eval_docs = inputs.collate_fn, inputs.eval_docs
+    eval_init, routing_init = _eval_check(sides, pairs, eval_docs, device, exact_name, collate_fn)
+    # A mixture of experts: the yardstick's eval forward made topk calls (a dense model makes
+    # none, and runs exactly as before).
+    routed = bool(routing_init)
+    routing: dict[str, dict[str, Any]] = {"eval_init": routing_init} if routed else {}
+    for step, docs in enumerate(inputs.train_docs):
+        decisions = run.step(docs, collate_fn, device, routed, cfg.variant.z_loss_scale)
+        if routed and step == 0:
+            routing["step0"] = _routing_summary(decisions, exact_name)
+        if progress is not None and ((step + 1) % 8 == 0 or step + 1 == cfg.steps):
+            progress(
+                f"{cfg.name}: step {step + 1}/{cfg.steps}  loss "
+                + "  ".join(f"{s.name} {s.losses[-1]:.4f}" for s in sides)
             )
-        return _Side(name, model, layout, patched, v, cfg, mask, probe, vision)
+    eval_final, routing_final = _eval_check(sides, pairs, eval_docs, device, exact_name, collate_fn)
+    if routed:
+        routing["eval_final"] = routing_final
+    record = run.record(cfg, _final_deltas(pairs, run.by_name, init))
+    return {
+        **record,
+        "eval_init": eval_init,
+        "eval_final": eval_final,
+        "routing": routing,
+        "logits_materialised_in_training": sorted(set(run.logits_materialised)),
+        "tokens_per_step": (
+            sum(len(d) for docs in inputs.train_docs for d in docs) / len(inputs.train_docs)
+        ),
+        "seconds": time.perf_counter() - t0,
+        "size": asdict(SIZES[cfg.size]),
+        "vision_parameters": len(inputs.vision),
+    }
 
+
+def _plan_sides(cfg: RunConfig, side: Callable[..., _Side]) -> tuple[_Lockstep, list]:
+    """The run's sides (``side`` makes each: the reference, the patched layouts, the yardstick
+    one precision up) and probes, in a ``_Lockstep``; and the pairs of sides whose final
+    parameters are compared."""
+    dtype = DTYPES[cfg.dtype]
     exact_name, exact_dtype = EXACT[cfg.dtype]
-    sides = [side("reference", "padded", False)]
-    sides += [side(f"patched-{layout}", layout, True) for layout in cfg.layouts]
+    sides = [side("reference", "padded", False, dtype)]
+    sides += [side(f"patched-{layout}", layout, True, dtype) for layout in cfg.layouts]
     # The yardstick runs without attention_mask: with right padding, causal attention keeps real
     # tokens from seeing pads anyway, and in fp64 transformers' eager mask turns a pad row whose
     # sliding window holds only pads into NaN, which the next layer spreads to real tokens (a zero
@@ -666,19 +668,92 @@ def train_and_compare(
     pairs = [(s.name, ref.name) for s in sides if s.patched]
     pairs += [(s.name, exact_name) for s in sides if s.name != exact_name]
     probe_pairs = [(p.name, partner.name) for p in probes]
-    by_name = {s.name: s for s in sides + probes}
+    return _Lockstep(sides, probes, partner, exact_name, pairs + probe_pairs), pairs
 
-    eval_init, routing_init = _eval_check(sides, pairs, eval_docs, device, exact_name, collate_fn)
-    # A mixture of experts: the yardstick's eval forward made topk calls (a dense model makes
-    # none, and runs exactly as before).
-    routed = bool(routing_init)
-    routing: dict[str, dict[str, Any]] = {"eval_init": routing_init} if routed else {}
 
-    step_metrics: dict[str, dict[str, list[float]]] = {
-        f"{a}~{b}": {k: [] for k in METRICS} for a, b in pairs + probe_pairs
-    }
-    logits_materialised = []
-    for step, docs in enumerate(train_docs):
+class _Inputs(NamedTuple):
+    """A run's architecture spec, its vision parameters (a multimodal wrapper's), its training
+    and eval documents, and how they are collated."""
+
+    spec: Any
+    vision: list[str]
+    train_docs: list
+    eval_docs: list
+    collate_fn: Callable
+
+
+def _run_inputs(cfg: RunConfig, initial) -> _Inputs:
+    if cfg.multimodal:
+        from . import multimodal
+
+        train_docs, eval_docs = multimodal.multimodal_batches(
+            initial, cfg.size, cfg.steps, seed=cfg.seed
+        )
+        return _Inputs(
+            multimodal.MULTIMODAL[cfg.model][0],
+            multimodal.vision_parameters(initial, cfg.model),
+            train_docs,
+            eval_docs,
+            functools.partial(multimodal.collate_multimodal, config=initial.config),
+        )
+    train_docs, eval_docs = make_batches(cfg.size, cfg.steps, kind=cfg.data, seed=cfg.seed)
+    return _Inputs(ARCHITECTURES[cfg.model], [], train_docs, eval_docs, collate)
+
+
+def _new_side(base, inputs: _Inputs, cfg: RunConfig, patch, name, layout, patched, model_dtype,
+              mask=True, probe=False) -> _Side:  # fmt: skip
+    """A side of the run: a copy of ``base`` in ``model_dtype``, patched as the suite patches
+    (``patch``) where ``patched``."""
+    spec, v = inputs.spec, cfg.variant
+    model = _cast(copy.deepcopy(base), model_dtype)
+    if spec.router_aux_loss:
+        # Trained and compared (module docstring), with the mini config's coefficient (a
+        # multimodal wrapper's text config holds it).
+        model.config.get_text_config().output_router_logits = True
+    if model_dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
+        # transformers' default experts implementation (grouped_mm) has no fp64 kernel; its
+        # reference loop computes the same experts (Gemma 4's mixture has no aux loss).
+        model.set_experts_implementation("eager")
+    if model_dtype == torch.float64 and spec.linear_attention is not None:
+        # Nor has flash-linear-attention, which transformers' Gated DeltaNet picks once it
+        # is installed: the yardstick runs transformers' PyTorch path.
+        model.forward = pytorch_linear_attention(model.forward)
+    if patched:
+        # A model outside the registry gets the fused loss through the fallback.
+        fallback = {"fallback": "loss"} if cfg.model in FALLBACK and not cfg.multimodal else {}
+        model = patch_as_the_suite_does(patch, model, v, **fallback)
+    return _Side(name, model, layout, patched, v, cfg, mask, probe, inputs.vision)
+
+
+def patch_as_the_suite_does(patch: Callable[..., Any], model, variant: Variant, **extra):
+    """``patch(model, ...)`` with the options every patched side of the suite runs: RoPE and the
+    fused loss on, the variant's loss (reduction, z-loss, label smoothing); ``extra`` on top."""
+    return patch(
+        model,
+        **extra,
+        rope=True,
+        fused_linear_cross_entropy=True,
+        loss_reduction=variant.reduction,
+        z_loss_scale=variant.z_loss_scale,
+        label_smoothing=variant.label_smoothing,
+    )
+
+
+class _Lockstep:
+    """The sides trained in lockstep and the probes on their partner's weights: one training
+    step at a time (``step``), the per-step metrics of every compared pair, and the record."""
+
+    def __init__(self, sides, probes, partner, exact_name, pairs):
+        self.sides, self.probes, self.partner = sides, probes, partner
+        self.exact_name, self.pairs = exact_name, pairs
+        self.by_name = {s.name: s for s in sides + probes}
+        self.metrics = {f"{a}~{b}": {k: [] for k in METRICS} for a, b in pairs}
+        self.logits_materialised: list[str] = []
+
+    def step(self, docs, collate_fn, device, routed: bool, z_loss_scale: float):
+        """One training step of every side on ``docs`` and one probe step; returns the step's
+        routing decisions by side (a mixture of experts; else empty)."""
+        sides, probes, exact_name = self.sides, self.probes, self.exact_name
         batches = {s.name: _to_device(collate_fn(docs, s.layout), device) for s in sides + probes}
         recorded, decisions = {}, {}
         # A mixture of experts trains every side with the yardstick's routing of the step
@@ -693,13 +768,11 @@ def train_and_compare(
                 out = s.forward(batches[s.name])
             out.loss.backward()
             if s.patched and out.logits is not None:
-                logits_materialised.append(s.name)
+                self.logits_materialised.append(s.name)
             recorded[s.name] = s.record(out)
-        if routed and step == 0:
-            routing["step0"] = _routing_summary(decisions, exact_name)
         for p in probes:
             with torch.no_grad():
-                for mine, theirs in zip(p.params.values(), partner.params.values()):
+                for mine, theirs in zip(p.params.values(), self.partner.params.values()):
                     mine.copy_(theirs)
             p.zero_grad()
             if routed:
@@ -708,21 +781,43 @@ def train_and_compare(
                 out = p.forward(batches[p.name])
             out.loss.backward()
             recorded[p.name] = p.record(out)
-        for a, b in pairs + probe_pairs:
-            _append_step(step_metrics[f"{a}~{b}"], by_name[a], by_name[b], batches[a], batches[b],
-                         recorded[a], recorded[b], v.z_loss_scale)  # fmt: skip
+        for a, b in self.pairs:
+            sa, sb = self.by_name[a], self.by_name[b]
+            _append_step(self.metrics[f"{a}~{b}"], sa, sb, batches[a], batches[b], recorded[a],
+                         recorded[b], z_loss_scale)  # fmt: skip
         del batches
         for s in sides:
             s.step()
-        if progress is not None and ((step + 1) % 8 == 0 or step + 1 == cfg.steps):
-            progress(
-                f"{cfg.name}: step {step + 1}/{cfg.steps}  loss "
-                + "  ".join(f"{s.name} {s.losses[-1]:.4f}" for s in sides)
-            )
+        return decisions
 
-    eval_final, routing_final = _eval_check(sides, pairs, eval_docs, device, exact_name, collate_fn)
-    if routed:
-        routing["eval_final"] = routing_final
+    def record(self, cfg: RunConfig, final: dict) -> dict[str, Any]:
+        """The run's record of the sides, the probes, the steps and ``final`` (the first keys of
+        ``train_and_compare``'s)."""
+        v = cfg.variant
+
+        def series(s: _Side) -> dict[str, list[float]]:
+            # The aux loss only where the model trains one (compare checks it where present).
+            out = {"loss": s.losses, "z_loss": s.z_losses}
+            return {**out, "aux_loss": s.aux_losses} if s.aux_coef is not None else out
+
+        return {
+            "config": {**asdict(cfg), "variant": {**asdict(v), "name": v.name}, "name": cfg.name},
+            "exact": self.exact_name,
+            "sides": {
+                s.name: {"layout": s.layout, "patched": s.patched, **series(s)} for s in self.sides
+            },
+            "probes": {
+                p.name: {"layout": p.layout, "partner": self.partner.name, **series(p)}
+                for p in self.probes
+            },
+            "steps": self.metrics,
+            "final": final,
+        }
+
+
+def _final_deltas(pairs, by_name: dict[str, _Side], init: dict[str, torch.Tensor]) -> dict:
+    """Each pair's difference in what training changed of every parameter (final minus
+    initial): the worst tensor's, per tensor and over all of them."""
     final: dict[str, dict[str, Any]] = {}
     for a, b in pairs:
         pa, pb = by_name[a].params, by_name[b].params
@@ -740,39 +835,4 @@ def train_and_compare(
                 [pb[k].double() - init[k].double() for k in pb],
             ),
         }
-
-    return {
-        "config": {**asdict(cfg), "variant": {**asdict(v), "name": v.name}, "name": cfg.name},
-        "exact": exact_name,
-        "sides": {
-            s.name: {
-                "layout": s.layout,
-                "patched": s.patched,
-                "loss": s.losses,
-                "z_loss": s.z_losses,
-                # Only where the model trains a router aux loss (compare checks it where present).
-                **({"aux_loss": s.aux_losses} if s.aux_coef is not None else {}),
-            }
-            for s in sides
-        },
-        "probes": {
-            p.name: {
-                "layout": p.layout,
-                "partner": partner.name,
-                "loss": p.losses,
-                "z_loss": p.z_losses,
-                **({"aux_loss": p.aux_losses} if p.aux_coef is not None else {}),
-            }
-            for p in probes
-        },
-        "steps": step_metrics,
-        "final": final,
-        "eval_init": eval_init,
-        "eval_final": eval_final,
-        "routing": routing,
-        "logits_materialised_in_training": sorted(set(logits_materialised)),
-        "tokens_per_step": sum(len(d) for docs in train_docs for d in docs) / len(train_docs),
-        "seconds": time.perf_counter() - t0,
-        "size": asdict(SIZES[cfg.size]),
-        "vision_parameters": len(vision),
-    }
+    return final

@@ -284,14 +284,29 @@ def _input_device(lm: nn.Module) -> torch.device:
 def _run_probe(lm: nn.Module, spec: ArchitectureSpec) -> list[str]:
     """Compare the model's outputs on the probe with the generic forward's ingredients; raise
     ``FallbackRefusedError`` at the first difference; return what was checked."""
-    config = lm.config
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, PROBE_SHAPE, generator=g)
+    ids = torch.randint(0, lm.config.vocab_size, PROBE_SHAPE, generator=g)
     ids = ids.to(_input_device(lm))
     labels = ids.clone()
     labels[:, PROBE_IGNORED] = -100
     moe = {"output_router_logits": True} if spec.router_aux_loss else {}
+    out, seen = _probe_forward(lm, ids, labels, moe)
+    base = _probe_base_model(lm, ids, moe)
+    if len(seen) != 1:
+        raise _refuse(lm, f"its forward called lm_head {len(seen)} times on the probe, not once")
+    head_input, pattern = seen[0]
+    differs = _mismatch(head_input, base.last_hidden_state)
+    if differs:
+        raise _refuse(lm, f"lm_head's input is not the base model's last_hidden_state ({differs})")
+    checks = ["lm_head is called once, on the base model's last_hidden_state"]
+    want, check = _check_logits(lm, spec, out, pattern)
+    checks.append(check)
+    return checks + _check_loss(lm, spec, out, base, want, labels)
 
+
+def _probe_forward(lm: nn.Module, ids, labels, moe: dict):
+    """The model's own forward on the probe with lm_head's output replaced by a known pattern
+    (``_probe_pattern``): its output, and each lm_head call's (input, pattern)."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def substitute(module, args, kwargs, output):
@@ -306,6 +321,12 @@ def _run_probe(lm: nn.Module, spec: ArchitectureSpec) -> list[str]:
         raise _refuse(lm, f"its forward raised on the probe ({type(err).__name__}: {err})") from err
     finally:
         handle.remove()
+    return out, seen
+
+
+def _probe_base_model(lm: nn.Module, ids, moe: dict):
+    """The base model's output on the probe, called as the generic forward calls it; refused
+    where it does not take those arguments or lacks a field the forward reads."""
     try:
         base = lm.model(
             input_ids=ids,
@@ -325,16 +346,13 @@ def _run_probe(lm: nn.Module, spec: ArchitectureSpec) -> list[str]:
             f"its base model does not take or return what the generic forward passes and reads "
             f"({type(err).__name__}: {err})",
         ) from err
+    return base
 
-    if len(seen) != 1:
-        raise _refuse(lm, f"its forward called lm_head {len(seen)} times on the probe, not once")
-    head_input, pattern = seen[0]
-    differs = _mismatch(head_input, base.last_hidden_state)
-    if differs:
-        raise _refuse(lm, f"lm_head's input is not the base model's last_hidden_state ({differs})")
-    checks = ["lm_head is called once, on the base model's last_hidden_state"]
 
-    cap = getattr(config, spec.logit_softcap) if spec.logit_softcap else None
+def _check_logits(lm: nn.Module, spec: ArchitectureSpec, out, pattern):
+    """The logits the model returned against lm_head's output (``pattern``), capped where the
+    spec's ``logit_softcap`` says: (the logits they must be, what was checked)."""
+    cap = getattr(lm.config, spec.logit_softcap) if spec.logit_softcap else None
     want = pattern if cap is None else torch.tanh(pattern / cap) * cap
     logits = getattr(out, "logits", None)
     differs = _mismatch(logits, want)
@@ -351,18 +369,24 @@ def _run_probe(lm: nn.Module, spec: ArchitectureSpec) -> list[str]:
             + (f"; {detail}" if detail else "")
             + ")",
         )
-    checks.append(
-        "logits are the lm_head's output"
-        if cap is None
-        else f"logits are {cap:g} * tanh(lm_head output / {cap:g}) (config.{spec.logit_softcap})"
+    if cap is None:
+        return want, "logits are the lm_head's output"
+    return (
+        want,
+        f"logits are {cap:g} * tanh(lm_head output / {cap:g}) (config.{spec.logit_softcap})",
     )
 
+
+def _check_loss(lm: nn.Module, spec: ArchitectureSpec, out, base, want, labels) -> list[str]:
+    """The loss (and a mixture's aux_loss) the model returned against the token-mean next-token
+    cross entropy of ``want`` (plus transformers' load-balancing loss times its coefficient);
+    what was checked."""
+    checks = []
     vocab = want.shape[-1]
     expected = F.cross_entropy(
         want.float()[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1).to(want.device)
     )
-    expected_aux = None
-    if moe:
+    if spec.router_aux_loss:
         expected_aux = spec.load_balancing_loss()(
             base.router_logits, lm.num_experts, lm.num_experts_per_tok, None
         )
