@@ -309,7 +309,7 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     output = _head_output(self, state, config, outputs, hidden, targets, fused, head_fused,
                           aux, trl_request)  # fmt: skip
-    if request is not None:
+    if request is not None and isinstance(output, state.output):  # not TRL's per-token outputs
         request.output = output
     return output
 
