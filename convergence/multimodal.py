@@ -192,10 +192,6 @@ IMAGE_LAYOUTS = {
 }
 
 
-def _image_sizes(config, size: str) -> tuple[tuple[int, ...], ...]:
-    return image_recipe(config).sizes.get(size, ((),))
-
-
 @dataclass(frozen=True)
 class ImageDocument(Document):
     """A ``Document`` with its images' inputs (``image_inputs``, in order) and, in the Qwen-VL
@@ -259,13 +255,12 @@ class _Corpus(SyntheticCorpus):
 
     def __init__(self, config, size: str, seed: int, rope_model=None):
         self.config = config
-        self.text_vocab = MULTIMODAL[config.model_type][1].mini_config.text_vocabulary(
-            config.text_config
-        )
+        mini = MULTIMODAL[config.model_type][1].mini_config
+        self.text_vocab = mini.text_vocabulary(config.text_config)
         super().__init__(self.text_vocab, seed)
-        self.sizes = _image_sizes(config, size)
-        image = MULTIMODAL[config.model_type][1].mini_config.special_tokens[0]
-        self.image_token = getattr(config, image)
+        recipe = image_recipe(config)
+        self.sizes = recipe.sizes[size] if recipe.sizes else ((),)  # none: the layout's one size
+        self.image_token = getattr(config, mini.special_tokens[0])
         self.around = image_markers(config)
         self.rope_model = rope_model
 

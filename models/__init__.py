@@ -5,7 +5,6 @@ from .gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4
 from .llama import LLAMA, LLAMA4
 from .mini import (
     MINI_VISION_TOWER,
-    SIZE_NAMES,
     MiniConfig,
     MiniImages,
     MiniMultimodalConfig,
@@ -82,7 +81,6 @@ __all__ = [
     "QWEN3_NEXT",
     "QWEN3_VL",
     "QWEN3_VL_MOE",
-    "SIZE_NAMES",
     "SPECS",
     "ArchitectureSpec",
     "MiniConfig",

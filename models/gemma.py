@@ -11,7 +11,6 @@ import dataclasses
 
 from .mini import (
     MINI_VISION_TOWER,
-    SIZE_NAMES,
     MiniConfig,
     MiniImages,
     MiniMultimodalConfig,
@@ -38,6 +37,9 @@ GEMMA3_MULTIMODAL = MultimodalWrapper(
     ),
     bidirectional_tokens="token_type_ids",
 )
+
+# (height, width) patch grids of Gemma 4's images.
+_GEMMA4_GRIDS = ((4, 4), (2, 4), (4, 2))
 
 # Gemma 4: its own vision tower (patches with 2-D positions, pooled), an audio tower (None in the
 # mini model); image tokens attend both ways where the text config's use_bidirectional_attention
@@ -70,7 +72,7 @@ GEMMA4_MULTIMODAL = MultimodalWrapper(
         # Its processor pads each image to one patch budget.
         images=MiniImages(
             "positioned_patches",
-            {size: ((4, 4), (2, 4), (4, 2)) for size in SIZE_NAMES},
+            {"tiny": _GEMMA4_GRIDS, "full": _GEMMA4_GRIDS},
             around=("boi_token_id", "eoi_token_id"),
             patch_budget=16,
         ),

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MINI_VISION_TOWER",
-    "SIZE_NAMES",
     "MiniConfig",
     "MiniImages",
     "MiniMultimodalConfig",
@@ -28,11 +27,6 @@ __all__ = [
     "from_size",
     "text_hidden_size",
 ]
-
-
-# The mini sizes the convergence suite builds (its ``SIZES``), by name: a wrapper's image sizes
-# (``MiniImages.sizes``) are given for each.
-SIZE_NAMES = ("tiny", "full")
 
 
 @dataclass(frozen=True)
@@ -134,9 +128,9 @@ class MiniImages:
     pixel-shuffled: Llama 4), ``"positioned_patches"`` ((h, w) patches at their (x, y) positions,
     padded to ``patch_budget`` at (-1, -1), pooled k x k: Gemma 4)."""
     sizes: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, hash=False)
-    """The image sizes a sample draws from, by mini size name (``"tiny"``, ``"full"``), in the
-    layout's units ((t, h, w) patches, (height, width) pixels, (h, w) patches); none: the one
-    size of the layout."""
+    """The image sizes a sample draws from, by mini size name (the convergence suite's ``SIZES``:
+    ``"tiny"``, ``"full"``), in the layout's units ((t, h, w) patches, (height, width) pixels,
+    (h, w) patches); none: the one size of the layout."""
     around: tuple[str, str] | None = None
     """The config arguments naming the tokens that open and close an image's tokens (Qwen:
     vision start and end), or None where the processor puts none around them (Mistral 3)."""

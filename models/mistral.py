@@ -9,7 +9,6 @@ import dataclasses
 
 from .mini import (
     MINI_VISION_TOWER,
-    SIZE_NAMES,
     MiniConfig,
     MiniImages,
     MiniMultimodalConfig,
@@ -18,6 +17,9 @@ from .mini import (
     from_size,
 )
 from .spec import ArchitectureSpec, MultimodalWrapper
+
+# (height, width) pixels, as Pixtral's processor keeps an image's aspect.
+_PIXTRAL_SIZES = ((32, 32), (16, 32), (32, 16))
 
 # Mistral 3 (Mistral Small 3.x, Ministral 3): a Pixtral vision tower around a Mistral or a
 # Ministral 3 text model. Mini: 32 x 32 images in 8 x 8 patches, merged 2 x 2: four tokens each.
@@ -31,7 +33,7 @@ MISTRAL3_MULTIMODAL = MultimodalWrapper(
         {**MINI_VISION_TOWER, "head_dim": 8, "image_size": 32, "patch_size": 8},
         special_tokens=("image_token_index",),
         arguments={"spatial_merge_size": 2},
-        images=MiniImages("pixels", {size: ((32, 32), (16, 32), (32, 16)) for size in SIZE_NAMES}),
+        images=MiniImages("pixels", {"tiny": _PIXTRAL_SIZES, "full": _PIXTRAL_SIZES}),
     ),
 )
 

@@ -29,7 +29,7 @@ from .chunked_attention import POSITIONS_KWARG, after_rope, chunked_layer_mask, 
 from .eager_attention import lean_eager_attention
 from .layers import projections
 from .linear_attention import DOCUMENTS_KWARG
-from .recompute import RECOMPUTE_ATTR
+from .recompute import RECOMPUTE_ATTR, RecomputePlan
 from .shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
 from .signature import cache_argument, in_signature_of, update_cache
 from .unpadding import UNPADDED_KWARG, Unpadded, pad_heads
@@ -210,7 +210,10 @@ def attention_forward(
     # A layer reusing an earlier layer's keys and values (spec.kv_sharing) has no k/v of its own.
     kv_shared = spec.kv_sharing and self.is_kv_shared_layer
     input_shape = hidden_states.shape[:-1]
-    query, key, value, gate = _projected(self, spec, hidden_states, kv_shared)
+    # The projections save hidden_states, the input norm's output: rebuilt in the backward when
+    # the norm registered it (surgery.recompute).
+    plan: RecomputePlan | None = self.__dict__.get(RECOMPUTE_ATTR)
+    query, key, value, gate = _projected(self, spec, hidden_states, kv_shared, plan)
     # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
     # positions_to_attention); on its layers without RoPE nothing is rotated.
     position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
@@ -220,7 +223,7 @@ def attention_forward(
         position_ids = unpadded.positions
     rope_positions = kwargs.pop(MROPE_POSITIONS_KWARG, None)
     query, key, per_row = _rotated(self, binding, query, key, position_ids, rope_positions,
-                                   unpadded, position_embeddings, kv_shared)  # fmt: skip
+                                   unpadded, position_embeddings, kv_shared, plan)  # fmt: skip
 
     if kv_shared:
         key, value = shared_kv_states[_shared_kv_key(self, reading=True)]
@@ -263,14 +266,13 @@ def attention_forward(
     return output, attn_weights
 
 
-def _projected(self: nn.Module, spec: ArchitectureSpec, hidden_states: torch.Tensor, kv_shared):
+def _projected(self: nn.Module, spec: ArchitectureSpec, hidden_states: torch.Tensor, kv_shared,
+               plan):  # fmt: skip
     """The layer's query (b, t, heads, d), key (the same; empty in a kv-sharing layer), value
-    (b, heads, t, d: v-normed where the spec says) and output gate (b, t, heads * d, or None)."""
+    (b, heads, t, d: v-normed where the spec says) and output gate (b, t, heads * d, or None);
+    ``plan``: the layer's recompute plan, if any."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    # The projections save hidden_states, the input norm's output: rebuilt in the backward when
-    # the norm registered it (surgery.recompute).
-    plan = self.__dict__.get(RECOMPUTE_ATTR)
     gate = None
     # No key heads in a kv-sharing layer; no v_proj in Gemma 4's attention_k_eq_v layers (the
     # values are the key projection).
@@ -317,13 +319,12 @@ def _rope(self: nn.Module, binding: AttentionBinding, query: torch.Tensor, rope_
 
 
 def _rotated(self, binding, query, key, position_ids, rope_positions, unpadded,
-             position_embeddings, kv_shared):  # fmt: skip
+             position_embeddings, kv_shared, plan):  # fmt: skip
     """The query and key (b, heads, t, d) q/k-normed and rotated, as the layer does after its
     rotation (``after_rope``, ``position_query_scale``); and whether a padding-free step runs
     its attention one call per row. ``rope_positions``: a multimodal model's rotary positions
     (3-D over images), not the text ones the decoder layers pass."""
     spec = binding.spec
-    plan = self.__dict__.get(RECOMPUTE_ATTR)
     rotated = spec.rope_layer_attr is None or bool(getattr(self, spec.rope_layer_attr))
     if not spec.mrope:
         rope_positions = position_ids

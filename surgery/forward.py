@@ -254,7 +254,7 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     text_positions = document_positions(position_ids)
     step = labels is not None or self.training
     packed_step = cache is None and attention_mask is None and text_positions is not None and step
-    if packed_step or _fla_step(state, cache, use_cache, step, tokens):
+    if packed_step or _fla_step(state, cache, use_cache, step, tokens):  # why: _fla_step
         use_cache = False
     plain_sdpa = config._attn_implementation == "sdpa" and not kwargs.get(
         "output_attentions", config.output_attentions

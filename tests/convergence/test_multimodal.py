@@ -13,6 +13,7 @@ import torch
 
 import surgery
 from surgery.convergence.compare import evaluate
+from surgery.convergence.configs import SIZES
 from surgery.convergence.data import IGNORE_INDEX
 from surgery.convergence.multimodal import (
     IMAGE_LAYOUTS,
@@ -23,7 +24,7 @@ from surgery.convergence.multimodal import (
     multimodal_batches,
 )
 from surgery.convergence.train import RunConfig, Variant, train_and_compare
-from surgery.models import MULTIMODAL_ONLY_SPECS, SIZE_NAMES, SPECS
+from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
 from tests.utils import expect_transformers_failure
 
 
@@ -75,7 +76,7 @@ def test_every_wrapper_spec_says_how_its_images_are_laid_out(name, monkeypatch):
     spec, wrapper = MULTIMODAL[name]
     recipe = wrapper.mini_config.images
     assert recipe.layout in IMAGE_LAYOUTS
-    assert set(recipe.sizes) in (set(), set(SIZE_NAMES))
+    assert set(recipe.sizes) in (set(), set(SIZES))
     config = build_multimodal_model(name).config
     inputs, tokens = image_inputs(config, recipe.sizes.get("tiny", ((),))[0], phase=0.0)
     assert tokens > 0 and inputs["pixel_values"].numel() > 0
