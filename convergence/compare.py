@@ -244,6 +244,12 @@ def flip_margin_ratio(mine: dict[str, Any], unpatched: dict[str, Any]) -> tuple[
     return worst, detail
 
 
+def _consistent(limit: float, unpatched: float, tol: Tolerance) -> float:
+    """A direct same-weights limit no tighter than two runs the accuracy budget passes can be
+    apart: each within (factor x) the unpatched run's error of the exact one."""
+    return max(limit, (1 + tol.accuracy_factor) * unpatched + tol.accuracy_floor)
+
+
 def evaluate(record: dict[str, Any]) -> list[Check]:
     """Every check of one run (a ``train_and_compare`` record) against ``TOLERANCES``."""
     cfg = record["config"]
@@ -264,9 +270,7 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
             checks.append(Check(run, side, name, value, limit, detail))
 
         def consistent(limit, unpatched):
-            # A direct same-weights limit no tighter than two runs the accuracy budget passes
-            # can be apart: each within (factor x) the unpatched run's error of the exact one.
-            return max(limit, (1 + tol.accuracy_factor) * unpatched + tol.accuracy_floor)
+            return _consistent(limit, unpatched, tol)
 
         def budget(name, mine, theirs, factor, floor, detail=""):
             add(name, mine, factor * theirs + floor, f"unpatched {theirs:.2e} {detail}".strip())
@@ -313,6 +317,10 @@ def evaluate(record: dict[str, Any]) -> list[Check]:
             limits.update(dict.fromkeys(grads, PROBE_GRAD), z_grad=Z_GRAD)
             if cfg["dtype"] == "fp32":  # the unpatched fp32 run's own error is measured
                 limits.update({k: consistent(PROBE_GRAD, ref_exact[k][0]) for k in grads})
+            elif own := record.get("partner_kernel_error"):
+                # The bf16 run's fp32 partner through TF32 kernels (train.PYTORCH_PARTNER):
+                # its worst error against its PyTorch path, with fp32's accuracy budget.
+                limits.update({k: _consistent(PROBE_GRAD, max(steps[own][k]), fp32) for k in grads})
             for key, limit in limits.items():
                 if key.startswith("z_") and not (z_on and pm[key]):
                     continue

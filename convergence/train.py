@@ -21,6 +21,10 @@ scalars is kept. The sides:
   yardstick of a bf16 one) and the step's batch, and compared with it: same weights, so what
   differs is the patch alone, at every step and not only at step 0, at fp32's resolution also in a
   bf16 run.
+- ``fp32-reference-pytorch`` (bf16 runs of a hybrid model whose partner runs
+  flash-linear-attention's TF32 kernels): not trained; the partner on transformers' PyTorch Gated
+  DeltaNet at its weights each step, measuring how far the partner itself is from fp32
+  (``PYTORCH_PARTNER``).
 
 The patched model does not materialise logits in training, and its kernels may reuse gradient
 buffers, so training steps compare what carries the same information and is safe to read: the
@@ -428,6 +432,25 @@ LINEAR_ATTENTION_KERNELS = (
 package's kernel (flash-linear-attention, causal-conv1d) in place of its PyTorch code."""
 
 
+PYTORCH_PARTNER = "fp32-reference-pytorch"
+"""The probes' partner (a bf16 run's fp32 yardstick) on transformers' PyTorch Gated DeltaNet, where
+the partner runs a package's kernels (``binds_linear_attention_kernels``): not trained, given the
+partner's weights at every step; the pair ``<partner>~fp32-reference-pytorch`` is the partner's
+own kernel error, which widens the probes' limits (``compare.evaluate``)."""
+
+
+def binds_linear_attention_kernels(model) -> bool:
+    """Whether ``model``'s modeling module runs a package's kernel (flash-linear-attention,
+    causal-conv1d) for any of its ``LINEAR_ATTENTION_KERNELS`` instead of transformers' PyTorch
+    function (which transformers' binding wraps)."""
+    module = sys.modules[type(model).__module__]
+    return any(
+        inspect.unwrap(fn) is not fn
+        for name in LINEAR_ATTENTION_KERNELS
+        if (fn := getattr(module, name, None)) is not None
+    )
+
+
 def pytorch_linear_attention(forward: Callable) -> Callable:
     """``forward`` with transformers' PyTorch Gated DeltaNet for the length of each call: in the
     modeling module of ``forward``'s model, the ``LINEAR_ATTENTION_KERNELS`` bound to a package
@@ -668,6 +691,16 @@ def _plan_sides(cfg: RunConfig, side: Callable[..., _Side]) -> tuple[_Lockstep, 
     pairs = [(s.name, ref.name) for s in sides if s.patched]
     pairs += [(s.name, exact_name) for s in sides if s.name != exact_name]
     probe_pairs = [(p.name, partner.name) for p in probes]
+    # A bf16 run's partner is fp32 only as far as its kernels are: flash-linear-attention's
+    # Gated DeltaNet multiplies fp32 in TF32 (10 mantissa bits), so the partner and the probes
+    # each sit about 1e-4 off exact fp32 and the same-weights limit alone would fail two
+    # correct models. Its own error is measured as an fp32 run's is (against fp64): the
+    # partner's weights, batch and routing through transformers' PyTorch path, every step.
+    if partner is not ref and binds_linear_attention_kernels(partner.model):
+        exact32 = side(PYTORCH_PARTNER, "padded", False, torch.float32, partner.mask, True)
+        exact32.model.forward = pytorch_linear_attention(exact32.model.forward)
+        probes.append(exact32)
+        probe_pairs.append((partner.name, exact32.name))
     return _Lockstep(sides, probes, partner, exact_name, pairs + probe_pairs), pairs
 
 
@@ -809,7 +842,13 @@ class _Lockstep:
             "probes": {
                 p.name: {"layout": p.layout, "partner": self.partner.name, **series(p)}
                 for p in self.probes
+                if p.patched
             },
+            **(
+                {"partner_kernel_error": f"{self.partner.name}~{PYTORCH_PARTNER}"}
+                if PYTORCH_PARTNER in self.by_name
+                else {}
+            ),
             "steps": self.metrics,
             "final": final,
         }
