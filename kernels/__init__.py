@@ -15,6 +15,7 @@ from .reference import (
 )
 from .rms_norm import rms_norm, rms_norm_reference
 from .rope import apply_rope, apply_rope_reference, apply_rotary_pos_emb
+from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 __all__ = [
     "LossOutput",
@@ -38,4 +39,5 @@ __all__ = [
     "linear_log_probs_reference",
     "rms_norm",
     "rms_norm_reference",
+    "vocab_parallel_linear_cross_entropy",
 ]

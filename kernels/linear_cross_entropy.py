@@ -344,11 +344,18 @@ def lce_bwd_recompute(
     inv_temperature: float = 1.0,
     entropy: torch.Tensor | None = None,
     coef_entropy: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
     one product; the hidden gradient is accumulated in fp32. ``coef_entropy``: the upstream
     gradient of the per-token ``entropy`` too. ``skip_ignored``: rows without a target or with
-    every coefficient 0 (they contribute nothing) take no part in the products."""
+    every coefficient 0 (they contribute nothing) take no part in the products.
+
+    ``vocab_start`` / ``vocab_total`` (0: ``w``'s rows are the whole vocabulary): ``w`` holds rows
+    ``[vocab_start, vocab_start + V)`` of a head of ``vocab_total`` rows (vocabulary-parallel);
+    ``targets`` and ``lse`` are then the whole vocabulary's, and the hidden gradient is this
+    slice's part of it."""
     n_all, rows = x.shape[0], None
     if skip_ignored:
         live = (coef_ce != 0) | (coef_z != 0)
@@ -382,8 +389,8 @@ def lce_bwd_recompute(
             coef_ce,
             coef_z,
             logits,
-            col_offset=v0,
-            vocab_size=v,
+            col_offset=vocab_start + v0,
+            vocab_size=vocab_total or v,
             softcap=softcap,
             label_smoothing=eps,
             z_loss_scale=z_scale,
@@ -426,7 +433,7 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
 @lce_bwd_recompute.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
       need_dw, need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
-      coef_entropy=None):  # fmt: skip
+      coef_entropy=None, vocab_start=0, vocab_total=0):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)

@@ -1,0 +1,233 @@
+"""The vocabulary-parallel fused head on CPU ranks (gloo, 2 and 4 processes, Triton through the
+interpreter): loss, z-loss and every gradient equal the unsharded head's (``linear_cross_entropy``
+on the whole weight, and the fp32 PyTorch reference), for every reduction and option, odd
+vocabulary sizes that do not divide evenly, a rank holding no row, a DTensor head and sequence-
+parallel hidden states."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from surgery.kernels import (
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    vocab_parallel_linear_cross_entropy,
+)
+from tests.utils import run_ranks
+
+B, T, D = 2, 8, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    vocab: int = 37
+    # Rows per rank (rank order); None: DTensor's Shard(0) split of the whole head.
+    split: tuple[int, ...] | None = None
+    options: dict = field(default_factory=dict)
+    bias: bool = False
+    sequence_parallel: bool = False
+    dtensor: bool = False
+    # The ranks pass the layout (vocab_start, vocab_size) instead of having it found.
+    explicit_layout: bool = False
+
+
+def _cases(world: int) -> list[Case]:
+    seq = dict(reduction="sequence", position_ids=True)
+    base = [
+        Case("mean"),
+        Case("sum-bias", options=dict(reduction="sum"), bias=True),
+        Case("none-upstream", options=dict(reduction="none")),
+        Case("sequence-packed", options=seq),
+        Case(
+            "z-loss-smoothing-softcap",
+            options=dict(z_loss_scale=1e-2, label_smoothing=0.1, softcap=3.0),
+        ),
+        Case("shift-items-ignore", options=dict(shift=True, num_items_in_batch=11, ignore_index=5)),
+        Case(
+            "none-z-smoothing",
+            options=dict(reduction="none", z_loss_scale=1e-3, label_smoothing=0.2),
+        ),
+        Case("explicit-layout", explicit_layout=True, options=dict(label_smoothing=0.05)),
+        Case("dtensor-head", dtensor=True, bias=True, options=dict(z_loss_scale=1e-2)),
+        Case("sequence-parallel", sequence_parallel=True, options=dict(seq, shift=True)),
+        Case("sequence-parallel-none", sequence_parallel=True, options=dict(reduction="none")),
+    ]
+    # A rank with no row: more ranks than the head's last rows need.
+    uneven = (0, 3) + (1,) * (world - 2)
+    base.append(Case("rank-without-rows", vocab=sum(uneven), split=uneven,
+                     options=dict(label_smoothing=0.1, z_loss_scale=1e-2)))  # fmt: skip
+    return base
+
+
+def _inputs(case: Case):
+    g = torch.Generator().manual_seed(len(case.name))
+    hidden = torch.randn(B, T, D, generator=g)
+    weight = torch.randn(case.vocab, D, generator=g) / D**0.5
+    bias = torch.randn(case.vocab, generator=g) if case.bias else None
+    labels = torch.randint(0, case.vocab, (B, T), generator=g)
+    labels[0, 2] = labels[1, 5] = case.options.get("ignore_index", -100)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    upstream = torch.randn(B, T, generator=g)
+    return hidden, weight, bias, labels, positions, upstream
+
+
+def _kwargs(case: Case, positions):
+    kw = dict(case.options)
+    if kw.pop("position_ids", False):
+        kw["position_ids"] = positions
+    return kw
+
+
+def _backward(out, case: Case, upstream):
+    total = out.loss
+    if case.options.get("reduction") == "none":
+        total = (out.loss * upstream).sum() + (out.z_loss * upstream.flip(0)).sum()
+    else:
+        total = total + 0.5 * out.z_loss
+    total.backward()
+
+
+def _split(case: Case, world: int) -> list[int]:
+    if case.split is not None:
+        return list(case.split)
+    chunk = -(-case.vocab // world)  # as DTensor's Shard(0) chunks rows
+    return [max(0, min(chunk, case.vocab - r * chunk)) for r in range(world)]
+
+
+def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
+    hidden, weight, bias, labels, positions, upstream = _inputs(case)
+    kw = _kwargs(case, positions)
+    # The unsharded head: surgery's kernel and the fp32 PyTorch reference.
+    refs = {}
+    for name, fn in (
+        ("kernel", linear_cross_entropy),
+        ("reference", linear_cross_entropy_reference),
+    ):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        b = None if bias is None else bias.clone().requires_grad_()
+        out = fn(h, w, labels, b, **kw)
+        _backward(out, case, upstream)
+        refs[name] = dict(loss=out.loss.detach(), z=out.z_loss.detach(), dh=h.grad, dw=w.grad,
+                          db=None if b is None else b.grad)  # fmt: skip
+    sizes = _split(case, world)
+    start = sum(sizes[:rank])
+    rows = slice(start, start + sizes[rank])
+    if case.dtensor:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+        b = None if bias is None else distribute_tensor(bias.clone(), mesh, [Shard(0)])
+        b = None if b is None else b.requires_grad_()
+    else:
+        w = weight[rows].clone().requires_grad_()
+        b = None if bias is None else bias[rows].clone().requires_grad_()
+    h_full = hidden.clone()
+    if case.sequence_parallel:
+        part = T // world
+        cols = slice(rank * part, (rank + 1) * part)
+        h = h_full[:, cols].clone().requires_grad_()
+        mine_labels = labels[:, cols]
+        if "position_ids" in kw:
+            kw["position_ids"] = positions[:, cols]
+    else:
+        h, mine_labels = h_full.requires_grad_(), labels
+    layout = dict(vocab_start=start, vocab_size=case.vocab) if case.explicit_layout else {}
+    out = vocab_parallel_linear_cross_entropy(
+        h, w, mine_labels, b, sequence_parallel=case.sequence_parallel, **layout, **kw
+    )
+    _backward(out, case, upstream)
+    want = refs["kernel"]
+    dh_want = want["dh"][:, cols] if case.sequence_parallel else want["dh"]
+    dw = w.grad.to_local() if case.dtensor else w.grad
+    db = None if b is None else (b.grad.to_local() if case.dtensor else b.grad)
+    errors = {
+        "loss": (out.loss.detach() - want["loss"]).abs().max().item(),
+        "z_loss": (out.z_loss.detach() - want["z"]).abs().max().item(),
+        "hidden_grad": (h.grad - dh_want).abs().max().item(),
+        "weight_grad": (dw - want["dw"][rows]).abs().max().item() if dw.numel() else 0.0,
+        "kernel_vs_reference": max(
+            (refs["kernel"][k] - refs["reference"][k]).abs().max().item()
+            for k in ("loss", "z", "dh", "dw")
+        ),
+        "scale": max(want["dh"].abs().max().item(), want["dw"].abs().max().item()),
+    }
+    if db is not None:
+        errors["bias_grad"] = (db - want["db"][rows]).abs().max().item() if db.numel() else 0.0
+    return errors
+
+
+def _worker(rank: int, port: int, out: str, cases: list) -> None:
+    torch.set_num_threads(1)
+    world = cases[0]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        mine = {case.name: _run_case(case, rank, world, mesh) for case in cases[1:]}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            torch.save(gathered, Path(out) / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_head_equals_the_unsharded_head(world, tmp_path):
+    """fp32: every rank's loss, z-loss, hidden gradient and its rows' weight and bias gradients
+    equal the unsharded kernel's to fp32's summation-order noise (the kernel itself is checked
+    against the fp32 PyTorch reference in the same run)."""
+    cases = _cases(world)
+    per_rank = run_ranks(_worker, world, tmp_path, [world, *cases])
+    assert len(per_rank) == world
+    failed = []
+    for rank, results in enumerate(per_rank):
+        assert set(results) == {c.name for c in cases}
+        for name, errors in results.items():
+            scale = max(errors.pop("scale"), 1.0)
+            for key, err in errors.items():
+                if not err <= 2e-5 * scale:
+                    failed.append(f"rank {rank} {name} {key}: {err:.2e}")
+    assert not failed, "\n".join(failed)
+
+
+def test_vocab_parallel_head_refuses_a_layout_that_does_not_fit(tmp_path):
+    """A start past the head's end is refused before any launch, on every rank."""
+    per_rank = run_ranks(_refusing_worker, 2, tmp_path, [2])
+    assert all("do not fit a head of 8 rows" in message for message in per_rank)
+
+
+def _refusing_worker(rank: int, port: int, out: str, cases: list) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        try:
+            vocab_parallel_linear_cross_entropy(
+                torch.randn(4, 8), torch.randn(4, 8), torch.zeros(4, dtype=torch.long),
+                vocab_start=6, vocab_size=8,
+            )  # fmt: skip
+            message = "no error"
+        except ValueError as err:
+            message = str(err)
+        gathered = [None, None]
+        dist.all_gather_object(gathered, message)
+        if rank == 0:
+            torch.save(gathered, Path(out) / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_a_process_group_it_says_so():
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
+        vocab_parallel_linear_cross_entropy(
+            torch.randn(4, 8), torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+        )
