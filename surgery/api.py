@@ -43,7 +43,12 @@ from .fallback import (
     plan_loss_fallback,
     prove_loss_fallback,
 )
-from .foreign import ForeignForwardError, foreign_kernel_modules, library_of
+from .foreign import (
+    ForeignForwardError,
+    foreign_kernel_modules,
+    library_of,
+    tensor_parallel_forward,
+)
 from .forward import (
     STATE_ATTR,
     PatchState,
@@ -163,6 +168,13 @@ def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> li
         *_layer_swaps(text, modules, spec, options, plan),
         *batched_experts_swaps(modules, text.config, spec, options),  # Llama 4's experts
         *_model_swaps(lm, text, text_name, modules, spec, options, wrapper),
+    ]
+    # A module transformers' tensor parallelism sharded keeps its forward (no kernel of ours runs
+    # on its local shards yet), except the lm_head, whose loss is vocabulary-parallel.
+    wanted = [
+        w
+        for w in wanted
+        if w[2] is lm_head_forward or not tensor_parallel_forward(w[1].__dict__.get("forward"))
     ]
     swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
     return [swap for swap in swaps if swap is not None]

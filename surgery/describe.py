@@ -25,6 +25,7 @@ from .experts_install import (
     describe_experts,
 )
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
+from .foreign import tensor_parallel_forward
 from .forward import STATE_ATTR, PatchState
 from .head import LM_HEAD_ATTR, head_takes_loss
 from .integrations.fla import fla_status
@@ -187,6 +188,8 @@ def _left_alone_because(
         )
     if fallback:
         return "loss-only fallback: transformers' own forward"
+    if tensor_parallel_forward(module.__dict__.get("forward")):
+        return "sharded by transformers' tensor parallelism: its own forward on the shards"
     spec: ArchitectureSpec = state.spec
     options = state.options
     if not any(module is m for m in text_model(lm, spec)[0].modules()):

@@ -14,6 +14,12 @@ patch it finds where the forward that runs now comes from:
   of wrappers built for this one model (fp32 outputs around ``torch.autocast`` around the model's
   forward), each pointing at the next through ``__wrapped__``. surgery replaces the innermost
   forward inside that chain, so the patched forward runs under accelerate's autocast;
+- transformers' tensor parallelism (``from_pretrained(tp_plan=...)``): a forward on the instance
+  that converts the inputs and outputs of the module's own forward to and from the DTensor
+  layouts of its sharded parameters (``TENSOR_PARALLEL``). The lm_head's is replaced by the
+  patched head, which computes the loss vocabulary-parallel on the head's rows and calls it for
+  logits; modules surgery has no tensor-parallel kernel for are left to transformers
+  (``api.patch``);
 - anything else (another library's instance forward, a user's wrapper): refused with
   ``ForeignForwardError``, which names the function and the library it likely comes from, and
   nothing is changed. Replacing it would silently drop what it does.
@@ -35,13 +41,18 @@ from torch import nn
 
 __all__ = [
     "KERNEL_LIBRARIES",
+    "TENSOR_PARALLEL",
     "ForeignForwardError",
     "ForwardSlot",
     "find_forward_slot",
     "foreign_kernel_modules",
     "library_of",
     "restore_forward",
+    "tensor_parallel_forward",
 ]
+
+TENSOR_PARALLEL = "transformers' tensor parallelism"
+"""The ``ForwardSlot.wrapper`` of a module whose forward transformers' tensor parallelism set."""
 
 # Top-level packages of libraries that patch transformers models with kernels of their own.
 KERNEL_LIBRARIES = {
@@ -146,7 +157,8 @@ class ForwardSlot:
             value: Any = types.MethodType(function, module)
             module.__dict__["forward"] = value
             return value
-        bound = inspect.ismethod(self.current)
+        # transformers' tensor-parallel forward is a closure called as module.forward(...).
+        bound = inspect.ismethod(self.current) or self.wrapper == TENSOR_PARALLEL
         value = types.MethodType(function, module) if bound else function
         self.reference.set(value)
         return value
@@ -179,7 +191,9 @@ def restore_forward(module: nn.Module, installed: Any, previous: Any) -> bool:
         if previous is None:  # the class forward, inside a chain built after patching
             previous = inspect.getattr_static(type(module), "forward")
         # Bound or not, as the holder's caller expects (accelerate keeps the bare function).
-        if inspect.ismethod(current) == inspect.ismethod(previous):
+        if inspect.ismethod(current) == inspect.ismethod(previous) or tensor_parallel_forward(
+            previous
+        ):
             reference.set(previous)
         elif inspect.ismethod(current):
             reference.set(types.MethodType(previous, module))
@@ -187,6 +201,14 @@ def restore_forward(module: nn.Module, installed: Any, previous: Any) -> bool:
             reference.set(previous.__func__)
         return True
     return False
+
+
+def tensor_parallel_forward(forward: Any) -> bool:
+    """Whether ``forward`` is the one transformers' tensor parallelism sets on a sharded module's
+    instance (``TensorParallelLayer.install_forward``, transformers 5.17 and later)."""
+    return _module_name(forward) == "transformers.distributed.tensor_parallel" and getattr(
+        forward, "__qualname__", ""
+    ).endswith("install_forward.<locals>.tp_forward")
 
 
 def _accelerate_hooked(module: nn.Module, forward: Any) -> bool:
@@ -262,6 +284,8 @@ def find_forward_slot(module: nn.Module, what: str) -> ForwardSlot:
     top = _Reference(module.__dict__, "forward")
     if _is_class_forward(module, instance, class_forward):
         return ForwardSlot(module, top, instance, None)
+    if tensor_parallel_forward(instance):
+        return ForwardSlot(module, top, instance, TENSOR_PARALLEL)
     if _accelerate_hooked(module, instance) or _accelerate_wrapper(instance):
         for reference in _chain(module, top):
             current = reference.get()

@@ -12,14 +12,20 @@ that needs it, ``fuse_replaced_head``).
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
 from torch import nn
 
-from surgery.kernels import linear_cross_entropy, linear_log_probs
+from surgery.kernels import (
+    linear_cross_entropy,
+    linear_log_probs,
+    vocab_parallel_linear_cross_entropy,
+)
 
-from .swap import apply_swaps, is_swapped, plan_swap
+from .foreign import tensor_parallel_forward
+from .swap import ORIGINAL_ATTR, apply_swaps, is_swapped, plan_swap
 
 __all__ = [
     "LM_HEAD_ATTR",
@@ -42,11 +48,43 @@ def lm_head_forward(
     ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product (given
     ``outputs`` too, the ``TokenLogProbs`` of ``linear_log_probs``). Called through the module,
     so the weight is whatever the module holds during its forward (FSDP2 unshards it there)."""
+    tensor_parallel = _tensor_parallel_head(self)
     if labels is None:
+        if tensor_parallel is not None:  # transformers' forward: logits gathered as it gathers them
+            return tensor_parallel(input)
         return type(self).forward(self, input)
     if "outputs" in loss:  # per-token log-probabilities (surgery.integrations.trl)
+        if tensor_parallel is not None:
+            raise NotImplementedError(
+                "surgery: TRL's per-token outputs of a tensor-parallel lm_head are not "
+                "vocabulary-parallel yet; unpatch the model to use TRL's own head"
+            )
         return _log_probs(self, input, labels, **loss)
+    if tensor_parallel is not None:
+        return _vocab_parallel_loss(self, input, labels, **loss)
     return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
+
+
+def _tensor_parallel_head(head: nn.Linear):
+    """The forward transformers' tensor parallelism set on ``head`` before ``patch`` (it shards
+    the rows, and gathers the logits), or None."""
+    installed = head.__dict__.get(ORIGINAL_ATTR)
+    previous = None if installed is None else installed.previous
+    return previous if tensor_parallel_forward(previous) else None
+
+
+def _vocab_parallel_loss(head: nn.Linear, input: torch.Tensor, labels: torch.Tensor, **loss):
+    """The loss of a head whose rows transformers' tensor parallelism sharded (a DTensor,
+    ``Shard(0)``): ``vocab_parallel_linear_cross_entropy`` on each rank's rows, the hidden
+    states as every rank holds them (a DTensor input made whole first)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(input, dtensor.DTensor):
+        input = input.full_tensor()
+    # The recompute schedule is the only one (the global logsumexp exists only after the
+    # all-reduce), and every row takes part in it.
+    loss.pop("low_memory", None)
+    loss.pop("skip_ignored", None)
+    return vocab_parallel_linear_cross_entropy(input, head.weight, labels, head.bias, **loss)
 
 
 def _log_probs(

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .foreign import ForwardSlot, find_forward_slot, restore_forward
+from .foreign import TENSOR_PARALLEL, ForwardSlot, find_forward_slot, restore_forward
 from .signature import generic_name
 
 __all__ = [
@@ -104,6 +104,8 @@ def plan_swap(module: nn.Module, function: Callable, extra: dict[str, Any], name
         return None  # already patched: a no-op
     slot = find_forward_slot(module, name or "the model")
     original = slot.current if slot.current is not None else type(module).forward
+    if slot.wrapper == TENSOR_PARALLEL:  # (*args, **kwargs) around the module's own forward
+        original = type(module).forward
     check_signature(module, original, function)
     return Swap(module, function, extra, slot)
 
