@@ -46,7 +46,7 @@ from surgery.multimodal import packed_bidirectional_masks
 from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
 from .chunked_attention import packed_chunk_size
 from .compiling import graph_break_allowed, host_read
-from .head import fuse_replaced_head, head_logits, head_takes_loss, warn_unfused
+from .head import fuse_replaced_head, fused_head, head_logits, head_takes_loss, warn_unfused
 from .integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
 from .integrations.trl import FusedHeadRequest, fused_head_output
 from .linear_attention import DOCUMENTS_KWARG, documents_of, fla_kernels
@@ -468,8 +468,8 @@ def _head_output(self, state, config, outputs, hidden, targets, fused, head_fuse
             shift=shift,
         )
         if head_fused:
-            out = self.lm_head(hidden, labels=given, softcap=softcap, **head_options,
-                               **loss_options)  # fmt: skip
+            out = fused_head(self)(hidden, labels=given, softcap=softcap, **head_options,
+                                   **loss_options)  # fmt: skip
         else:
             if fused:
                 warn_unfused(self.lm_head)

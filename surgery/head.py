@@ -12,6 +12,7 @@ that needs it, ``fuse_replaced_head``).
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -30,6 +31,7 @@ from .swap import ORIGINAL_ATTR, apply_swaps, is_swapped, plan_swap
 __all__ = [
     "LM_HEAD_ATTR",
     "fuse_replaced_head",
+    "fused_head",
     "head_linears",
     "head_logits",
     "head_takes_loss",
@@ -48,21 +50,51 @@ def lm_head_forward(
     ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product (given
     ``outputs`` too, the ``TokenLogProbs`` of ``linear_log_probs``). Called through the module,
     so the weight is whatever the module holds during its forward (FSDP2 unshards it there)."""
-    tensor_parallel = _tensor_parallel_head(self)
     if labels is None:
+        tensor_parallel = _tensor_parallel_head(self)
         if tensor_parallel is not None:  # transformers' forward: logits gathered as it gathers them
             return tensor_parallel(input)
         return type(self).forward(self, input)
+    vocab_parallel = _rows_sharded(self.weight)
     if "outputs" in loss:  # per-token log-probabilities (surgery.integrations.trl)
-        if tensor_parallel is not None:
+        if vocab_parallel:
             raise NotImplementedError(
                 "surgery: TRL's per-token outputs of a tensor-parallel lm_head are not "
                 "vocabulary-parallel yet; unpatch the model to use TRL's own head"
             )
         return _log_probs(self, input, labels, **loss)
-    if tensor_parallel is not None:
+    if vocab_parallel:
         return _vocab_parallel_loss(self, input, labels, **loss)
     return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
+
+
+def fused_head(lm: nn.Module):
+    """What the patched forward calls for the loss (``head(hidden, labels=..., **options)``): the
+    lm_head module, so that its hooks run (FSDP2's all-gather, accelerate's), except a head whose
+    rows were sharded by hand with torch's ``parallelize_module`` (``ColwiseParallel``): its hooks
+    only lay out the input and the logits, which the loss never makes, so its patched forward
+    is called directly."""
+    head = lm.lm_head
+    if (
+        type(head) is nn.Linear
+        and _rows_sharded(head.weight)
+        and head._forward_hooks
+        and _tensor_parallel_head(head) is None
+        and LM_HEAD_ATTR in head.__dict__
+    ):
+        return functools.partial(lm_head_forward, head)
+    return head
+
+
+def _rows_sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a DTensor whose rows (the vocabulary) are sharded: tensor
+    parallelism's column-wise head (FSDP2 has unsharded its own dimension inside the call)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return (
+        dtensor is not None
+        and isinstance(weight, dtensor.DTensor)
+        and any(isinstance(p, dtensor.Shard) and p.dim == 0 for p in weight.placements)
+    )
 
 
 def _tensor_parallel_head(head: nn.Linear):

@@ -29,7 +29,7 @@ def _worker(rank: int, port: int, out: str, cases: list) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     try:
-        results = {path: _compare(path, rank) for path in cases}
+        results = {name: RUNS[kind](arg) for name, kind, arg in cases}
         gathered = [None] * WORLD
         dist.all_gather_object(gathered, results)
         if rank == 0:
@@ -42,7 +42,7 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _compare(path: str, rank: int) -> dict:
+def _compare(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import surgery
@@ -108,17 +108,104 @@ def checkpoints(tmp_path_factory):
 
 
 def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_path):
-    per_rank = run_ranks(_worker, WORLD, tmp_path, checkpoints)
+    cases = [(Path(path).name, "tp_plan", path) for path in checkpoints]
+    per_rank = run_ranks(_worker, WORLD, tmp_path, cases)
     failed = []
     for rank, results in enumerate(per_rank):
-        for path, r in results.items():
-            where = f"rank {rank} {Path(path).name}"
+        for name, r in results.items():
+            where = f"rank {rank} {name}"
             assert r["head_sharded"] and r["head_rows"] == 49, where
             assert not r["logits_in_training"], where
             assert "lm_head: linear_cross_entropy" in r["describe"], r["describe"]
             assert "sharded by transformers' tensor parallelism" in r["describe"], r["describe"]
             assert r["restored"].endswith("install_forward.<locals>.tp_forward"), where
             for key in ("loss", "sequence_loss", "sequence_z_loss", "eval_logits"):
+                if not r[key] <= 1e-5:
+                    failed.append(f"{where} {key} {r[key]:.2e}")
+            worst = max(r["grads"], key=r["grads"].get)
+            if not r["grads"][worst] <= 1e-5:
+                failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
+    assert not failed, "\n".join(failed)
+
+
+def _by_hand(arch: str) -> dict:
+    """A model parallelised by hand with torch's ``parallelize_module`` (the projections and the
+    head, as torchtitan's Llama plan shards them), patched after, against the same model
+    unpatched."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import surgery
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    config = sized_config(arch, vocab_size=97)  # shards of 49 and 48 rows
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(config.num_hidden_layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                     "mlp.up_proj"):  # fmt: skip
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+
+    def build(patch_first=False):
+        torch.manual_seed(0)
+        model = SPECS[arch].causal_lm_class()(config).train()
+        if patch_first:
+            surgery.patch(model)
+        return parallelize_module(model, mesh, plan)
+
+    reference = build()
+    torch.manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    labels = ids.clone()
+    labels[1, 5:] = -100
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    with torch.no_grad():
+        want_logits = reference(input_ids=ids).logits
+    results = {}
+    for order, patched in (("after", surgery.patch(build())), ("before", build(True))):
+        got = patched(input_ids=ids, labels=labels)
+        got.loss.backward()
+        grads = {
+            name: (_local(p.grad) - _local(q.grad)).abs().max().item()
+            / _local(p.grad).abs().max().clamp_min(1e-12).item()
+            for (name, p), (_, q) in zip(reference.named_parameters(), patched.named_parameters())
+        }
+        with torch.no_grad():
+            logits = (patched(input_ids=ids).logits - want_logits).abs().max()
+        results[order] = dict(
+            loss=abs(got.loss.item() - want.loss.item()),
+            grads=grads,
+            logits_in_training=got.logits is not None,
+            head_rows=_local(patched.lm_head.weight).shape[0],
+            eval_logits=logits.item(),
+        )
+    return results
+
+
+RUNS = {"tp_plan": _compare, "by_hand": _by_hand}
+
+
+def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
+    """``parallelize_module`` with torchtitan's column- and row-wise plan, the head's 97 rows
+    unevenly sharded, patched before and after it: the patched head's loss is vocabulary-parallel
+    (no logits in training); loss, every gradient shard and eval logits equal the unpatched
+    model's."""
+    per_rank = run_ranks(_worker, WORLD, tmp_path, [("llama", "by_hand", "llama")])
+    failed = []
+    for rank, results in enumerate(per_rank):
+        assert set(results["llama"]) == {"after", "before"}
+        for order, r in results["llama"].items():
+            where = f"rank {rank}, patched {order} parallelize_module:"
+            assert r["head_rows"] == (49, 48)[rank], where
+            assert not r["logits_in_training"], where
+            for key in ("loss", "eval_logits"):
                 if not r[key] <= 1e-5:
                     failed.append(f"{where} {key} {r[key]:.2e}")
             worst = max(r["grads"], key=r["grads"].get)
