@@ -2,7 +2,9 @@
 gloo ranks on CPU) and then patched: the lm_head's loss is vocabulary-parallel (no logits in
 training, no rank gathers the head), the modules transformers sharded keep its forward, every other
 kernel runs; loss and every parameter's gradient (each rank's shard) equal transformers' own
-tensor-parallel model's, and the options' loss equals the unsharded patched model's."""
+tensor-parallel model's, and the options' loss equals the unsharded patched model's. A model
+parallelised by hand with torch's ``parallelize_module``, patched before or after, and with FSDP2
+on a second mesh dimension (four ranks): the same against the unpatched model."""
 
 from __future__ import annotations
 
@@ -211,4 +213,75 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
             worst = max(r["grads"], key=r["grads"].get)
             if not r["grads"][worst] <= 1e-5:
                 failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
+    assert not failed, "\n".join(failed)
+
+
+def _two_dimensional_worker(rank: int, port: int, out: str, cases: list) -> None:
+    """Four ranks: FSDP2 over ``dp`` (2) on a model whose head is tensor-parallel over ``tp`` (2),
+    unpatched and patched (before sharding); every parameter's whole gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import surgery
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4, timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        config = sized_config("llama", vocab_size=98)
+
+        def build(patched):
+            torch.manual_seed(0)
+            model = SPECS["llama"].causal_lm_class()(config).train()
+            if patched:
+                surgery.patch(model)
+            plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+            model = parallelize_module(model, mesh["tp"], plan)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            return fully_shard(model, mesh=mesh["dp"])
+
+        # Each data-parallel rank its own batch; the two tensor-parallel ranks of it the same.
+        g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+        ids = torch.randint(0, config.vocab_size, (2, 12), generator=g)
+        runs = {}
+        for patched in (False, True):
+            model = build(patched)
+            output = model(input_ids=ids, labels=ids)
+            output.loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            runs[patched] = (output.loss.item(), output.logits is None, grads)
+        (want, _, want_grads), (got, no_logits, got_grads) = runs[False], runs[True]
+        result = dict(
+            loss=abs(got - want),
+            no_logits=no_logits,
+            grads={
+                n: ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
+                for n, w in want_grads.items()
+            },
+        )
+        gathered = [None] * 4
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            torch.save(gathered, Path(out) / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_head_under_fsdp2_on_a_second_mesh_dimension(tmp_path):
+    """A 2 x 2 mesh: FSDP2 shards over ``dp``, the head's rows over ``tp``; inside the head's call
+    FSDP2 has gathered its dimension and the loss is vocabulary-parallel over ``tp``. Every
+    rank's loss and every parameter's whole gradient equal the unpatched model's."""
+    per_rank = run_ranks(_two_dimensional_worker, 4, tmp_path, [])
+    failed = []
+    for rank, r in enumerate(per_rank):
+        assert r["no_logits"], rank
+        if not r["loss"] <= 1e-5:
+            failed.append(f"rank {rank} loss {r['loss']:.2e}")
+        worst = max(r["grads"], key=r["grads"].get)
+        if not r["grads"][worst] <= 1e-5:
+            failed.append(f"rank {rank} gradient of {worst} {r['grads'][worst]:.2e}")
     assert not failed, "\n".join(failed)
