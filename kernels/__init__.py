@@ -15,7 +15,7 @@ from .reference import (
 )
 from .rms_norm import rms_norm, rms_norm_reference
 from .rope import apply_rope, apply_rope_reference, apply_rotary_pos_emb
-from .vocab_parallel import vocab_parallel_linear_cross_entropy
+from .vocab_parallel import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_log_probs
 
 __all__ = [
     "LossOutput",
@@ -40,4 +40,5 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_log_probs",
 ]

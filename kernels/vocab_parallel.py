@@ -23,14 +23,17 @@ are the one-GPU ones, reduced by the same code. Eager only (the collectives are 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .cross_entropy import (
     STATISTICS,
+    _transformed_torch,
     check_options,
     prepare_loss_inputs,
     reduce_losses,
@@ -38,16 +41,20 @@ from .cross_entropy import (
 )
 from .linear_cross_entropy import (
     DEFAULT_CHUNK_BYTES,
+    _logits,
     input_needs,
     lce_bwd_recompute,
     lce_fwd,
     prepare_head_inputs,
 )
-from .reference import LossOutput
+from .log_probs import OUTPUTS
+from .reference import LossOutput, TokenLogProbs
 
-__all__ = ["vocab_parallel_linear_cross_entropy", "vocab_shard"]
-
-_MEAN_LOGITS = 1 << STATISTICS.index("mean_logits")
+__all__ = [
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_log_probs",
+    "vocab_shard",
+]
 
 
 def vocab_shard(weight: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -117,71 +124,202 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def _slice_statistics(x, w, bias, targets, start, softcap, eps, chunk_bytes):
-    """This rank's per-token logsumexp, target logit (0 where the target is another rank's) and,
-    with label smoothing, sum of logits, over its rows ``[start, start + V_r)``."""
+class _Layout(NamedTuple):
+    """Where this rank's rows sit: its ``group``, its first row ``start`` of a head of ``vocab``
+    rows; ``reduce_dx``: the hidden gradient is all-reduced here (replicated hidden states), not
+    by the caller's gather (sequence parallel)."""
+
+    group: dist.ProcessGroup | None
+    start: int
+    vocab: int
+    reduce_dx: bool
+
+
+def _row_max(x, w, bias, softcap, transform, chunk_bytes) -> torch.Tensor:
+    """Each token's largest transformed logit over this rank's rows (an extra product, for
+    ``is_top1`` only)."""
     n, v = x.shape[0], w.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    rows = max(1, chunk_bytes // max(1, 4 * v))
+    for n0 in range(0, n, rows):
+        logits = _logits(x[n0 : n0 + rows], w, bias).float()
+        out[n0 : n0 + rows] = _transformed_torch(logits, softcap, *transform).amax(-1)
+    return out
+
+
+def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_bytes, want):
+    """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, the
+    ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
+    of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
+    target is the slice's first maximum; ``max``: the slice's largest logit)."""
+    n, v = x.shape[0], w.shape[0]
+    zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=x.device)
     if v == 0:  # more ranks than rows: this rank holds none
-        return x.new_full((n,), float("-inf"), dtype=torch.float32), *(
-            x.new_zeros(n, dtype=torch.float32) for _ in range(2)
-        )
+        out = {k: zeros() for k in ("target", "total", "entropy", "log_sum_sq_probs")}
+        out["is_top1"] = zeros(dtype=torch.bool)
+        return {**out, "lse": zeros() - math.inf, "max": zeros() - math.inf}
     mine = (targets >= start) & (targets < start + v)
     # A token whose target is another rank's reads this slice's first column as a stand-in (the
-    # kernel then computes its logsumexp and sum too); tokens without a target keep -1.
+    # kernel then computes its statistics too); tokens without a target keep -1.
     local = torch.where(mine, targets - start, torch.where(targets >= 0, 0, -1))
-    ce, _, lse, _, _, _, _, _, mean, _ = lce_fwd(
+    names = {"total": "mean_logits", "entropy": "entropy", "log_sum_sq_probs": "log_sum_sq_probs",
+             "is_top1": "is_top1"}  # fmt: skip
+    stats = sum(1 << STATISTICS.index(names[k]) for k in want if k in names)
+    ce, _, lse, _, _, _, *statistics = lce_fwd(
         x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, False, False, False,
-        False, 1.0, 1.0, _MEAN_LOGITS if eps else 0,
+        False, *transform, stats,
     )  # fmt: skip
-    target_logit = torch.where(mine, lse - ce, 0.0)
-    total = mean * v if eps else torch.zeros_like(lse)
-    return lse, target_logit, total
+    by_name = dict(zip(STATISTICS, statistics, strict=True))
+    out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0)}
+    for key in want:
+        if key == "total":
+            out[key] = by_name["mean_logits"] * v
+        elif key == "max":
+            out[key] = _row_max(x, w, bias, softcap, transform, chunk_bytes)
+        elif key == "is_top1":
+            out[key] = by_name["is_top1"] & mine
+        else:
+            out[key] = by_name[key]
+    return out
+
+
+def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
+    """The whole vocabulary's statistics from every rank's ``part`` (``_slice_statistics``), the
+    same on every rank: a max and a sum all-reduce of per-token scalars (two more for
+    ``is_top1``). With ``e_r = exp(lse_r - peak)`` and ``S = sum_r e_r``: ``lse = peak + log S``;
+    the entropy is ``sum_r w_r (h_r + lse - lse_r)`` with ``w_r = e_r / S``, summed without
+    cancellation as ``(sum_r e_r h_r + sum_r e_r (peak - lse_r)) / S + log S``; ``log sum_j
+    p_j^2 = log sum_r e_r^2 exp(q_r) - 2 log S``."""
+    group = layout.group
+    peaks = torch.stack([part["lse"], part.get("max", part["lse"])])
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+    peak = peaks[0]
+    e = torch.exp(part["lse"] - peak)
+    rows = {"s": e, "target": part["target"]}
+    if "total" in want:
+        rows["total"] = part["total"]
+    if "entropy" in want:
+        h = torch.where(e > 0, part["entropy"], 0.0)  # a rank without rows: e = 0, h = 0
+        rows["entropy"] = e * h + torch.where(e > 0, e * (peak - part["lse"]), 0.0)
+    if "log_sum_sq_probs" in want:
+        rows["sum_sq"] = e * e * torch.exp(part["log_sum_sq_probs"])
+    sums = torch.stack(list(rows.values()))
+    dist.all_reduce(sums, group=group)
+    total = dict(zip(rows, sums, strict=True))
+    log_s = torch.log(total["s"])
+    out = {"lse": peak + log_s, "target": total["target"], "total": total.get("total")}
+    if "entropy" in want:
+        out["entropy"] = total["entropy"] / total["s"] + log_s
+    if "log_sum_sq_probs" in want:
+        out["log_sum_sq_probs"] = torch.log(total["sum_sq"]) - 2.0 * log_s
+    if "is_top1" in want:
+        # The target is the first maximum when its rank is the first holding the largest logit
+        # and the target is that rank's first maximum.
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        holds = part["max"] == peaks[1]
+        first = torch.where(holds, rank, world).to(torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        top1 = (part["is_top1"] & holds & (first == rank)).to(torch.int64)
+        dist.all_reduce(top1, group=group)
+        out["is_top1"] = top1 > 0
+    return out
 
 
 class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
-    """The autograd path of the vocabulary-parallel head (module docstring). ``reduce_dx``: the
-    hidden gradient is all-reduced here (replicated hidden states); False where the caller's
-    gather reduce-scatters it (sequence parallel)."""
+    """The one autograd path of the vocabulary-parallel head (module docstring), for
+    ``vocab_parallel_linear_cross_entropy`` and ``vocab_parallel_linear_log_probs``. Outputs: the
+    reduced (or per-token) loss and z-loss, then one tensor per name of ``STATISTICS`` (empty
+    where not requested; only the entropy has a gradient). ``transform``: (logit scale,
+    1 / temperature)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, targets, weights, group, start, vocab, softcap, eps, z_scale,
-                chunk_bytes, needs, reduce_dx):  # fmt: skip
-        lse_r, target_logit, total = _slice_statistics(
-            x, w, bias, targets, start, softcap, eps, chunk_bytes
+    def forward(ctx, x, w, bias, targets, weights, layout, softcap, eps, z_scale, chunk_bytes,
+                needs, transform=(1.0, 1.0), stats=0):  # fmt: skip
+        requested = [name for i, name in enumerate(STATISTICS) if stats >> i & 1]
+        want = {"entropy", "log_sum_sq_probs", "is_top1"} & set(requested)
+        if eps or "mean_logits" in requested:
+            want.add("total")
+        if "is_top1" in want:
+            want.add("max")
+        part = _slice_statistics(
+            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want
         )
-        peak = lse_r.clone()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.stack([torch.exp(lse_r - peak), target_logit, total])
-        dist.all_reduce(sums, group=group)
-        lse = peak + torch.log(sums[0])
-        valid = targets >= 0
-        ce = lse - (1.0 - eps) * sums[1]
+        whole = _whole_vocabulary(part, layout, want)
+        lse, valid = whole["lse"], targets >= 0
+        ce = lse - (1.0 - eps) * whole["target"]
         if eps:
-            ce = ce - (eps / vocab) * sums[2]
+            ce = ce - (eps / layout.vocab) * whole["total"]
         ce = torch.where(valid, ce, 0.0)
         zl = torch.where(valid, z_scale * lse * lse, 0.0)
-        ctx.save_for_backward(x, w, bias, targets, weights, lse)
-        ctx.opts = (group, start, vocab, softcap, eps, z_scale, chunk_bytes, needs, reduce_dx)
+        if "mean_logits" in requested:
+            whole["mean_logits"] = whole["total"] / layout.vocab
+        statistics = [
+            torch.where(valid, whole[name], False if name == "is_top1" else 0.0)
+            if name in requested
+            else x.new_empty(0)
+            for name in STATISTICS
+        ]
+        entropy, *others = statistics
+        ctx.save_for_backward(x, w, bias, targets, weights, lse, entropy)
+        ctx.opts = (layout, softcap, eps, z_scale, chunk_bytes, needs, transform)
         ctx.set_materialize_grads(False)
-        return reduce_losses(ce, zl, weights)
+        ctx.mark_non_differentiable(*others)
+        return *reduce_losses(ce, zl, weights), entropy, *others
 
     @staticmethod
-    def backward(ctx, g_loss, g_z):
-        x, w, bias, targets, weights, lse = ctx.saved_tensors
-        group, start, vocab, softcap, eps, z_scale, chunk_bytes, needs, reduce_dx = ctx.opts
+    def backward(ctx, g_loss, g_z, g_entropy, *_):
+        x, w, bias, targets, weights, lse, entropy = ctx.saved_tensors
+        layout, softcap, eps, z_scale, chunk_bytes, needs, transform = ctx.opts
         need_dx, need_dw, need_db = needs
-        none = (None,) * 11
-        if g_loss is None and g_z is None:
+        none = (None,) * 10
+        if entropy.numel() == 0:
+            g_entropy = None
+        if g_loss is None and g_z is None and g_entropy is None:
             return None, None, None, *none
         a, b = upstream_coefficients(weights, g_loss, g_z, x.shape[0], x.device)
+        e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
         dx, dw, db = lce_bwd_recompute(
             x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw,
-            need_db, False, 1.0, 1.0, None, None, start, vocab,
+            need_db, False, *transform, None if e is None else entropy, e, layout.start,
+            layout.vocab,
         )  # fmt: skip
-        if need_dx and reduce_dx:
-            dist.all_reduce(dx, group=group)
+        if need_dx and layout.reduce_dx:
+            dist.all_reduce(dx, group=layout.group)
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 *none)  # fmt: skip
+
+
+def _sharded_inputs(hidden, weight, labels, bias, group, vocab_start, vocab_size,
+                    sequence_parallel, position_ids):  # fmt: skip
+    """The ops' inputs (``prepare_head_inputs``), the labels and position ids of the whole
+    sequence, and the ``_Layout``; a DTensor head made local, sequence-parallel inputs
+    gathered."""
+    weight, bias, group, vocab_start, vocab_size = _local_head(
+        weight, bias, group, vocab_start, vocab_size
+    )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "the vocabulary-parallel head needs torch.distributed initialised (every rank of the "
+            "head's group calls it)"
+        )
+    gather = sequence_parallel and dist.get_world_size(group) > 1
+    if gather:
+        hidden = _GatherSequence.apply(hidden, group, hidden.dim() - 2)
+        labels = _gather(labels, group, labels.dim() - 1)
+        if position_ids is not None:
+            position_ids = _gather(position_ids, group, position_ids.dim() - 1)
+    x, w, bias = prepare_head_inputs(hidden, weight, bias)
+    if vocab_start is None or vocab_size is None:
+        start, total = vocab_shard(w, group)
+        vocab_start = start if vocab_start is None else vocab_start
+        vocab_size = total if vocab_size is None else vocab_size
+    if not 0 <= vocab_start <= vocab_size - w.shape[0]:
+        raise ValueError(
+            f"this rank's {w.shape[0]} head rows from row {vocab_start} do not fit a head of "
+            f"{vocab_size} rows"
+        )
+    layout = _Layout(group, int(vocab_start), int(vocab_size), not gather)
+    return x, w, bias, labels, position_ids, layout
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -228,36 +366,15 @@ def vocab_parallel_linear_cross_entropy(
         ``LossOutput(loss, z_loss)``, fp32, the same on every rank: scalars, or per token for
         reduction "none" (the gathered sequence's tokens with ``sequence_parallel``).
     """
-    weight, bias, group, vocab_start, vocab_size = _local_head(
-        weight, bias, group, vocab_start, vocab_size
-    )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "vocab_parallel_linear_cross_entropy needs torch.distributed initialised (every rank "
-            "of the head's group calls it)"
-        )
-    world = dist.get_world_size(group)
-    if sequence_parallel and world > 1:
-        dim = hidden.dim() - 2
-        hidden = _GatherSequence.apply(hidden, group, dim)
-        labels = _gather(labels, group, labels.dim() - 1)
-        if position_ids is not None:
-            position_ids = _gather(position_ids, group, position_ids.dim() - 1)
-    x, w, bias = prepare_head_inputs(hidden, weight, bias)
+    x, w, bias, labels, position_ids, layout = _sharded_inputs(
+        hidden, weight, labels, bias, group, vocab_start, vocab_size, sequence_parallel,
+        position_ids,
+    )  # fmt: skip
     check_options(reduction, label_smoothing, z_loss_scale, softcap)
-    if vocab_start is None or vocab_size is None:
-        start, total = vocab_shard(w, group)
-        vocab_start = start if vocab_start is None else vocab_start
-        vocab_size = total if vocab_size is None else vocab_size
-    if not 0 <= vocab_start <= vocab_size - w.shape[0]:
-        raise ValueError(
-            f"this rank's {w.shape[0]} head rows from row {vocab_start} do not fit a head of "
-            f"{vocab_size} rows"
-        )
     targets, weights = prepare_loss_inputs(
         labels,
         x.shape[0],
-        vocab_size,
+        layout.vocab,
         x.device,
         ignore_index=ignore_index,
         reduction=reduction,
@@ -266,12 +383,71 @@ def vocab_parallel_linear_cross_entropy(
         cu_seqlens=cu_seqlens,
         shift=shift,
     )
-    loss, z = VocabParallelLinearCrossEntropyFunction.apply(
-        x, w, bias, targets, weights, group, int(vocab_start), int(vocab_size),
-        float(softcap or 0.0), float(label_smoothing), float(z_loss_scale),
-        int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
-        input_needs(x, w, bias), not (sequence_parallel and world > 1),
+    loss, z, *_ = VocabParallelLinearCrossEntropyFunction.apply(
+        x, w, bias, targets, weights, layout, float(softcap or 0.0), float(label_smoothing),
+        float(z_loss_scale), int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
+        input_needs(x, w, bias),
     )  # fmt: skip
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
     return LossOutput(loss, z)
+
+
+def vocab_parallel_linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_bytes: int | None = None,
+) -> TokenLogProbs:
+    """``linear_log_probs`` of a head whose rows are sharded over ``group``: the same
+    ``TokenLogProbs`` on every rank (the log-probabilities and the entropy take any upstream
+    gradient). The sharding arguments as ``vocab_parallel_linear_cross_entropy`` takes them; the
+    rest as ``linear_log_probs``. ``is_top1`` costs one more matrix product on each rank and two
+    more all-reduces."""
+    unknown = set(outputs) - set(OUTPUTS)
+    if unknown:
+        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names among {OUTPUTS}")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_options("none", 0.0, 0.0, softcap)
+    x, w, bias, labels, position_ids, layout = _sharded_inputs(
+        hidden, weight, labels, bias, group, vocab_start, vocab_size, sequence_parallel,
+        position_ids,
+    )  # fmt: skip
+    targets, _ = prepare_loss_inputs(
+        labels,
+        x.shape[0],
+        layout.vocab,
+        x.device,
+        ignore_index=ignore_index,
+        reduction="none",
+        num_items_in_batch=None,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        shift=shift,
+    )
+    stats = sum(1 << i for i, name in enumerate(STATISTICS) if name in outputs)
+    ce, _, *statistics = VocabParallelLinearCrossEntropyFunction.apply(
+        x, w, bias, targets, None, layout, float(softcap or 0.0), 0.0, 0.0,
+        int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
+        input_needs(x, w, bias), (float(logit_scale), 1.0 / float(temperature)), stats,
+    )  # fmt: skip
+    fields = {
+        name: t.view(labels.shape) if name in outputs else None
+        for name, t in zip(STATISTICS, statistics, strict=True)
+    }
+    return TokenLogProbs(log_probs=(-ce).view(labels.shape), **fields)

@@ -23,6 +23,7 @@ from surgery.kernels import (
     linear_cross_entropy,
     linear_log_probs,
     vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_log_probs,
 )
 
 from .foreign import tensor_parallel_forward
@@ -57,12 +58,7 @@ def lm_head_forward(
         return type(self).forward(self, input)
     vocab_parallel = _rows_sharded(self.weight)
     if "outputs" in loss:  # per-token log-probabilities (surgery.integrations.trl)
-        if vocab_parallel:
-            raise NotImplementedError(
-                "surgery: TRL's per-token outputs of a tensor-parallel lm_head are not "
-                "vocabulary-parallel yet; unpatch the model to use TRL's own head"
-            )
-        return _log_probs(self, input, labels, **loss)
+        return _log_probs(self, input, labels, vocab_parallel=vocab_parallel, **loss)
     if vocab_parallel:
         return _vocab_parallel_loss(self, input, labels, **loss)
     return linear_cross_entropy(input, self.weight, labels, bias=self.bias, **loss)
@@ -106,30 +102,51 @@ def _tensor_parallel_head(head: nn.Linear):
 
 
 def _vocab_parallel_loss(head: nn.Linear, input: torch.Tensor, labels: torch.Tensor, **loss):
-    """The loss of a head whose rows transformers' tensor parallelism sharded (a DTensor,
-    ``Shard(0)``): ``vocab_parallel_linear_cross_entropy`` on each rank's rows, the hidden
-    states as every rank holds them (a DTensor input made whole first)."""
+    """The loss of a head whose rows are sharded (a DTensor, ``Shard(0)``):
+    ``vocab_parallel_linear_cross_entropy`` on each rank's rows, the hidden states as every rank
+    holds them."""
+    return vocab_parallel_linear_cross_entropy(
+        _whole(input), head.weight, labels, head.bias, **_vocab_parallel_options(loss)
+    )
+
+
+def _whole(input: torch.Tensor) -> torch.Tensor:
+    """The hidden states as a plain tensor: a DTensor input (a layout hook made one) made whole."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(input, dtensor.DTensor):
-        input = input.full_tensor()
-    # The recompute schedule is the only one (the global logsumexp exists only after the
-    # all-reduce), and every row takes part in it.
-    loss.pop("low_memory", None)
-    loss.pop("skip_ignored", None)
-    return vocab_parallel_linear_cross_entropy(input, head.weight, labels, head.bias, **loss)
+        return input.full_tensor()
+    return input
+
+
+def _vocab_parallel_options(options: dict) -> dict:
+    """The head's kernel settings the vocabulary-parallel head takes: its backward always
+    recomputes the logits (the global logsumexp exists only after the all-reduce) with every row
+    (``low_memory`` and ``skip_ignored`` have nothing to choose)."""
+    return {k: v for k, v in options.items() if k not in ("low_memory", "skip_ignored")}
 
 
 def _log_probs(
-    head: nn.Linear, input: torch.Tensor, labels: torch.Tensor, cast_fp32: bool = False, **options
+    head: nn.Linear,
+    input: torch.Tensor,
+    labels: torch.Tensor,
+    cast_fp32: bool = False,
+    vocab_parallel: bool = False,
+    **options,
 ):
-    """``linear_log_probs`` of the head; ``cast_fp32``: of the head run in fp32 outside autocast
-    (hidden states, weight and bias cast, differentiably, on entry)."""
+    """``linear_log_probs`` of the head (``vocab_parallel``: of a head whose rows are sharded,
+    ``vocab_parallel_linear_log_probs``); ``cast_fp32``: of the head run in fp32 outside
+    autocast (hidden states, weight and bias cast, differentiably, on entry)."""
     weight, bias = head.weight, head.bias
+    log_probs = linear_log_probs
+    if vocab_parallel:
+        input, options = _whole(input), _vocab_parallel_options(options)
+        options.pop("upstream", None)  # the backward always recomputes
+        log_probs = vocab_parallel_linear_log_probs
     if not cast_fp32:
-        return linear_log_probs(input, weight, labels, bias=bias, **options)
+        return log_probs(input, weight, labels, bias=bias, **options)
     input, weight, bias = (t if t is None else t.float() for t in (input, weight, bias))
     with torch.autocast(input.device.type, enabled=False):
-        return linear_log_probs(input, weight, labels, bias=bias, **options)
+        return log_probs(input, weight, labels, bias=bias, **options)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:

@@ -33,7 +33,7 @@ from torch import nn
 
 from surgery.kernels import UpstreamHint
 
-from ..head import head_takes_loss
+from ..head import fused_head, head_takes_loss
 from ..swap import ORIGINAL_ATTR
 
 __all__ = [
@@ -221,7 +221,7 @@ def fused_head_output(
 
     shift = shift_labels is None
     targets = (labels if shift else shift_labels).to(hidden.device)
-    out = model.lm_head(
+    out = fused_head(model)(
         hidden,
         labels=targets,
         outputs=request.outputs,

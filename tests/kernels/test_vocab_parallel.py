@@ -17,7 +17,10 @@ import torch.distributed as dist
 from surgery.kernels import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    linear_log_probs,
+    linear_log_probs_reference,
     vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_log_probs,
 )
 from tests.utils import run_ranks
 
@@ -36,6 +39,25 @@ class Case:
     dtensor: bool = False
     # The ranks pass the layout (vocab_start, vocab_size) instead of having it found.
     explicit_layout: bool = False
+    # The per-token outputs (linear_log_probs) instead of the loss.
+    log_probs: bool = False
+
+
+def _log_probs_reference(hidden, weight, labels, bias=None, outputs=("log_probs",), **kw):
+    """The fp32 reference's fields that ``outputs`` asks for (it computes them all)."""
+    every = linear_log_probs_reference(hidden, weight, labels, bias, **kw)
+    return every._replace(
+        **{k: None for k in every._fields if k not in outputs and k != "log_probs"}
+    )
+
+
+# The one-GPU kernel, the fp32 reference and the vocabulary-parallel head, of each kind.
+HEADS = {
+    False: (linear_cross_entropy, linear_cross_entropy_reference,
+            vocab_parallel_linear_cross_entropy),
+    True: (linear_log_probs, _log_probs_reference, vocab_parallel_linear_log_probs),
+}  # fmt: skip
+EVERY_OUTPUT = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _cases(world: int) -> list[Case]:
@@ -60,9 +82,21 @@ def _cases(world: int) -> list[Case]:
         Case("sequence-parallel-none", sequence_parallel=True, options=dict(reduction="none")),
     ]
     # A rank with no row: more ranks than the head's last rows need.
+    every = ("log_probs", *EVERY_OUTPUT)
+    base += [
+        Case("log-probs", log_probs=True),
+        Case("log-probs-every-output", log_probs=True, bias=True,
+             options=dict(outputs=every, temperature=0.7, shift=True)),
+        Case("log-probs-scaled-capped", log_probs=True, sequence_parallel=True,
+             options=dict(outputs=every, logit_scale=1.3, softcap=2.0)),
+        Case("log-probs-dtensor", log_probs=True, dtensor=True,
+             options=dict(outputs=("log_probs", "entropy", "is_top1"))),
+    ]  # fmt: skip
     uneven = (0, 3) + (1,) * (world - 2)
     base.append(Case("rank-without-rows", vocab=sum(uneven), split=uneven,
                      options=dict(label_smoothing=0.1, z_loss_scale=1e-2)))  # fmt: skip
+    base.append(Case("log-probs-rank-without-rows", vocab=sum(uneven), split=uneven,
+                     log_probs=True, options=dict(outputs=every)))  # fmt: skip
     return base
 
 
@@ -72,6 +106,9 @@ def _inputs(case: Case):
     weight = torch.randn(case.vocab, D, generator=g) / D**0.5
     bias = torch.randn(case.vocab, generator=g) if case.bias else None
     labels = torch.randint(0, case.vocab, (B, T), generator=g)
+    # Half the targets the largest logit, so that is_top1 is seen both ways.
+    argmax = (hidden @ weight.T + (0 if bias is None else bias)).argmax(-1)
+    labels[:, ::2] = argmax[:, ::2]
     labels[0, 2] = labels[1, 5] = case.options.get("ignore_index", -100)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
     upstream = torch.randn(B, T, generator=g)
@@ -85,12 +122,23 @@ def _kwargs(case: Case, positions):
     return kw
 
 
+def _outputs(out, case: Case) -> dict:
+    """Every output of a call, by name (booleans as numbers)."""
+    if case.log_probs:
+        return {k: v.detach().float() for k, v in out._asdict().items() if v is not None}
+    return {"loss": out.loss.detach(), "z": out.z_loss.detach()}
+
+
 def _backward(out, case: Case, upstream):
-    total = out.loss
-    if case.options.get("reduction") == "none":
+    """A different upstream gradient on every token and on each differentiable output."""
+    if case.log_probs:
+        total = (out.log_probs * upstream).sum()
+        if out.entropy is not None:
+            total = total + (out.entropy * upstream.flip(0)).sum()
+    elif case.options.get("reduction") == "none":
         total = (out.loss * upstream).sum() + (out.z_loss * upstream.flip(0)).sum()
     else:
-        total = total + 0.5 * out.z_loss
+        total = out.loss + 0.5 * out.z_loss
     total.backward()
 
 
@@ -105,16 +153,14 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     hidden, weight, bias, labels, positions, upstream = _inputs(case)
     kw = _kwargs(case, positions)
     # The unsharded head: surgery's kernel and the fp32 PyTorch reference.
+    kernel, reference, sharded = HEADS[case.log_probs]
     refs = {}
-    for name, fn in (
-        ("kernel", linear_cross_entropy),
-        ("reference", linear_cross_entropy_reference),
-    ):
+    for name, fn in (("kernel", kernel), ("reference", reference)):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         b = None if bias is None else bias.clone().requires_grad_()
         out = fn(h, w, labels, b, **kw)
         _backward(out, case, upstream)
-        refs[name] = dict(loss=out.loss.detach(), z=out.z_loss.detach(), dh=h.grad, dw=w.grad,
+        refs[name] = dict(out=_outputs(out, case), dh=h.grad, dw=w.grad,
                           db=None if b is None else b.grad)  # fmt: skip
     sizes = _split(case, world)
     start = sum(sizes[:rank])
@@ -139,25 +185,28 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     else:
         h, mine_labels = h_full.requires_grad_(), labels
     layout = dict(vocab_start=start, vocab_size=case.vocab) if case.explicit_layout else {}
-    out = vocab_parallel_linear_cross_entropy(
-        h, w, mine_labels, b, sequence_parallel=case.sequence_parallel, **layout, **kw
-    )
+    out = sharded(h, w, mine_labels, b, sequence_parallel=case.sequence_parallel, **layout, **kw)
     _backward(out, case, upstream)
     want = refs["kernel"]
     dh_want = want["dh"][:, cols] if case.sequence_parallel else want["dh"]
     dw = w.grad.to_local() if case.dtensor else w.grad
     db = None if b is None else (b.grad.to_local() if case.dtensor else b.grad)
-    errors = {
-        "loss": (out.loss.detach() - want["loss"]).abs().max().item(),
-        "z_loss": (out.z_loss.detach() - want["z"]).abs().max().item(),
-        "hidden_grad": (h.grad - dh_want).abs().max().item(),
-        "weight_grad": (dw - want["dw"][rows]).abs().max().item() if dw.numel() else 0.0,
-        "kernel_vs_reference": max(
-            (refs["kernel"][k] - refs["reference"][k]).abs().max().item()
-            for k in ("loss", "z", "dh", "dw")
-        ),
-        "scale": max(want["dh"].abs().max().item(), want["dw"].abs().max().item()),
-    }
+    got = _outputs(out, case)
+    assert set(got) == set(want["out"]), (sorted(got), sorted(want["out"]))
+    errors = {k: (got[k] - want["out"][k]).abs().max().item() for k in got}
+    both = [(refs["kernel"][k], refs["reference"][k]) for k in ("dh", "dw")]
+    both += [(refs["kernel"]["out"][k], refs["reference"]["out"][k]) for k in want["out"]]
+    errors.update(
+        hidden_grad=(h.grad - dh_want).abs().max().item(),
+        weight_grad=(dw - want["dw"][rows]).abs().max().item() if dw.numel() else 0.0,
+        kernel_vs_reference=max((a - r).abs().max().item() for a, r in both),
+        scale=max(want["dh"].abs().max().item(), want["dw"].abs().max().item()),
+    )
+    if case.log_probs and "is_top1" in got:
+        # Both ways: some targets are the first maximum, some are not.
+        errors["is_top1_seen_both_ways"] = float(
+            not 0 < got["is_top1"].sum() < got["is_top1"].numel()
+        )
     if db is not None:
         errors["bias_grad"] = (db - want["db"][rows]).abs().max().item() if db.numel() else 0.0
     return errors

@@ -191,7 +191,79 @@ def _by_hand(arch: str) -> dict:
     return results
 
 
-RUNS = {"tp_plan": _compare, "by_hand": _by_hand}
+def _whole_grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+
+
+def _trl_by_hand(arch: str) -> dict:
+    """TRL's fused head (``add_fused_lm_head``, every per-token output) on a patched model whose
+    head's rows are sharded with ``parallelize_module``, against the same on the unsharded
+    patched model (itself checked against TRL's own head in test_trl.py): the per-token outputs
+    are vocabulary-parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from trl.trainer.utils import add_fused_lm_head
+
+    import surgery
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    config = sized_config(arch, vocab_size=97)
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+    def build(sharded):
+        torch.manual_seed(0)
+        model = surgery.patch(SPECS[arch].causal_lm_class()(config).train())
+        if sharded:
+            plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+            model = parallelize_module(model, mesh, plan)
+        add_fused_lm_head(model, temperature=0.8, outputs=outputs)
+        return model
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    labels = ids.clone()
+    with torch.no_grad():  # every other target the largest logit: is_top1 seen both ways
+        top = build(False)(input_ids=ids).logits.argmax(-1)
+    labels[:, 1::2] = top[:, 0:-1:2]
+    labels[0, :3] = -100
+    g = torch.randn(2, 2, 11)
+    runs = {}
+    for sharded in (False, True):
+        model = build(sharded)
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        total = out.loss + (out.log_probs * g[0]).sum() + (out.entropy * g[1]).sum()
+        total.backward()
+        runs[sharded] = (out, {n: _whole_grad(p) for n, p in model.named_parameters()})
+    (want, want_grads), (got, got_grads) = runs[False], runs[True]
+    errors = {f: (getattr(got, f).float() - getattr(want, f).float()).abs().max().item()
+              for f in (*outputs, "loss")}  # fmt: skip
+    top1 = got.is_top1[got.label_mask.bool()]
+    errors["is_top1 not seen both ways"] = float(not 0 < top1.sum() < top1.numel())
+    errors.update(
+        {
+            f"grad {n}": ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
+            for n, w in want_grads.items()
+        }
+    )
+    return errors
+
+
+RUNS = {"tp_plan": _compare, "by_hand": _by_hand, "trl": _trl_by_hand}
+
+
+def test_trl_per_token_outputs_of_a_tensor_parallel_head(tmp_path):
+    """Every per-token output TRL asks for, its loss and every gradient (through the
+    log-probabilities and the entropy) of the sharded head equal the unsharded head's."""
+    pytest.importorskip("trl")
+    per_rank = run_ranks(_worker, WORLD, tmp_path, [("llama", "trl", "llama")])
+    failed = [
+        f"rank {rank} {key} {err:.2e}"
+        for rank, results in enumerate(per_rank)
+        for key, err in results["llama"].items()
+        if not err <= 1e-5
+    ]
+    assert not failed, "\n".join(failed)
 
 
 def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
