@@ -27,7 +27,7 @@ from .experts_install import (
 from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
 from .foreign import tensor_parallel_forward
 from .forward import STATE_ATTR, PatchState
-from .head import LM_HEAD_ATTR, head_takes_loss
+from .head import LM_HEAD_ATTR, head_takes_loss, rows_sharded
 from .integrations.fla import fla_status
 from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_linear, share_input
 from .linear_attention import LINEAR_ATTENTION_ATTR
@@ -119,6 +119,11 @@ def _installed(module: nn.Module, state: PatchState) -> str:
             what += "; router aux loss kept"
         return what
     if LM_HEAD_ATTR in attrs:
+        if rows_sharded(module.weight):
+            return (
+                "lm_head: vocab_parallel_linear_cross_entropy over the ranks its rows are "
+                "sharded on (no logits materialised, the head never gathered)"
+            )
         return "lm_head: linear_cross_entropy (no logits materialised)"
     if BINDING_ATTR in attrs:
         what = "attention forward: RoPE through apply_rope" + (

@@ -37,6 +37,7 @@ __all__ = [
     "head_logits",
     "head_takes_loss",
     "lm_head_forward",
+    "rows_sharded",
     "warn_unfused",
 ]
 
@@ -56,7 +57,7 @@ def lm_head_forward(
         if tensor_parallel is not None:  # transformers' forward: logits gathered as it gathers them
             return tensor_parallel(input)
         return type(self).forward(self, input)
-    vocab_parallel = _rows_sharded(self.weight)
+    vocab_parallel = rows_sharded(self.weight)
     if "outputs" in loss:  # per-token log-probabilities (surgery.integrations.trl)
         return _log_probs(self, input, labels, vocab_parallel=vocab_parallel, **loss)
     if vocab_parallel:
@@ -73,7 +74,7 @@ def fused_head(lm: nn.Module):
     head = lm.lm_head
     if (
         type(head) is nn.Linear
-        and _rows_sharded(head.weight)
+        and rows_sharded(head.weight)
         and head._forward_hooks
         and _tensor_parallel_head(head) is None
         and LM_HEAD_ATTR in head.__dict__
@@ -82,7 +83,7 @@ def fused_head(lm: nn.Module):
     return head
 
 
-def _rows_sharded(weight: torch.Tensor) -> bool:
+def rows_sharded(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is a DTensor whose rows (the vocabulary) are sharded: tensor
     parallelism's column-wise head (FSDP2 has unsharded its own dimension inside the call)."""
     dtensor = sys.modules.get("torch.distributed.tensor")

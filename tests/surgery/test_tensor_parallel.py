@@ -118,7 +118,7 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             where = f"rank {rank} {name}"
             assert r["head_sharded"] and r["head_rows"] == 49, where
             assert not r["logits_in_training"], where
-            assert "lm_head: linear_cross_entropy" in r["describe"], r["describe"]
+            assert "lm_head: vocab_parallel_linear_cross_entropy" in r["describe"], r["describe"]
             assert "sharded by transformers' tensor parallelism" in r["describe"], r["describe"]
             assert r["restored"].endswith("install_forward.<locals>.tp_forward"), where
             for key in ("loss", "sequence_loss", "sequence_z_loss", "eval_logits"):
