@@ -36,28 +36,23 @@ docs/benchmarks.md), not from here.
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import gc
 import os
-
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-os.environ.update(MULTICAST_OFF)
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import GIB, environment, fmt, import_surgery, short_error, table, write_json  # noqa: E402
+# Imported first: it sets MULTICAST_OFF before it imports torch.
+from fsdp_two_gpu import MULTICAST_OFF, Unavailable  # noqa: I001
+
+import torch
+import torch.distributed as dist
+from common import GIB, environment, fmt, import_surgery, short_error, table, write_json
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama3_8b": {
@@ -87,11 +82,6 @@ CONTENDERS = ("unpatched", "liger", "surgery", "surgery_noac")
 ENGINES = ("fsdp2", "accelerate", "tp")
 LR = 1e-4
 SEED = 0
-
-
-class Unavailable(Exception):
-    """A run this machine or engine cannot do (reported, not a failure); raised on every rank
-    alike, before any collective."""
 
 
 def build_model(name: str, tiny: bool, device: torch.device):

@@ -243,6 +243,30 @@ def run_ranks(worker, world: int, out, cases: list) -> dict:
     return torch.load(os.path.join(str(out), "results.pt"), weights_only=False)
 
 
+def gloo_rank(rank: int, port: int, world: int, out, compute) -> None:
+    """The body of a ``run_ranks`` worker: this process as ``rank`` of a gloo group of ``world``
+    on the loopback (also in the environment, as torchrun sets it: transformers' tensor
+    parallelism reads it), ``compute()`` run, and every rank's result gathered into
+    ``out/results.pt`` (a list in rank order)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    try:
+        result = compute()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            torch.save(gathered, os.path.join(str(out), "results.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
 def _flash_readable(x: torch.Tensor) -> bool:
     """What flash attention's kernels read without a misaligned address (an H100 stopped with one
     on a tiny Mistral 4, whose values are a slice of kv_b_proj's output): a head size of whole

@@ -6,13 +6,10 @@ parallel hidden states."""
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from surgery.kernels import (
     linear_cross_entropy,
@@ -22,7 +19,7 @@ from surgery.kernels import (
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_log_probs,
 )
-from tests.utils import run_ranks
+from tests.utils import gloo_rank, run_ranks
 
 B, T, D = 2, 8, 16
 
@@ -213,21 +210,15 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
 
 
 def _worker(rank: int, port: int, out: str, cases: list) -> None:
-    torch.set_num_threads(1)
     world = cases[0]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    try:
+
+    def compute():
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        mine = {case.name: _run_case(case, rank, world, mesh) for case in cases[1:]}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            torch.save(gathered, Path(out) / "results.pt")
-    finally:
-        dist.destroy_process_group()
+        return {case.name: _run_case(case, rank, world, mesh) for case in cases[1:]}
+
+    gloo_rank(rank, port, world, out, compute)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -256,23 +247,17 @@ def test_vocab_parallel_head_refuses_a_layout_that_does_not_fit(tmp_path):
 
 
 def _refusing_worker(rank: int, port: int, out: str, cases: list) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
-    try:
+    def compute():
         try:
             vocab_parallel_linear_cross_entropy(
                 torch.randn(4, 8), torch.randn(4, 8), torch.zeros(4, dtype=torch.long),
                 vocab_start=6, vocab_size=8,
             )  # fmt: skip
-            message = "no error"
         except ValueError as err:
-            message = str(err)
-        gathered = [None, None]
-        dist.all_gather_object(gathered, message)
-        if rank == 0:
-            torch.save(gathered, Path(out) / "results.pt")
-    finally:
-        dist.destroy_process_group()
+            return str(err)
+        return "no error"
+
+    gloo_rank(rank, port, 2, out, compute)
 
 
 def test_without_a_process_group_it_says_so():

@@ -8,36 +8,20 @@ on a second mesh dimension (four ranks): the same against the unpatched model.""
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.models.tiny import SPECS, sized_config
-from tests.utils import run_ranks
+from tests.utils import gloo_rank, run_ranks
 
 WORLD = 2
 ARCHS = ["llama", "qwen3"]
 
 
 def _worker(rank: int, port: int, out: str, cases: list) -> None:
-    import os
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    try:
-        results = {name: RUNS[kind](arg) for name, kind, arg in cases}
-        gathered = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            torch.save(gathered, Path(out) / "results.pt")
-    finally:
-        dist.destroy_process_group()
+    gloo_rank(rank, port, WORLD, out, lambda: {name: RUNS[kind](arg) for name, kind, arg in cases})
 
 
 def _local(t):
@@ -298,10 +282,7 @@ def _two_dimensional_worker(rank: int, port: int, out: str, cases: list) -> None
 
     import surgery
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=4, timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    try:
+    def compute():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         config = sized_config("llama", vocab_size=98)
 
@@ -335,12 +316,9 @@ def _two_dimensional_worker(rank: int, port: int, out: str, cases: list) -> None
                 for n, w in want_grads.items()
             },
         )
-        gathered = [None] * 4
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, Path(out) / "results.pt")
-    finally:
-        dist.destroy_process_group()
+        return result
+
+    gloo_rank(rank, port, 4, out, compute)
 
 
 def test_tensor_parallel_head_under_fsdp2_on_a_second_mesh_dimension(tmp_path):
