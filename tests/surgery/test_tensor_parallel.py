@@ -28,6 +28,16 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _grad_errors(reference, patched) -> dict[str, float]:
+    """Each parameter's gradient on this rank (its shard) in ``patched`` against ``reference``:
+    the largest difference over the largest value."""
+    return {
+        name: (_local(p.grad) - _local(q.grad)).abs().max().item()
+        / _local(p.grad).abs().max().clamp_min(1e-12).item()
+        for (name, p), (_, q) in zip(reference.named_parameters(), patched.named_parameters())
+    }
+
+
 def _compare(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -45,11 +55,7 @@ def _compare(path: str) -> dict:
     want.loss.backward()
     got = patched(input_ids=ids, labels=labels)
     got.loss.backward()
-    grads = {
-        name: (_local(p.grad) - _local(q.grad)).abs().max().item()
-        / _local(p.grad).abs().max().clamp_min(1e-12).item()
-        for (name, p), (_, q) in zip(reference.named_parameters(), patched.named_parameters())
-    }
+    grads = _grad_errors(reference, patched)
     head = patched.lm_head.weight
     result = dict(
         loss=abs(got.loss.item() - want.loss.item()),
@@ -158,11 +164,7 @@ def _by_hand(arch: str) -> dict:
     for order, patched in (("after", surgery.patch(build())), ("before", build(True))):
         got = patched(input_ids=ids, labels=labels)
         got.loss.backward()
-        grads = {
-            name: (_local(p.grad) - _local(q.grad)).abs().max().item()
-            / _local(p.grad).abs().max().clamp_min(1e-12).item()
-            for (name, p), (_, q) in zip(reference.named_parameters(), patched.named_parameters())
-        }
+        grads = _grad_errors(reference, patched)
         with torch.no_grad():
             logits = (patched(input_ids=ids).logits - want_logits).abs().max()
         results[order] = dict(
