@@ -251,142 +251,153 @@ def _consistent(limit: float, unpatched: float, tol: Tolerance) -> float:
 
 
 def evaluate(record: dict[str, Any]) -> list[Check]:
-    """Every check of one run (a ``train_and_compare`` record) against ``TOLERANCES``."""
-    cfg = record["config"]
-    tol = TOLERANCES[cfg["dtype"]]
-    run, exact = cfg["name"], record["exact"]
-    z_on = cfg["variant"]["z_loss_scale"] > 0
-    # A mixture of experts that trains its router aux loss records it on every side.
-    aux_on = "aux_loss" in record["sides"]["reference"]
-    steps, final = record["steps"], record["final"]
-    ref_exact = steps[f"reference~{exact}"]
-    grads = GRADS + ((VISION_GRAD,) if ref_exact.get(VISION_GRAD) else ())
+    """Every check of one run (a ``train_and_compare`` record) against ``TOLERANCES``: for each
+    patched side, 1. direct, its probe, 2. accuracy and routing, 3. drift (``_SideChecks``)."""
     checks: list[Check] = []
     for side, info in record["sides"].items():
-        if not info["patched"]:
-            continue
+        if info["patched"]:
+            checks += _SideChecks(record, side, info["layout"]).all()
+    return checks
 
-        def add(name, value, limit, detail="", side=side):
-            checks.append(Check(run, side, name, value, limit, detail))
 
-        def consistent(limit, unpatched):
-            return _consistent(limit, unpatched, tol)
+class _SideChecks:
+    """The checks of one patched side of a run, in ``evaluate``'s order."""
 
-        def budget(name, mine, theirs, factor, floor, detail=""):
-            add(name, mine, factor * theirs + floor, f"unpatched {theirs:.2e} {detail}".strip())
+    def __init__(self, record: dict[str, Any], side: str, layout: str) -> None:
+        cfg = record["config"]
+        self.record, self.side, self.layout, self.dtype = record, side, layout, cfg["dtype"]
+        self.tol = TOLERANCES[cfg["dtype"]]
+        self.run, self.exact = cfg["name"], record["exact"]
+        self.z_on = cfg["variant"]["z_loss_scale"] > 0
+        # A mixture of experts that trains its router aux loss records it on every side.
+        self.aux_on = "aux_loss" in record["sides"]["reference"]
+        self.steps = record["steps"]
+        self.ref_exact = self.steps[f"reference~{self.exact}"]
+        self.grads = GRADS + ((VISION_GRAD,) if self.ref_exact.get(VISION_GRAD) else ())
+        self.checks: list[Check] = []
 
-        direct, vs_exact = steps[f"{side}~reference"], steps[f"{side}~{exact}"]
-        # 1. Direct. Over the run, the loss curves may be as far apart as the dtype's loss
-        # tolerance plus the drift budget of the unpatched run's own distance from the run one
-        # precision up (3. below), step by step: at full size AdamW amplifies rounding into loss
-        # curves that separate for any two correct runs (measured on an H200, Llama fp32 full at
-        # lr 1e-3: unpatched vs fp64 5.0e-2 apart at step 31, patched vs unpatched 1.7e-2), so a
-        # fixed 1e-5 would fail transformers against itself. Step t is held to the unpatched
-        # run's largest distance up to step t (never a later step's); the check reports the
-        # step closest to its limit. Same weights (step 0) stay direct. The router aux loss has
-        # the loss's limits (module docstring, 1).
+    def all(self) -> list[Check]:
+        for part in (self.direct, self.probe, self.accuracy, self.routing, self.drift):
+            part()
+        return self.checks
+
+    def add(self, name: str, value: float, limit: float, detail: str = "") -> None:
+        self.checks.append(Check(self.run, self.side, name, value, limit, detail))
+
+    def consistent(self, limit: float, unpatched: float) -> float:
+        return _consistent(limit, unpatched, self.tol)
+
+    def budget(self, name, mine, theirs, factor, floor, detail="") -> None:
+        self.add(name, mine, factor * theirs + floor, f"unpatched {theirs:.2e} {detail}".strip())
+
+    def direct(self) -> None:
+        """1. Direct. Over the run, the loss curves may be as far apart as the dtype's loss
+        tolerance plus the drift budget of the unpatched run's own distance from the run one
+        precision up (3. below), step by step: at full size AdamW amplifies rounding into loss
+        curves that separate for any two correct runs (measured on an H200, Llama fp32 full at
+        lr 1e-3: unpatched vs fp64 5.0e-2 apart at step 31, patched vs unpatched 1.7e-2), so a
+        fixed 1e-5 would fail transformers against itself. Step t is held to the unpatched run's
+        largest distance up to step t (never a later step's); the check reports the step closest
+        to its limit. Same weights (step 0) stay direct. The router aux loss has the loss's
+        limits (module docstring, 1)."""
+        tol, exact, record, side = self.tol, self.exact, self.record, self.side
+        direct = self.steps[f"{side}~reference"]
         for key, limit in (("loss", tol.loss), ("z_loss", tol.z_loss), ("aux_loss", tol.loss)):
-            if (key == "z_loss" and not z_on) or (key == "aux_loss" and not aux_on):
+            if (key == "z_loss" and not self.z_on) or (key == "aux_loss" and not self.aux_on):
                 continue
-            envelope = _running_max(ref_exact[key])
+            envelope = _running_max(self.ref_exact[key])
             limits = [limit + tol.drift_factor * e for e in envelope]
             at = _tightest(direct[key], limits)
-            add(key, direct[key][at], limits[at],
-                f"step {at}; unpatched vs {exact} up to {envelope[at]:.1e} by then")  # fmt: skip
-            add(f"{key}@0", direct[key][0], tol.same_weights_loss)
-        for key in grads:
-            add(f"{key}@0", direct[key][0], consistent(tol.grad_step0, ref_exact[key][0]))
+            by_then = f"step {at}; unpatched vs {exact} up to {envelope[at]:.1e} by then"
+            self.add(key, direct[key][at], limits[at], by_then)
+            self.add(f"{key}@0", direct[key][0], tol.same_weights_loss)
+        for key in self.grads:
+            self.add(
+                f"{key}@0", direct[key][0], self.consistent(tol.grad_step0, self.ref_exact[key][0])
+            )
         ev = record["eval_init"][f"{side}~reference"]
-        add("eval_loss", ev["loss"], tol.same_weights_loss)
-        if z_on:
-            add("eval_z_loss", ev["z_loss"], tol.same_weights_loss)
-        if aux_on:
-            add("eval_aux_loss", ev["aux_loss"], tol.same_weights_loss)
+        self.add("eval_loss", ev["loss"], tol.same_weights_loss)
+        if self.z_on:
+            self.add("eval_z_loss", ev["z_loss"], tol.same_weights_loss)
+        if self.aux_on:
+            self.add("eval_aux_loss", ev["aux_loss"], tol.same_weights_loss)
         for key in EVAL_TENSORS:
             unpatched = record["eval_init"][f"reference~{exact}"][key]
-            add(f"eval_{key}", ev[key], consistent(tol.eval, unpatched))
+            self.add(f"eval_{key}", ev[key], self.consistent(tol.eval, unpatched))
         materialised = side in record["logits_materialised_in_training"]
-        add("no_logits_in_training", float(materialised), 0.0, "logits returned in training")
-        # The probe of this side's layout: the patched model in fp32 on the unpatched fp32 run's
-        # weights at every step (train.py), held to fp32's same-weights limits in every run.
-        probe = f"probe-{info['layout']}"
-        if probe in record.get("probes", {}):
-            fp32 = TOLERANCES["fp32"]
-            pm = steps[f"{probe}~{record['probes'][probe]['partner']}"]
-            limits = dict.fromkeys(("loss", "z_loss", "aux_loss"), fp32.same_weights_loss)
-            limits.update(dict.fromkeys(grads, PROBE_GRAD), z_grad=Z_GRAD)
-            if cfg["dtype"] == "fp32":  # the unpatched fp32 run's own error is measured
-                limits.update({k: consistent(PROBE_GRAD, ref_exact[k][0]) for k in grads})
-            elif own := record.get("partner_kernel_error"):
-                # The bf16 run's fp32 partner through TF32 kernels (train.PYTORCH_PARTNER):
-                # its worst error against its PyTorch path, with fp32's accuracy budget.
-                limits.update({k: _consistent(PROBE_GRAD, max(steps[own][k]), fp32) for k in grads})
-            for key, limit in limits.items():
-                if key.startswith("z_") and not (z_on and pm[key]):
-                    continue
-                if key == "aux_loss" and not aux_on:
-                    continue
-                value, at = _worst(pm[key])
-                add(f"probe_{key}", value, limit, f"step {at}, fp32, same weights")
-        # 2. Accuracy with the same weights (step 0, eval batch) against the run one precision up.
-        for key in grads:
-            budget(
-                f"{key}@0:accuracy",
-                vs_exact[key][0],
-                ref_exact[key][0],
-                tol.accuracy_factor,
-                tol.accuracy_floor,
-                f"vs {exact}",
-            )
-        ev_mine = record["eval_init"][f"{side}~{exact}"]
+        self.add("no_logits_in_training", float(materialised), 0.0, "logits returned in training")
+
+    def probe(self) -> None:
+        """The probe of this side's layout: the patched model in fp32 on the unpatched fp32 run's
+        weights at every step (train.py), held to fp32's same-weights limits in every run."""
+        record, probe = self.record, f"probe-{self.layout}"
+        if probe not in record.get("probes", {}):
+            return
+        fp32, grads = TOLERANCES["fp32"], self.grads
+        pm = self.steps[f"{probe}~{record['probes'][probe]['partner']}"]
+        limits = dict.fromkeys(("loss", "z_loss", "aux_loss"), fp32.same_weights_loss)
+        limits.update(dict.fromkeys(grads, PROBE_GRAD), z_grad=Z_GRAD)
+        if self.dtype == "fp32":  # the unpatched fp32 run's own error is measured
+            limits.update({k: self.consistent(PROBE_GRAD, self.ref_exact[k][0]) for k in grads})
+        elif own := record.get("partner_kernel_error"):
+            # The bf16 run's fp32 partner through TF32 kernels (train.PYTORCH_PARTNER): its
+            # worst error against its PyTorch path, with fp32's accuracy budget.
+            steps = self.steps[own]
+            limits.update({k: _consistent(PROBE_GRAD, max(steps[k]), fp32) for k in grads})
+        for key, limit in limits.items():
+            if key.startswith("z_") and not (self.z_on and pm[key]):
+                continue
+            if key == "aux_loss" and not self.aux_on:
+                continue
+            value, at = _worst(pm[key])
+            self.add(f"probe_{key}", value, limit, f"step {at}, fp32, same weights")
+
+    def accuracy(self) -> None:
+        """2. Accuracy with the same weights (step 0, eval batch) against the run one precision
+        up."""
+        tol, exact, record = self.tol, self.exact, self.record
+        vs_exact = self.steps[f"{self.side}~{exact}"]
+        for key in self.grads:
+            self.budget(f"{key}@0:accuracy", vs_exact[key][0], self.ref_exact[key][0],
+                        tol.accuracy_factor, tol.accuracy_floor, f"vs {exact}")  # fmt: skip
+        ev_mine = record["eval_init"][f"{self.side}~{exact}"]
         ev_theirs = record["eval_init"][f"reference~{exact}"]
         for key in EVAL_TENSORS:
-            budget(
-                f"eval_{key}:accuracy",
-                ev_mine[key],
-                ev_theirs[key],
-                tol.accuracy_factor,
-                tol.accuracy_floor,
-                f"vs {exact}",
-            )
-        # Routing (mixtures of experts), with the same weights: the side's own decisions
-        # (every earlier layer routed like the run one precision up) differ from that run's
-        # only where rounding can tip them (flip_margin_ratio). The final eval's are recorded,
-        # not checked: by then the weights differ by the run's drift (a tiny bf16 run's patched
-        # side flipped 16 of 54 decisions at margins up to 7.7e-2, the unpatched one 1, with
-        # params:drift 1.76x the unpatched run's), which params:drift and
-        # final_eval_logits:drift judge, routed alike.
+            self.budget(f"eval_{key}:accuracy", ev_mine[key], ev_theirs[key],
+                        tol.accuracy_factor, tol.accuracy_floor, f"vs {exact}")  # fmt: skip
+
+    def routing(self) -> None:
+        """Routing (mixtures of experts), with the same weights: the side's own decisions (every
+        earlier layer routed like the run one precision up) differ from that run's only where
+        rounding can tip them (flip_margin_ratio). The final eval's are recorded, not checked: by
+        then the weights differ by the run's drift (a tiny bf16 run's patched side flipped 16 of
+        54 decisions at margins up to 7.7e-2, the unpatched one 1, with params:drift 1.76x the
+        unpatched run's), which params:drift and final_eval_logits:drift judge, routed alike."""
         for phase, name in (("step0", "routing@0"), ("eval_init", "eval_routing")):
-            if side in record.get("routing", {}).get(phase, {}):
-                phase_routing = record["routing"][phase]
-                value, detail = flip_margin_ratio(phase_routing[side], phase_routing["reference"])
-                add(name, value, tol.accuracy_factor, f"{detail}; vs {exact}")
-        # 3. Drift over the run, against the unpatched run's own.
-        # The final model's eval loss (and aux loss): the same rule as the training loss above.
-        final_keys = ("loss", "aux_loss") if aux_on else ("loss",)
+            if self.side in self.record.get("routing", {}).get(phase, {}):
+                phase_routing = self.record["routing"][phase]
+                value, detail = flip_margin_ratio(
+                    phase_routing[self.side], phase_routing["reference"]
+                )
+                self.add(name, value, self.tol.accuracy_factor, f"{detail}; vs {self.exact}")
+
+    def drift(self) -> None:
+        """3. Drift over the run, against the unpatched run's own. The final model's eval loss
+        (and aux loss): the same rule as the training loss (``direct``)."""
+        tol, exact, record, side = self.tol, self.exact, self.record, self.side
+        final_keys = ("loss", "aux_loss") if self.aux_on else ("loss",)
         for key in final_keys:
             theirs = record["eval_final"][f"reference~{exact}"][key]
-            add(
-                f"final_eval_{key}",
-                record["eval_final"][f"{side}~reference"][key],
-                tol.loss + tol.drift_factor * theirs,
-                f"unpatched vs {exact} {theirs:.1e}",
-            )
-        budget(
-            "final_eval_logits:drift",
-            record["eval_final"][f"{side}~{exact}"]["logits"],
-            record["eval_final"][f"reference~{exact}"]["logits"],
-            tol.drift_factor,
-            tol.drift_floor,
-        )
-        budget(
-            "params:drift",
-            final[f"{side}~{exact}"]["param_delta_global"],
-            final[f"reference~{exact}"]["param_delta_global"],
-            tol.drift_factor,
-            tol.drift_floor,
-        )
-    return checks
+            mine = record["eval_final"][f"{side}~reference"][key]
+            limit = tol.loss + tol.drift_factor * theirs
+            self.add(f"final_eval_{key}", mine, limit, f"unpatched vs {exact} {theirs:.1e}")
+        self.budget("final_eval_logits:drift", record["eval_final"][f"{side}~{exact}"]["logits"],
+                    record["eval_final"][f"reference~{exact}"]["logits"], tol.drift_factor,
+                    tol.drift_floor)  # fmt: skip
+        final = record["final"]
+        self.budget("params:drift", final[f"{side}~{exact}"]["param_delta_global"],
+                    final[f"reference~{exact}"]["param_delta_global"], tol.drift_factor,
+                    tol.drift_floor)  # fmt: skip
 
 
 def _fmt(x: float) -> str:
