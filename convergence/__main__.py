@@ -155,10 +155,51 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    refused = _check_arguments(parser, args)
+    if refused is not None:
+        return refused
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is available", file=sys.stderr)
+        return 2
+    interpret = _use_interpreter_on_cpu(argv) if device == "cpu" else None
+    size = args.size or ("full" if device == "cuda" else "tiny")
+    plan = _plan(args, size)
+    if isinstance(plan, int):
+        return plan
+    models, dtype_arg, dtypes, layouts, variants, lr = plan
+    print(f"surgery.convergence on {_set_up_device(device, interpret, args.pretrained)}")
+    t0 = time.perf_counter()
+    say = (
+        (lambda msg: None)
+        if args.quiet
+        else (lambda msg: print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", flush=True))
+    )
+    if args.controls:
+        return _run_controls(args, size, device, dtypes, t0)
+    if args.pretrained:
+        outcome = _run_pretrained(args, device, dtypes, variants, layouts, lr, say)
+        if isinstance(outcome, int):
+            return outcome
+        records, checks, stem = outcome
+        return _report(args, records, checks, stem, t0)
+    records, checks = _run_minis(args, models, size, device, dtypes, layouts, variants, lr, say)
+    # One json and png for the run: named by its model, "all", or its models joined by "+".
+    named = "all" if args.model == "all" else "+".join(models)
+    stem = f"{named}-{dtype_arg}-{size}"
+    return _report(args, records, checks, stem + ("-multimodal" if args.multimodal else ""), t0)
+
+
+def _check_arguments(parser, args) -> int | None:
+    """Arguments that do not go together end the program (``parser.error``); a data file that
+    does not exist returns status 2; None when the run can go on."""
     from .data import DATA_KINDS
 
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     if args.multimodal and (args.pretrained or args.controls):
         parser.error("--multimodal trains the mini wrappers: drop --pretrained and --controls")
     if args.controls and args.pretrained:
@@ -175,22 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--data: a file needs --pretrained (its tokenizer); without it, one of {DATA_KINDS}"
         )
+    return None
 
-    import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is available", file=sys.stderr)
-        return 2
-    interpret = _use_interpreter_on_cpu(argv) if device == "cpu" else None
-
-    from surgery.kernels.dispatch import interpreter_enabled, triton_available
-
-    from .compare import evaluate
+def _plan(args, size: str):
+    """What the arguments ask for: ``(models, dtype argument, dtypes, layouts, variants, lr)``,
+    or exit status 2 for a model the suite does not know."""
     from .configs import ARCHITECTURES
-    from .train import RunConfig, Variant, train_and_compare
+    from .train import Variant
 
-    size = args.size or ("full" if device == "cuda" else "tiny")
     if args.multimodal:
         from .multimodal import MULTIMODAL as known
 
@@ -215,8 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     # correct runs, H200): a gentler rate keeps the run a comparison, not a coin toss. A
     # pretrained model is fine-tuned: at the rates above its loss jumps rather than falls.
     lr = args.lr or (1e-5 if args.pretrained else {"tiny": 2e-3, "full": 3e-4}[size])
+    return models, dtype_arg, dtypes, layouts, variants, lr
 
-    if device == "cpu" and not args.pretrained:
+
+def _set_up_device(device: str, interpret, pretrained) -> str:
+    """Threads and TF32 for the runs on ``device``; says where the kernels run."""
+    import torch
+
+    from surgery.kernels.dispatch import interpreter_enabled, triton_available
+
+    if device == "cpu" and not pretrained:
         # Tiny models: a second intra-op thread only spins against the interpreter (and anything
         # else on the machine); one is faster.
         torch.set_num_threads(1)
@@ -227,25 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         where = f"CUDA ({torch.cuda.get_device_name()}): Triton kernels compiled for the GPU"
         if interpreter_enabled():
             where += " (but TRITON_INTERPRET is set: they run through the slow interpreter)"
-    elif interpret not in (None, "", "0") and triton_available():
-        where = "CPU: Triton kernels through the interpreter (TRITON_INTERPRET=1)"
-    else:
-        where = "CPU: PyTorch fallback path (TRITON_INTERPRET is off), not the Triton kernels"
-    print(f"surgery.convergence on {where}")
-    t0 = time.perf_counter()
-    say = (
-        (lambda msg: None)
-        if args.quiet
-        else (lambda msg: print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", flush=True))
-    )
-    if args.controls:
-        return _run_controls(args, size, device, dtypes, t0)
-    if args.pretrained:
-        outcome = _run_pretrained(args, device, dtypes, variants, layouts, lr, say)
-        if isinstance(outcome, int):
-            return outcome
-        records, checks, stem = outcome
-        return _report(args, records, checks, stem, t0)
+        return where
+    if interpret not in (None, "", "0") and triton_available():
+        return "CPU: Triton kernels through the interpreter (TRITON_INTERPRET=1)"
+    return "CPU: PyTorch fallback path (TRITON_INTERPRET is off), not the Triton kernels"
+
+
+def _run_minis(args, models, size, device, dtypes, layouts, variants, lr, say):
+    """Every run of the mini models (or wrappers): ``(records, checks)``."""
+    from .compare import evaluate
+    from .train import RunConfig, train_and_compare
 
     print(
         f"models {', '.join(models)} | size {size} | dtype {', '.join(dtypes)} | "
@@ -281,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"({record['seconds']:.1f}s)",
                     flush=True,
                 )
-
-    # One json and png for the run: named by its model, "all", or its models joined by "+".
-    named = "all" if args.model == "all" else "+".join(models)
-    stem = f"{named}-{dtype_arg}-{size}"
-    return _report(args, records, checks, stem + ("-multimodal" if args.multimodal else ""), t0)
+    return records, checks
 
 
 def _run_pretrained(args, device, dtypes, variants, layouts, lr, say):
