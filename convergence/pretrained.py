@@ -58,7 +58,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -227,18 +227,41 @@ def train_and_compare_pretrained(
         train_docs, eval_docs = batches
     train_docs = list(train_docs)[: run.steps]
     dtype = DTYPES[run.dtype]
-    exact_name, exact_dtype = EXACT[run.dtype]
     runner = SequentialRunner(run, patch, progress, train_docs, eval_docs)
     patched = [SideSpec(f"patched-{layout}", layout, True, dtype) for layout in run.layouts]
-
     # The probes' partner is the unpatched fp32 run: the reference of an fp32 run, the yardstick
     # of a bf16 one (at the initial weights only, under "init").
     probes_here = run.layouts if run.dtype == "fp32" else ()
-    probes_up = run.layouts if run.dtype != "fp32" else ()
     # The reference first: the yardstick's fit is judged by its peak memory.
     runner.run_side(
         SideSpec("reference", "padded", False, dtype, keep=True, probes=probes_here), []
     )
+    yardstick = _run_yardstick(runner, run)
+    for spec in patched:
+        pairs = [(spec.name, "reference")] + [(spec.name, y) for y in yardstick.sides]
+        runner.run_side(spec, pairs)
+    scaling = {} if yardstick.mode == "full" else _merge_twin(runner, yardstick, patched)
+    return _pretrained_record(run, runner, yardstick, scaling, patched, train_docs, data_info, t0)
+
+
+class _Yardstick(NamedTuple):
+    """How the run's error budget was measured: ``mode`` ("full": the run one precision up
+    trained alongside; "init": that run at the initial weights only, plus a twin of the run's
+    dtype with one more rounding), why, the name the record compares against (``exact``) and
+    the sides it stands for."""
+
+    mode: str
+    reason: str
+    exact: str
+    sides: list[str]
+
+
+def _run_yardstick(runner: SequentialRunner, run: PretrainedRun) -> _Yardstick:
+    """The yardstick's sides, run after the reference: trained one precision up where it fits
+    (``run.yardstick`` "full", or "auto" and it fits), else at the initial weights with a twin."""
+    exact_name, exact_dtype = EXACT[run.dtype]
+    dtype = DTYPES[run.dtype]
+    probes_up = run.layouts if run.dtype != "fp32" else ()
     mode, reason = run.yardstick, "asked for"
     if mode == "auto":
         fits, numbers = _yardstick_fits(runner, run, exact_dtype)
@@ -258,87 +281,81 @@ def train_and_compare_pretrained(
             mode, reason = "init", f"ran out of memory ({str(err).splitlines()[0]})"
         runner._free()
     if mode == "full":
-        exact = exact_name
-        yardsticks = [exact]
+        return _Yardstick(mode, reason, exact_name, [exact_name])
+    at_init, twin = f"{exact_name}@init", f"{run.dtype}-twin"
+    # Routing is judged at the initial weights (the final eval's is only recorded anyway).
+    runner.routing_yardstick = at_init
+    runner.run_side(
+        SideSpec(at_init, "padded", False, exact_dtype, mask=False, train=False, keep=True,
+                 probes=probes_up),
+        [("reference", at_init)],
+    )  # fmt: skip
+    # One more rounding of the run's dtype: its unit roundoff, half its eps.
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    runner.run_side(
+        SideSpec(twin, "padded", False, dtype, grad_noise=unit_roundoff, keep=True),
+        [("reference", twin)],
+    )
+    return _Yardstick(mode, reason, f"{at_init}+{twin}", [at_init, twin])
+
+
+def _merge_twin(runner: SequentialRunner, yardstick: _Yardstick, patched) -> dict[str, Any]:
+    """Under "init", every side's comparisons with the yardstick at the initial weights and with
+    the twin merged into one against ``yardstick.exact``, the unpatched run's scaled by how much
+    larger its own step-0 error is than the twin's one extra rounding; returns that scaling."""
+    at_init, twin = yardstick.sides
+    exact = yardstick.exact
+    from_exact = runner.steps[f"reference~{at_init}"]["grad"][0]
+    from_twin = runner.steps[f"reference~{twin}"]["grad"][0]
+    ratio = from_exact / from_twin if from_twin > 0 else 1.0
+    scale = max(1.0, ratio) if ratio == ratio and ratio != float("inf") else 1.0
+    scaling = {
+        "twin_scale": scale,
+        "grad@0": {"reference~" + at_init: from_exact, "reference~" + twin: from_twin},
+        "unscaled": {
+            "steps": runner.steps[f"reference~{twin}"],
+            "eval_final": runner.eval_final[f"reference~{twin}"],
+            "final": runner.final[f"reference~{twin}"],
+        },
+    }
+    for side in ["reference"] + [s.name for s in patched]:
+        key, key_init, key_twin = f"{side}~{exact}", f"{side}~{at_init}", f"{side}~{twin}"
+        k = scale if side == "reference" else 1.0
+        runner.steps[key] = _merge(runner.steps.pop(key_init), runner.steps.pop(key_twin), k)
+        runner.eval_init[key] = runner.eval_init.pop(key_init)
+        runner.eval_init.pop(key_twin)
+        runner.eval_final[key] = _scaled(runner.eval_final.pop(key_twin), k)
+        runner.final[key] = _scaled(runner.final.pop(key_twin), k)
+    return scaling
+
+
+def _series(trace: SideTrace) -> dict[str, list[float]]:
+    out = {"loss": trace.losses, "z_loss": trace.z_losses}
+    if trace.aux_losses is not None:
+        out["aux_loss"] = trace.aux_losses
+    return out
+
+
+def _pretrained_record(run, runner, yardstick: _Yardstick, scaling, patched, train_docs,
+                       data_info, t0) -> dict[str, Any]:  # fmt: skip
+    """The record of ``train_and_compare_pretrained`` (its docstring) from what ran."""
+    from transformers import AutoConfig
+
+    traces, exact = runner.traces, yardstick.exact
+    if yardstick.mode == "full":
+        yardstick_series = _series(traces[exact])
     else:
-        at_init, twin = f"{exact_name}@init", f"{run.dtype}-twin"
-        exact = f"{at_init}+{twin}"
-        yardsticks = [at_init, twin]
-        # Routing is judged at the initial weights (the final eval's is only recorded anyway).
-        runner.routing_yardstick = at_init
-        runner.run_side(
-            SideSpec(
-                at_init,
-                "padded",
-                False,
-                exact_dtype,
-                mask=False,
-                train=False,
-                keep=True,
-                probes=probes_up,
-            ),
-            [("reference", at_init)],
-        )
-        # One more rounding of the run's dtype: its unit roundoff, half its eps.
-        unit_roundoff = torch.finfo(dtype).eps / 2
-        runner.run_side(
-            SideSpec(twin, "padded", False, dtype, grad_noise=unit_roundoff, keep=True),
-            [("reference", twin)],
-        )
-    for spec in patched:
-        pairs = [(spec.name, "reference")] + [(spec.name, y) for y in yardsticks]
-        runner.run_side(spec, pairs)
-
-    scaling: dict[str, Any] = {}
-    if mode != "full":
-        # The unpatched run's step-0 gradient distance from the yardstick over that from the
-        # twin: how much larger its own rounding error is than the twin's one extra rounding.
-        from_exact = runner.steps[f"reference~{at_init}"]["grad"][0]
-        from_twin = runner.steps[f"reference~{twin}"]["grad"][0]
-        ratio = from_exact / from_twin if from_twin > 0 else 1.0
-        scale = max(1.0, ratio) if ratio == ratio and ratio != float("inf") else 1.0
-        scaling = {
-            "twin_scale": scale,
-            "grad@0": {"reference~" + at_init: from_exact, "reference~" + twin: from_twin},
-            "unscaled": {
-                "steps": runner.steps[f"reference~{twin}"],
-                "eval_final": runner.eval_final[f"reference~{twin}"],
-                "final": runner.final[f"reference~{twin}"],
-            },
-        }
-        for side in ["reference"] + [s.name for s in patched]:
-            key, key_init, key_twin = f"{side}~{exact}", f"{side}~{at_init}", f"{side}~{twin}"
-            k = scale if side == "reference" else 1.0
-            runner.steps[key] = _merge(runner.steps.pop(key_init), runner.steps.pop(key_twin), k)
-            runner.eval_init[key] = runner.eval_init.pop(key_init)
-            runner.eval_init.pop(key_twin)
-            runner.eval_final[key] = _scaled(runner.eval_final.pop(key_twin), k)
-            runner.final[key] = _scaled(runner.final.pop(key_twin), k)
-
-    traces = runner.traces
-
-    def series(trace: SideTrace) -> dict[str, list[float]]:
-        out = {"loss": trace.losses, "z_loss": trace.z_losses}
-        if trace.aux_losses is not None:
-            out["aux_loss"] = trace.aux_losses
-        return out
-
-    if mode == "full":
-        yardstick_series = series(traces[exact])
-    else:
-        at_init_series, twin_series = series(traces[at_init]), series(traces[twin])
+        at_init_series, twin_series = (_series(traces[n]) for n in yardstick.sides)
         yardstick_series = {k: v[:1] + twin_series[k][1:] for k, v in at_init_series.items()}
     sides = {
         name: {
             "layout": traces[name].spec.layout,
             "patched": traces[name].spec.patched,
-            **series(traces[name]),
+            **_series(traces[name]),
         }
         for name in ["reference"] + [s.name for s in patched]
     }
     sides[exact] = {"layout": "padded", "patched": False, **yardstick_series}
-    from transformers import AutoConfig
-
     text_config = AutoConfig.from_pretrained(run.checkpoint).get_text_config()
     v = run.variant
     return {
@@ -377,7 +394,12 @@ def train_and_compare_pretrained(
         "pretrained": {
             "checkpoint": run.checkpoint,
             "data": data_info or {"source": "given batches"},
-            "yardstick": {"mode": mode, "reason": reason, "sides": yardsticks, **scaling},
+            "yardstick": {
+                "mode": yardstick.mode,
+                "reason": yardstick.reason,
+                "sides": yardstick.sides,
+                **scaling,
+            },
             "sketch_width": SKETCH_WIDTH,
             # In the training steps: the eval batches materialise logits on every side.
             "peak_training_memory_gib": {
