@@ -331,92 +331,19 @@ class SequentialRunner:
         """Train ``spec``'s side and compare it, step by step, with the sides already run, in the
         ``pairs`` that name it; what it leaves is stored only when the side has finished, so a
         side that runs out of memory leaves nothing behind."""
-        run, v = self.run, self.run.variant
         mine = [(a, b) for a, b in pairs if spec.name in (a, b)]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        model = self._load(spec.dtype)
-        if spec.patched:
-            model = self._patched(model)
-        elif type(model).forward is not model.forward.__func__:
-            raise RuntimeError(f"{spec.name}: the unpatched model's forward was replaced")
-        probes = [self._probe(model, layout, spec) for layout in spec.probes]
-        side = _Side(spec.name, model, spec.layout, spec.patched, v, run, spec.mask)
-        trace = SideTrace(spec)
-        self.n_params = sum(p.numel() for p in side.params.values())
-        init, init_per_tensor = self._weights(side)
-        ref = self.traces.get("reference")
-        if ref is not None and rel_err(init, ref.init) > 1e-12:
-            raise RuntimeError(
-                f"{spec.name} did not start from the reference's weights: loading "
-                f"{run.checkpoint} twice gave different weights"
-            )
-        trace.init = init
-        self.aux_on = side.aux_coef is not None
-        if self.aux_on:
-            trace.aux_losses = []
-        trace.eval_init = self._capture_eval(side, spec, "eval_init", trace)
-        self.routed = bool(self.replay_source["eval_init"])
+        side, probes, trace, init_per_tensor = self._start_side(spec)
         peaks = [self._peak(reset=True)]
-
         mine += [(probe.name, spec.name) for probe in probes]
         steps = {f"{a}~{b}": {k: [] for k in METRICS} for a, b in mine}
         batches = self.train_docs if spec.train else self.train_docs[:1]
         for t, docs in enumerate(batches):
-            batch = self._collate(docs, spec)
-            # A mixture of experts trains under the step's routing (module docstring): the
-            # first side's, picked by a forward of it without gradients, which its probes and
-            # its own step replay; every later side and its probes replay it.
-            routing = None
-            if self.routed:
-                routing = self._step_routing(side, batch, t)
-            probed = {}
-            for probe in probes:
-                probe_batch = _to_device(collate(docs, probe.layout), self.device)
-                probe.zero_grad()
-                if routing is not None:
-                    fwd, _ = _routed_forward(probe, probe_batch, routing)
-                else:
-                    fwd = probe.forward(probe_batch)
-                fwd.loss.backward()
-                probed[probe.name] = self._capture_step(probe, probe_batch, fwd)
-                probe.record(fwd)
-                del probe_batch, fwd
-            side.zero_grad()
-            if routing is None:
-                fwd = side.forward(batch)
-            elif t == 0:
-                # The side's own step-0 decisions are judged against the yardstick's.
-                fwd = self._replayed(side, batch, "step0", trace)
-            else:
-                fwd, _ = _routed_forward(side, batch, routing)
-            fwd.loss.backward()
-            if spec.grad_noise:
-                _round_once_more(side, spec.grad_noise, t, run.seed)
-            trace.logits_materialised |= spec.patched and fwd.logits is not None
-            here = self._capture_step(side, batch, fwd)
-            trace.losses.append(here["loss"])
-            trace.z_losses.append(here["z_loss"])
-            if self.aux_on:
-                trace.aux_losses.append(here["aux_loss"])
-            if spec.keep:
-                trace.steps.append(here)
-            for a, b in mine:
-                if a in probed:
-                    xa, xb = probed[a], here
-                else:
-                    other = self.traces[b if a == spec.name else a]
-                    if t >= len(other.steps):
-                        continue
-                    xa, xb = (here, other.steps[t]) if a == spec.name else (other.steps[t], here)
-                for k, value in _step_metrics(xa, xb, self.z_on, self.aux_on).items():
-                    steps[f"{a}~{b}"][k].append(value)
-            del here, batch, fwd, probed, routing
-            if spec.train:
-                side.step()
+            self._train_step(side, probes, spec, trace, t, docs, mine, steps)
             if self.progress is not None and ((t + 1) % 8 == 0 or t + 1 == len(batches)):
                 self.progress(
-                    f"{run.name} {spec.name}: step {t + 1}/{len(batches)}  "
+                    f"{self.run.name} {spec.name}: step {t + 1}/{len(batches)}  "
                     f"loss {trace.losses[-1]:.4f}"
                 )
         peaks.append(self._peak(reset=True))
@@ -424,7 +351,7 @@ class SequentialRunner:
         if spec.train:
             trace.eval_final = self._capture_eval(side, spec, "eval_final", trace)
             final, final_per_tensor = self._weights(side)
-            trace.delta = final - init
+            trace.delta = final - trace.init
             trace.delta_per_tensor = {
                 k: final_per_tensor[k] - start for k, start in init_per_tensor.items()
             }
@@ -440,10 +367,98 @@ class SequentialRunner:
             }
             for probe in probes
         }
-        del side, model, probes
+        del side, probes
         self._free()
+        self._store(spec, trace, mine, steps)
+        return trace
 
-        # Finished: store the side and its pairs with the sides run before it.
+    def _start_side(self, spec: SideSpec):
+        """``spec``'s model loaded (and patched), its probes, its trace with the initial weights
+        and the eval batch's capture; and the initial weights per tensor."""
+        run = self.run
+        model = self._load(spec.dtype)
+        if spec.patched:
+            model = self._patched(model)
+        elif type(model).forward is not model.forward.__func__:
+            raise RuntimeError(f"{spec.name}: the unpatched model's forward was replaced")
+        probes = [self._probe(model, layout, spec) for layout in spec.probes]
+        side = _Side(spec.name, model, spec.layout, spec.patched, run.variant, run, spec.mask)
+        trace = SideTrace(spec)
+        self.n_params = sum(p.numel() for p in side.params.values())
+        init, init_per_tensor = self._weights(side)
+        ref = self.traces.get("reference")
+        if ref is not None and rel_err(init, ref.init) > 1e-12:
+            raise RuntimeError(
+                f"{spec.name} did not start from the reference's weights: loading "
+                f"{run.checkpoint} twice gave different weights"
+            )
+        trace.init = init
+        self.aux_on = side.aux_coef is not None
+        if self.aux_on:
+            trace.aux_losses = []
+        trace.eval_init = self._capture_eval(side, spec, "eval_init", trace)
+        self.routed = bool(self.replay_source["eval_init"])
+        return side, probes, trace, init_per_tensor
+
+    def _train_step(self, side, probes, spec: SideSpec, trace: SideTrace, t: int, docs, mine,
+                    steps) -> None:  # fmt: skip
+        """Step ``t`` on ``docs``: the probes on the side's weights, then the side (trained where
+        ``spec.train``); each pair's metrics of the step appended to ``steps``."""
+        batch = self._collate(docs, spec)
+        # A mixture of experts trains under the step's routing (module docstring): the first
+        # side's, picked by a forward of it without gradients, which its probes and its own step
+        # replay; every later side and its probes replay it.
+        routing = self._step_routing(side, batch, t) if self.routed else None
+        probed = {probe.name: self._probe_step(probe, docs, routing) for probe in probes}
+        side.zero_grad()
+        if routing is None:
+            fwd = side.forward(batch)
+        elif t == 0:
+            # The side's own step-0 decisions are judged against the yardstick's.
+            fwd = self._replayed(side, batch, "step0", trace)
+        else:
+            fwd, _ = _routed_forward(side, batch, routing)
+        fwd.loss.backward()
+        if spec.grad_noise:
+            _round_once_more(side, spec.grad_noise, t, self.run.seed)
+        trace.logits_materialised |= spec.patched and fwd.logits is not None
+        here = self._capture_step(side, batch, fwd)
+        del batch, fwd
+        trace.losses.append(here["loss"])
+        trace.z_losses.append(here["z_loss"])
+        if self.aux_on:
+            trace.aux_losses.append(here["aux_loss"])
+        if spec.keep:
+            trace.steps.append(here)
+        for a, b in mine:
+            if a in probed:
+                xa, xb = probed[a], here
+            else:
+                other = self.traces[b if a == spec.name else a]
+                if t >= len(other.steps):
+                    continue
+                xa, xb = (here, other.steps[t]) if a == spec.name else (other.steps[t], here)
+            for k, value in _step_metrics(xa, xb, self.z_on, self.aux_on).items():
+                steps[f"{a}~{b}"][k].append(value)
+        del here, probed, routing
+        if spec.train:
+            side.step()
+
+    def _probe_step(self, probe, docs, routing) -> dict[str, Any]:
+        """One step of ``probe`` (on its partner's current weights) on ``docs``: its capture."""
+        probe_batch = _to_device(collate(docs, probe.layout), self.device)
+        probe.zero_grad()
+        if routing is not None:
+            fwd, _ = _routed_forward(probe, probe_batch, routing)
+        else:
+            fwd = probe.forward(probe_batch)
+        fwd.loss.backward()
+        captured = self._capture_step(probe, probe_batch, fwd)
+        probe.record(fwd)
+        return captured
+
+    def _store(self, spec: SideSpec, trace: SideTrace, mine, steps) -> None:
+        """The finished side and its pairs with the sides run before it, stored."""
         self.traces[spec.name] = trace
         for a, b in mine:
             self.steps[f"{a}~{b}"] = steps[f"{a}~{b}"]
@@ -456,7 +471,6 @@ class SequentialRunner:
                 self.eval_final[f"{a}~{b}"] = _eval_metrics(ta.eval_final, tb.eval_final, *on)
                 self.final[f"{a}~{b}"] = _final_metrics(ta, tb)
         self._compare_routing()
-        return trace
 
     def _compare_routing(self) -> None:
         """Each finished side's own routing decisions against the yardstick's, by phase
