@@ -121,6 +121,38 @@ def _rotate_keys_one_position(model, active: Callable[[], bool]) -> None:
         attn.k_proj.register_forward_hook(hook)
 
 
+def _plant_module_bugs(model, bug: str | None, on: Callable[[str], bool]) -> None:
+    """The bugs planted in the model's own modules (hooks and a rotary forward), active while
+    ``on(bug)``: the experts' output, the router's input, RoPE's positions."""
+    if bug == "moe_experts":
+        for layer in model.model.layers:
+            layer.mlp.experts.register_forward_hook(
+                lambda module, args, out: out * 1.01 if on("moe_experts") else out
+            )
+    if bug == "moe_router_input":
+        # A fixed ±1% per hidden unit: changes the router's ranking, not only its scale.
+        g = torch.Generator().manual_seed(0)
+        sign = torch.randint(0, 2, (model.config.hidden_size,), generator=g) * 2 - 1
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_pre_hook(
+                lambda module, args: (
+                    (args[0] * (1 + 0.01 * sign.to(args[0])),) if on("moe_router_input") else args
+                )
+            )
+    if bug == "rope_off_by_one":
+        _rotate_keys_one_position(model, lambda: on("rope_off_by_one"))
+    if bug == "rope_no_restart":
+        rotary = model.model.rotary_emb
+        own = rotary.forward
+
+        def rotary_forward(x, position_ids):
+            if on("rope_no_restart"):
+                position_ids = torch.arange(position_ids.shape[-1], device=x.device)[None]
+            return own(x, position_ids)
+
+        rotary.forward = rotary_forward
+
+
 def fake_patch(bug: str | None = None, onset: int = 0):
     """A ``patch`` callable: correct with ``bug=None``, else with ``BUGS[bug]`` planted from
     training step ``onset`` on (training steps are counted by training-mode forwards with
@@ -135,35 +167,7 @@ def fake_patch(bug: str | None = None, onset: int = 0):
         def on(name: str) -> bool:
             return bug == name and steps[0] >= onset
 
-        if bug == "moe_experts":
-            for layer in model.model.layers:
-                layer.mlp.experts.register_forward_hook(
-                    lambda module, args, out: out * 1.01 if on("moe_experts") else out
-                )
-        if bug == "moe_router_input":
-            # A fixed ±1% per hidden unit: changes the router's ranking, not only its scale.
-            g = torch.Generator().manual_seed(0)
-            sign = torch.randint(0, 2, (model.config.hidden_size,), generator=g) * 2 - 1
-            for layer in model.model.layers:
-                layer.mlp.gate.register_forward_pre_hook(
-                    lambda module, args: (
-                        (args[0] * (1 + 0.01 * sign.to(args[0])),)
-                        if on("moe_router_input")
-                        else args
-                    )
-                )
-        if bug == "rope_off_by_one":
-            _rotate_keys_one_position(model, lambda: on("rope_off_by_one"))
-        if bug == "rope_no_restart":
-            rotary = model.model.rotary_emb
-            own = rotary.forward
-
-            def rotary_forward(x, position_ids):
-                if on("rope_no_restart"):
-                    position_ids = torch.arange(position_ids.shape[-1], device=x.device)[None]
-                return own(x, position_ids)
-
-            rotary.forward = rotary_forward
+        _plant_module_bugs(model, bug, on)
 
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
                     shift_labels=None, **kwargs):  # fmt: skip
@@ -208,14 +212,7 @@ def fake_patch(bug: str | None = None, onset: int = 0):
                 reduction="mean" if on("token_mean") else loss_reduction,
                 z_loss_scale=z_loss_scale, label_smoothing=ls, position_ids=pos,
             )  # fmt: skip
-            if on("z_grad"):
-                loss = loss + 0.01 * (z - z.detach())
-            if on("z_scale_partial"):
-                loss = loss - 0.1 * z
-            if on("z_loss_not_trained"):
-                loss = loss - z + z.detach()
-            if on("grad_scale"):
-                loss = loss + 0.01 * (loss - loss.detach())
+            loss = _tampered_loss(loss, z, on)
             aux = None
             if aux_on:
                 # transformers' load-balancing loss of the model's own module, after the decoder
@@ -241,6 +238,19 @@ def fake_patch(bug: str | None = None, onset: int = 0):
         return model
 
     return patch
+
+
+def _tampered_loss(loss: torch.Tensor, z: torch.Tensor, on: Callable[[str], bool]):
+    """``loss`` with the planted bugs of its gradient (the z-loss's and the whole loss's)."""
+    if on("z_grad"):
+        loss = loss + 0.01 * (z - z.detach())
+    if on("z_scale_partial"):
+        loss = loss - 0.1 * z
+    if on("z_loss_not_trained"):
+        loss = loss - z + z.detach()
+    if on("grad_scale"):
+        loss = loss + 0.01 * (loss - loss.detach())
+    return loss
 
 
 LATE_ONSET = 5  # a late bug starts at this training step
