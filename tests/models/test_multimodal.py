@@ -8,7 +8,6 @@ model alone, and inside PEFT; ``unpatch`` restores. Gemma 3's images attend both
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ import surgery
 from surgery import forward as surgery_forward
 from surgery.attention import mrope_layout
 from surgery.convergence.configs import condition_attention
+from surgery.convergence.multimodal import image_inputs as one_image
+from surgery.convergence.multimodal import image_recipe
 from surgery.models import MULTIMODAL_ONLY_SPECS
 from surgery.multimodal import language_model
 from surgery.swap import ORIGINAL_ATTR
@@ -42,34 +43,24 @@ PAIRS = {
 WRAPPERS = list({w.model_type: k for k, (_, w) in PAIRS.items()}.values())
 
 
-def pattern(*shape: int, phase: float) -> torch.Tensor:
-    """Deterministic pixel values in [0, 1): crossed sine waves, one phase per image."""
-    index = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    return 0.5 + 0.5 * torch.sin(0.37 * index + phase) * torch.cos(0.11 * index)
-
-
-def image_inputs(model_type: str, images: int, is_image: torch.Tensor) -> dict:
-    """The inputs of ``images`` images of each mini wrapper (``TOKENS_PER_IMAGE`` tokens each), as
-    its processor would give them; ``is_image``: where the image tokens are."""
-    if model_type.startswith("qwen"):  # 1 x 4 x 4 patches of 2 x 4 x 4 x 3 pixels
-        return {
-            "pixel_values": torch.cat([pattern(16, 96, phase=i) for i in range(images)]),
-            "image_grid_thw": torch.tensor([[1, 4, 4]] * images),
-            "mm_token_type_ids": is_image.long(),
-        }
-    if model_type in ("mistral3", "gemma3", "llama4"):
-        side = 32 if model_type == "mistral3" else 16
-        pixels = torch.stack([pattern(3, side, side, phase=i) for i in range(images)])
-        if model_type == "mistral3":
-            return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]] * images)}
-        return {"pixel_values": pixels}
-    if model_type == "gemma4":  # 16 patches of 4 x 4 x 3 pixels, at their (x, y) positions
-        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
-        return {
-            "pixel_values": torch.stack([pattern(16, 48, phase=i) for i in range(images)]),
-            "image_position_ids": grid.reshape(1, 16, 2).expand(images, -1, -1),
-        }
-    raise KeyError(f"no image inputs for {model_type}: add them here")
+def image_inputs(config, images: int, is_image: torch.Tensor) -> dict:
+    """The inputs of ``images`` images of a mini wrapper (``TOKENS_PER_IMAGE`` tokens each) as
+    its processor would give them: the convergence suite's builder of the wrapper's layout
+    (its spec's ``MiniImages``), at the first of the recipe's tiny sizes that makes
+    ``TOKENS_PER_IMAGE`` tokens; ``is_image``: where the image tokens are."""
+    recipe = image_recipe(config)
+    for size in recipe.sizes.get("tiny", ((),)):
+        parts = [one_image(config, size, phase=i) for i in range(images)]
+        if parts[0][1] == TOKENS_PER_IMAGE:
+            break
+    else:
+        raise AssertionError(
+            f"no tiny image size of the {config.model_type} wrapper makes {TOKENS_PER_IMAGE} tokens"
+        )
+    inputs = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+    if recipe.token_types is not None:
+        inputs[recipe.token_types] = is_image.long()
+    return inputs
 
 
 def text_config(spec, wrapper, **overrides):
@@ -102,7 +93,7 @@ def image_batch(model, wrapper) -> dict:
     mask = torch.ones_like(ids)
     mask[1, SEQ - 3 :] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    batch.update(image_inputs(wrapper.model_type, 2, ids == image))
+    batch.update(image_inputs(config, 2, ids == image))
     if wrapper.bidirectional_tokens is not None:
         batch[wrapper.bidirectional_tokens] = (ids == image).long()
     return batch
@@ -248,9 +239,9 @@ def test_bidirectional_text_model_refused(arch, bidirectional):
 def test_every_wrapper_has_test_inputs():
     assert PAIRS
     for spec, wrapper in PAIRS.values():
-        assert image_inputs(wrapper.model_type, 1, torch.zeros(1, SEQ, dtype=torch.bool))
         config = wrapper.mini_config.build(text_config(spec, wrapper))
         assert config.model_type == wrapper.model_type
+        assert image_inputs(config, 1, torch.zeros(1, SEQ, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("pair", ["qwen3_vl_text-qwen3_vl", "qwen2_vl_text-qwen2_vl"])
