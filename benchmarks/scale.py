@@ -88,7 +88,7 @@ def build_model(name: str, tiny: bool, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = MODELS[name]
-    kwargs = {**spec["config"], **({k: v for k, v in TINY.items()} if tiny else {})}
+    kwargs = {**spec["config"], **(TINY if tiny else {})}
     config = AutoConfig.for_model(spec["model_type"], use_cache=False, **kwargs)
     torch.manual_seed(SEED)
     with device:

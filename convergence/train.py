@@ -439,16 +439,22 @@ partner's weights at every step; the pair ``<partner>~fp32-reference-pytorch`` i
 own kernel error, which widens the probes' limits (``compare.evaluate``)."""
 
 
+def _pytorch_functions(module) -> dict[str, Callable]:
+    """The PyTorch function behind each of ``module``'s ``LINEAR_ATTENTION_KERNELS`` (the
+    function itself where transformers bound no package's kernel to it)."""
+    return {
+        name: inspect.unwrap(fn)
+        for name in LINEAR_ATTENTION_KERNELS
+        if (fn := getattr(module, name, None)) is not None
+    }
+
+
 def binds_linear_attention_kernels(model) -> bool:
     """Whether ``model``'s modeling module runs a package's kernel (flash-linear-attention,
     causal-conv1d) for any of its ``LINEAR_ATTENTION_KERNELS`` instead of transformers' PyTorch
     function (which transformers' binding wraps)."""
     module = sys.modules[type(model).__module__]
-    return any(
-        inspect.unwrap(fn) is not fn
-        for name in LINEAR_ATTENTION_KERNELS
-        if (fn := getattr(module, name, None)) is not None
-    )
+    return any(getattr(module, name) is not fn for name, fn in _pytorch_functions(module).items())
 
 
 def pytorch_linear_attention(forward: Callable) -> Callable:
@@ -457,11 +463,7 @@ def pytorch_linear_attention(forward: Callable) -> Callable:
     are swapped for the PyTorch functions they wrap, and put back after (the backward runs the
     ops recorded). For the fp64 yardstick: those kernels have no fp64 code."""
     module = sys.modules[type(forward.__self__).__module__]
-    swaps = {
-        name: inspect.unwrap(fn)
-        for name in LINEAR_ATTENTION_KERNELS
-        if (fn := getattr(module, name, None)) is not None
-    }
+    swaps = _pytorch_functions(module)
 
     @functools.wraps(forward)
     def run(*args, **kwargs):

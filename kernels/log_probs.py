@@ -24,7 +24,14 @@ from .linear_cross_entropy import (
 )
 from .reference import TokenLogProbs
 
-__all__ = ["OUTPUTS", "TokenLogProbs", "UpstreamHint", "linear_log_probs"]
+__all__ = [
+    "OUTPUTS",
+    "TokenLogProbs",
+    "UpstreamHint",
+    "check_log_probs_options",
+    "linear_log_probs",
+    "token_log_probs",
+]
 
 OUTPUTS = ("log_probs", *STATISTICS)
 """The names ``linear_log_probs`` can return (``TokenLogProbs``' fields)."""
@@ -75,12 +82,7 @@ def linear_log_probs(
         through the entropy (an entropy bonus) is computed with the log-probabilities' in the
         same recomputation.
     """
-    unknown = set(outputs) - set(OUTPUTS)
-    if unknown:
-        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names among {OUTPUTS}")
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_options("none", 0.0, 0.0, softcap)
+    stats = check_log_probs_options(outputs, temperature, softcap)
     x, w, bias = prepare_head_inputs(hidden, weight, bias)
     targets, _ = prepare_loss_inputs(
         labels,
@@ -97,15 +99,32 @@ def linear_log_probs(
     if chunk_bytes is None:
         chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
     needs = input_needs(x, w, bias)
-    stats = sum(1 << i for i, name in enumerate(STATISTICS) if name in outputs)
     ce, _, *statistics = LinearCrossEntropyFunction.apply(
         x, w, bias, targets, None, float(softcap or 0.0), 0.0, 0.0, int(chunk_bytes),
         bool(low_memory),
         needs, bool(skip_ignored), (float(logit_scale), 1.0 / float(temperature)), stats,
         None if torch.compiler.is_compiling() else upstream,
     )  # fmt: skip
+    return token_log_probs(ce, statistics, outputs, labels.shape)
+
+
+def check_log_probs_options(outputs, temperature: float, softcap: float | None) -> int:
+    """The options of ``linear_log_probs`` checked; the bit mask of the ``STATISTICS`` that
+    ``outputs`` asks for (bit i for the i-th name)."""
+    unknown = set(outputs) - set(OUTPUTS)
+    if unknown:
+        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names among {OUTPUTS}")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_options("none", 0.0, 0.0, softcap)
+    return sum(1 << i for i, name in enumerate(STATISTICS) if name in outputs)
+
+
+def token_log_probs(ce: torch.Tensor, statistics, outputs, shape) -> TokenLogProbs:
+    """The ``TokenLogProbs`` of the per-token losses ``ce`` (log p = -ce) and the autograd
+    path's ``STATISTICS`` outputs, shaped like the labels (``shape``); None where not asked."""
     fields = {
-        name: t.view(labels.shape) if name in outputs else None
+        name: t.view(shape) if name in outputs else None
         for name, t in zip(STATISTICS, statistics, strict=True)
     }
-    return TokenLogProbs(log_probs=(-ce).view(labels.shape), **fields)
+    return TokenLogProbs(log_probs=(-ce).view(shape), **fields)

@@ -47,7 +47,7 @@ from .linear_cross_entropy import (
     lce_fwd,
     prepare_head_inputs,
 )
-from .log_probs import OUTPUTS
+from .log_probs import check_log_probs_options, token_log_probs
 from .reference import LossOutput, TokenLogProbs
 
 __all__ = [
@@ -198,9 +198,8 @@ def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
     rows = {"s": e, "target": part["target"]}
     if "total" in want:
         rows["total"] = part["total"]
-    if "entropy" in want:
-        h = torch.where(e > 0, part["entropy"], 0.0)  # a rank without rows: e = 0, h = 0
-        rows["entropy"] = e * h + torch.where(e > 0, e * (peak - part["lse"]), 0.0)
+    if "entropy" in want:  # a rank without rows: lse -inf, e = 0 (and no inf - inf)
+        rows["entropy"] = torch.where(e > 0, e * (part["entropy"] + peak - part["lse"]), 0.0)
     if "log_sum_sq_probs" in want:
         rows["sum_sq"] = e * e * torch.exp(part["log_sum_sq_probs"])
     sums = torch.stack(list(rows.values()))
@@ -418,12 +417,7 @@ def vocab_parallel_linear_log_probs(
     gradient). The sharding arguments as ``vocab_parallel_linear_cross_entropy`` takes them; the
     rest as ``linear_log_probs``. ``is_top1`` costs one more matrix product on each rank and two
     more all-reduces."""
-    unknown = set(outputs) - set(OUTPUTS)
-    if unknown:
-        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names among {OUTPUTS}")
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_options("none", 0.0, 0.0, softcap)
+    stats = check_log_probs_options(outputs, temperature, softcap)
     x, w, bias, labels, position_ids, layout = _sharded_inputs(
         hidden, weight, labels, bias, group, vocab_start, vocab_size, sequence_parallel,
         position_ids,
@@ -440,14 +434,9 @@ def vocab_parallel_linear_log_probs(
         cu_seqlens=cu_seqlens,
         shift=shift,
     )
-    stats = sum(1 << i for i, name in enumerate(STATISTICS) if name in outputs)
     ce, _, *statistics = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, None, layout, float(softcap or 0.0), 0.0, 0.0,
         int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
         input_needs(x, w, bias), (float(logit_scale), 1.0 / float(temperature)), stats,
     )  # fmt: skip
-    fields = {
-        name: t.view(labels.shape) if name in outputs else None
-        for name, t in zip(STATISTICS, statistics, strict=True)
-    }
-    return TokenLogProbs(log_probs=(-ce).view(labels.shape), **fields)
+    return token_log_probs(ce, statistics, outputs, labels.shape)

@@ -157,8 +157,10 @@ class ForwardSlot:
             value: Any = types.MethodType(function, module)
             module.__dict__["forward"] = value
             return value
-        # transformers' tensor-parallel forward is a closure called as module.forward(...).
-        bound = inspect.ismethod(self.current) or self.wrapper == TENSOR_PARALLEL
+        # The instance's own ``forward`` is called as module.forward(...): bound there (what it
+        # held may be a bound method or a closure, transformers' tensor-parallel one); inside
+        # accelerate's chain, bound or not as what it replaces.
+        bound = _is_instance_forward(self.reference, module) or inspect.ismethod(self.current)
         value = types.MethodType(function, module) if bound else function
         self.reference.set(value)
         return value
@@ -185,15 +187,15 @@ def restore_forward(module: nn.Module, installed: Any, previous: Any) -> bool:
         current = reference.get()
         if not any(getattr(current, "__func__", current) is t for t in targets):
             continue
-        if previous is None and reference.holder is module.__dict__ and reference.key == "forward":
+        own = _is_instance_forward(reference, module)
+        if previous is None and own:
             del module.__dict__["forward"]
             return True
         if previous is None:  # the class forward, inside a chain built after patching
             previous = inspect.getattr_static(type(module), "forward")
-        # Bound or not, as the holder's caller expects (accelerate keeps the bare function).
-        if inspect.ismethod(current) == inspect.ismethod(previous) or tensor_parallel_forward(
-            previous
-        ):
+        # Bound or not, as the holder's caller expects (accelerate keeps the bare function); the
+        # instance's own forward gets back exactly what it held.
+        if own or inspect.ismethod(current) == inspect.ismethod(previous):
             reference.set(previous)
         elif inspect.ismethod(current):
             reference.set(types.MethodType(previous, module))
@@ -201,6 +203,11 @@ def restore_forward(module: nn.Module, installed: Any, previous: Any) -> bool:
             reference.set(previous.__func__)
         return True
     return False
+
+
+def _is_instance_forward(reference: _Reference, module: nn.Module) -> bool:
+    """Whether ``reference`` is the module instance's own ``forward`` attribute."""
+    return reference.holder is module.__dict__ and reference.key == "forward"
 
 
 def tensor_parallel_forward(forward: Any) -> bool:
