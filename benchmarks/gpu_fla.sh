@@ -28,4 +28,7 @@ fi
 if [ "$1" != 1 ]; then
     export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site2"
     export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/tmp/site2/z3/lib"
+    # TileLang's and Triton's compiled kernels in /tmp, which the warm machine keeps between calls:
+    # TileLang builds each backward kernel shape once (minutes in fp32), and later calls reuse it.
+    export TILELANG_CACHE_DIR=/tmp/tilelang_cache TRITON_CACHE_DIR=/tmp/triton_cache
 fi
