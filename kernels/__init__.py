@@ -4,7 +4,7 @@ from .cross_entropy import cross_entropy
 from .embedding import embedding, embedding_reference
 from .gated_activation import gated_activation, gated_activation_reference
 from .gather_sum import gather_sum, gather_sum_reference
-from .linear_cross_entropy import linear_cross_entropy
+from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_statistics
 from .log_probs import TokenLogProbs, UpstreamHint, linear_log_probs
 from .reduction import check_labels
 from .reference import (
@@ -35,6 +35,7 @@ __all__ = [
     "gather_sum_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_cross_entropy_statistics",
     "linear_log_probs",
     "linear_log_probs_reference",
     "rms_norm",

@@ -50,7 +50,12 @@ else:  # pragma: no cover
     triton = None
     scale_by_upstream_kernel = None
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "LOW_MEMORY_CHUNK_BYTES", "linear_cross_entropy"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LOW_MEMORY_CHUNK_BYTES",
+    "linear_cross_entropy",
+    "linear_cross_entropy_statistics",
+]
 
 DEFAULT_CHUNK_BYTES = 1 << 30  # logits of one token chunk (eager schedule)
 LOW_MEMORY_CHUNK_BYTES = 64 << 20  # logits of one slice (recompute schedule, low_memory=True)
@@ -729,13 +734,52 @@ def linear_cross_entropy(
     and backward: the result is bit for bit that of the same call without autocast on the cast
     inputs.
     """
+    loss, _ = linear_cross_entropy_statistics(
+        hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
+        num_items_in_batch=num_items_in_batch, position_ids=position_ids, cu_seqlens=cu_seqlens,
+        z_loss_scale=z_loss_scale, label_smoothing=label_smoothing, softcap=softcap, shift=shift,
+        low_memory=low_memory, chunk_bytes=chunk_bytes, skip_ignored=skip_ignored,
+    )  # fmt: skip
+    return loss
+
+
+def linear_cross_entropy_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    statistics: tuple[str, ...] = (),
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    z_loss_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    low_memory: bool = False,
+    chunk_bytes: int | None = None,
+    skip_ignored: bool = False,
+) -> tuple[LossOutput, dict[str, torch.Tensor]]:
+    """``linear_cross_entropy``'s loss (every argument as it takes them) and, from the same
+    sweep over the logits, per-token ``statistics`` of ``softmax(logits)`` for logging: names
+    among ``STATISTICS`` (``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``),
+    shaped like ``labels``, fp32 (``is_top1`` bool), 0 where a token has no target, detached.
+    Each costs a few operations per logit, none when not asked; the loss and its gradients are
+    those of ``linear_cross_entropy`` exactly (the same autograd path).
+    """
+    unknown = set(statistics) - set(STATISTICS)
+    if unknown:
+        raise ValueError(f"unknown statistics {sorted(unknown)}; expected names among {STATISTICS}")
+    stats = sum(1 << i for i, name in enumerate(STATISTICS) if name in statistics)
     x, w, bias = prepare_head_inputs(hidden, weight, bias)
     check_options(reduction, label_smoothing, z_loss_scale, softcap)
-    V = w.shape[0]
     targets, weights = prepare_loss_inputs(
         labels,
         x.shape[0],
-        V,
+        w.shape[0],
         x.device,
         ignore_index=ignore_index,
         reduction=reduction,
@@ -747,20 +791,16 @@ def linear_cross_entropy(
     if chunk_bytes is None:
         chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
     needs = input_needs(x, w, bias)
-    loss, z, *_ = LinearCrossEntropyFunction.apply(
-        x,
-        w,
-        bias,
-        targets,
-        weights,
-        float(softcap or 0.0),
-        float(label_smoothing),
-        float(z_loss_scale),
-        int(chunk_bytes),
-        bool(low_memory),
-        needs,
-        bool(skip_ignored),
-    )
+    loss, z, *values = LinearCrossEntropyFunction.apply(
+        x, w, bias, targets, weights, float(softcap or 0.0), float(label_smoothing),
+        float(z_loss_scale), int(chunk_bytes), bool(low_memory), needs, bool(skip_ignored),
+        (1.0, 1.0), stats,
+    )  # fmt: skip
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
-    return LossOutput(loss, z)
+    named = {
+        name: t.detach().view(labels.shape)
+        for name, t in zip(STATISTICS, values, strict=True)
+        if name in statistics
+    }
+    return LossOutput(loss, z), named

@@ -444,29 +444,29 @@ def _head_output(self, state, config, outputs, hidden, targets, fused, head_fuse
         skip_ignored=options.loss_skip_ignored,
     )
     labels, shift_labels = targets.labels, targets.shift_labels
+    sequence = options.loss_reduction == "sequence"
+    loss_options = dict(
+        ignore_index=targets.ignore_index,
+        reduction=options.loss_reduction,
+        # num_items_in_batch counts tokens; a per-sequence mean has no use for it (the model
+        # says accepts_loss_kwargs=False instead, see api.patch).
+        num_items_in_batch=None if sequence else targets.num_items_in_batch,
+        position_ids=targets.position_ids,
+        cu_seqlens=targets.cu_seqlens,
+        z_loss_scale=options.z_loss_scale,
+        label_smoothing=options.label_smoothing,
+    )
     if trl_request is not None and (labels is not None or shift_labels is not None):
         return fused_head_output(self, trl_request, hidden, labels, shift_labels,
                                  targets.num_items_in_batch, head_options, aux_loss,
-                                 aux_coef)  # fmt: skip
+                                 aux_coef, loss_options, softcap)  # fmt: skip
     loss = z_loss = logits = None
     if labels is None:
         logits = head_logits(self, hidden, softcap)
     else:
         given, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
         given = given.to(hidden.device)
-        sequence = options.loss_reduction == "sequence"
-        loss_options = dict(
-            ignore_index=targets.ignore_index,
-            reduction=options.loss_reduction,
-            # num_items_in_batch counts tokens; a per-sequence mean has no use for it (the model
-            # says accepts_loss_kwargs=False instead, see api.patch).
-            num_items_in_batch=None if sequence else targets.num_items_in_batch,
-            position_ids=targets.position_ids,
-            cu_seqlens=targets.cu_seqlens,
-            z_loss_scale=options.z_loss_scale,
-            label_smoothing=options.label_smoothing,
-            shift=shift,
-        )
+        loss_options["shift"] = shift
         if head_fused:
             out = fused_head(self)(hidden, labels=given, softcap=softcap, **head_options,
                                    **loss_options)  # fmt: skip

@@ -21,6 +21,7 @@ from torch import nn
 
 from surgery.kernels import (
     linear_cross_entropy,
+    linear_cross_entropy_statistics,
     linear_log_probs,
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_log_probs,
@@ -50,15 +51,16 @@ def lm_head_forward(
 ):
     """``nn.Linear.forward`` that, given ``labels``, returns the ``LossOutput`` of
     ``linear_cross_entropy`` of ``input @ self.weight.T (+ bias)`` instead of the product (given
-    ``outputs`` too, the ``TokenLogProbs`` of ``linear_log_probs``). Called through the module,
-    so the weight is whatever the module holds during its forward (FSDP2 unshards it there)."""
+    ``outputs`` too, the ``TokenLogProbs`` of ``linear_log_probs``; given ``statistics``, the
+    loss and statistics of ``linear_cross_entropy_statistics``). Called through the module, so
+    the weight is whatever the module holds during its forward (FSDP2 unshards it there)."""
     if labels is None:
         tensor_parallel = _tensor_parallel_head(self)
         if tensor_parallel is not None:  # transformers' forward: logits gathered as it gathers them
             return tensor_parallel(input)
         return type(self).forward(self, input)
     vocab_parallel = rows_sharded(self.weight)
-    if "outputs" in loss:  # per-token log-probabilities (surgery.integrations.trl)
+    if "outputs" in loss or "statistics" in loss:  # TRL's fused head (surgery.integrations.trl)
         return _log_probs(self, input, labels, vocab_parallel=vocab_parallel, **loss)
     if vocab_parallel:
         return _vocab_parallel_loss(self, input, labels, **loss)
@@ -135,11 +137,20 @@ def _log_probs(
     **options,
 ):
     """``linear_log_probs`` of the head (``vocab_parallel``: of a head whose rows are sharded,
-    ``vocab_parallel_linear_log_probs``); ``cast_fp32``: of the head run in fp32 outside
+    ``vocab_parallel_linear_log_probs``), or given ``statistics`` the loss and statistics of
+    ``linear_cross_entropy_statistics``; ``cast_fp32``: of the head run in fp32 outside
     autocast (hidden states, weight and bias cast, differentiably, on entry)."""
     weight, bias = head.weight, head.bias
     log_probs = linear_log_probs
-    if vocab_parallel:
+    if "statistics" in options:
+        if vocab_parallel:
+            raise NotImplementedError(
+                "surgery: the SFT loss with surgery's options (surgery.integrations.trl_sft) is "
+                "not available for a head whose vocabulary is sharded (tensor parallelism): use "
+                "trl.SFTTrainer, whose per-token head surgery serves under tensor parallelism"
+            )
+        log_probs = linear_cross_entropy_statistics
+    elif vocab_parallel:
         input, options = _whole(input), _vocab_parallel_options(options)
         options.pop("upstream", None)  # the backward always recomputes
         log_probs = vocab_parallel_linear_log_probs

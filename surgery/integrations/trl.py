@@ -24,6 +24,7 @@ is pinned by ``tests/surgery/test_trl.py`` against the TRL release CI installs.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from ..swap import ORIGINAL_ATTR
 __all__ = [
     "CHECKED",
     "REQUEST_KWARG",
+    "SFT_LOSS_KWARG",
     "FusedHeadRequest",
     "fused_head_output",
     "fused_head_request",
@@ -51,6 +53,10 @@ each (``tests/surgery/test_trl.py``)."""
 
 REQUEST_KWARG = "surgery_trl_request"
 """The keyword argument that carries a ``FusedHeadRequest`` from the hook to surgery's forward."""
+
+SFT_LOSS_KWARG = "surgery_sft_loss"
+"""The keyword argument ``surgery.integrations.trl_sft.SFTTrainer`` adds to TRL's fused call
+(True): serve surgery's loss, with the patch's loss options, besides TRL's statistics."""
 
 REQUEST_ATTR = "_surgery_trl_request"
 """Instance attribute of the patched causal LM: (TRL's function, its ``FusedHeadRequest`` or
@@ -80,6 +86,9 @@ class FusedHeadRequest:
     softcap: float | None
     cast_fp32: bool
     upstream: UpstreamHint = field(default_factory=UpstreamHint, compare=False)
+    surgery_loss: bool = False
+    """Serve surgery's loss (the patch's ``loss_reduction``, z-loss and label smoothing) and
+    TRL's statistics instead of the per-token log-probabilities (``SFT_LOSS_KWARG``)."""
 
 
 def _trl_function(forward: Any) -> Any:
@@ -121,7 +130,6 @@ def _read_request(model: nn.Module, fn: Any) -> tuple[FusedHeadRequest | None, i
     closure = dict(zip(names, (c.cell_contents for c in fn.__closure__)))
     if not set(_CLOSURE) <= set(closure):
         return None, -1
-    _warn_loss_options(model)
     softcap = closure["final_logit_softcapping"]
     request = FusedHeadRequest(
         outputs=tuple(closure["outputs"]),
@@ -135,13 +143,20 @@ def _read_request(model: nn.Module, fn: Any) -> tuple[FusedHeadRequest | None, i
 
 LOSS_OPTIONS = ("loss_reduction", "z_loss_scale", "label_smoothing")
 """``patch``'s options that change the loss: TRL's trainers compute their own from the
-per-token log-probabilities, so under TRL none of them applies."""
+per-token log-probabilities, so under TRL none of them applies, except through
+``surgery.integrations.trl_sft.SFTTrainer``."""
+
+WARNED_ATTR = "_surgery_trl_warned"
+"""Instance attribute of the patched causal LM: the loss options warning was given."""
 
 
 def _warn_loss_options(model: nn.Module) -> None:
     from ..api import patch_options
     from ..options import OPTION
 
+    if model.__dict__.get(WARNED_ATTR):
+        return
+    model.__dict__[WARNED_ATTR] = True
     options = patch_options(model)
     if options is None:
         return
@@ -154,8 +169,9 @@ def _warn_loss_options(model: nn.Module) -> None:
         warnings.warn(
             f"surgery: {type(model).__name__} is patched with {', '.join(changed)}, but TRL's "
             "trainer computes its loss itself from the per-token log-probabilities surgery's "
-            "kernel serves (TRL's token mean): these options do not apply under TRL.",
-            stacklevel=5,
+            "kernel serves (TRL's token mean): these options do not apply under TRL. For SFT, "
+            "surgery.integrations.trl_sft.SFTTrainer trains on surgery's loss with them.",
+            stacklevel=4,
         )
 
 
@@ -195,6 +211,10 @@ def serve_fused_head(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
         return None
     kwargs = dict(kwargs)
     del kwargs["fused_lm_head"]
+    if kwargs.pop(SFT_LOSS_KWARG, False):
+        request = dataclasses.replace(request, surgery_loss=True)
+    else:
+        _warn_loss_options(model)
     kwargs[REQUEST_KWARG] = request
     return args, kwargs
 
@@ -209,6 +229,8 @@ def fused_head_output(
     head_options: dict,
     aux_loss: torch.Tensor | None = None,
     aux_coef: float | None = None,
+    loss_options: dict | None = None,
+    softcap: float | None = None,
 ):
     """TRL's ``FusedCausalLMOutput`` of the final hidden states (B, T, D), with TRL's semantics:
     targets are the labels shifted by one position in each row (``hidden[:, :-1]`` against
@@ -216,11 +238,26 @@ def fused_head_output(
     (B, T)) and 0 (False) where the target is -100; ``loss`` is minus the sum of the
     log-probabilities over ``num_items_in_batch`` (default: the number of targets, at least 1),
     plus ``aux_coef`` times the MoE ``aux_loss`` where there is one. ``head_options``: the
-    patch's loss kernel settings (chunk size, ``skip_ignored``, ``low_memory``)."""
+    patch's loss kernel settings (chunk size, ``skip_ignored``, ``low_memory``).
+
+    A ``request.surgery_loss`` request gets surgery's loss instead (``loss_options``: the
+    patch's reduction, z-loss, label smoothing and the batch's sequence boundaries; ``softcap``:
+    the model's), without the aux loss, and ``z_loss``, the z-loss term inside it (detached);
+    the statistics TRL asked for are computed in the same sweep, ``log_probs`` is None."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     shift = shift_labels is None
     targets = (labels if shift else shift_labels).to(hidden.device)
+
+    def trim(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[:, :-1].contiguous() if shift and t is not None else t
+
+    mask = (targets[:, 1:] if shift else targets) != -100
+    if request.surgery_loss:
+        return _surgery_loss_output(
+            model, request, hidden, targets, shift, mask, trim, head_options, loss_options,
+            softcap, aux_loss,
+        )  # fmt: skip
     out = fused_head(model)(
         hidden,
         labels=targets,
@@ -234,13 +271,39 @@ def fused_head_output(
         **head_options,
     )
 
-    def trim(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t[:, :-1].contiguous() if shift and t is not None else t
-
     fields = {name: trim(getattr(out, name)) for name in out._fields}
-    mask = (targets[:, 1:] if shift else targets) != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / count
     if aux_loss is not None:
         loss = loss + aux_coef * aux_loss.to(loss.device)
     return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
+
+
+def _surgery_loss_output(
+    model, request, hidden, targets, shift, mask, trim, head_options, loss_options, softcap,
+    aux_loss,
+):  # fmt: skip
+    """``fused_head_output`` of a ``surgery_loss`` request (see there)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    if request.temperature != 1.0 or request.logit_scale != 1.0:
+        raise ValueError(
+            "surgery: surgery's SFT loss is the model's own cross entropy; TRL's head was set up "
+            f"with temperature {request.temperature} and logit scale {request.logit_scale}"
+        )
+    statistics = tuple(name for name in request.outputs if name != "log_probs")
+    (loss, z_loss), stats = fused_head(model)(
+        hidden,
+        labels=targets,
+        statistics=statistics,
+        softcap=softcap,
+        shift=shift,
+        cast_fp32=request.cast_fp32,
+        **loss_options,
+        **head_options,
+    )
+    fields = {name: trim(stats.get(name)) for name in ("entropy", "log_sum_sq_probs",
+                                                       "mean_logits", "is_top1")}  # fmt: skip
+    out = FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
+    out["z_loss"] = z_loss.detach()
+    return out

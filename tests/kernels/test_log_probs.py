@@ -10,6 +10,7 @@ import torch
 from surgery.kernels import (
     UpstreamHint,
     linear_cross_entropy,
+    linear_cross_entropy_statistics,
     linear_log_probs,
     linear_log_probs_reference,
 )
@@ -90,6 +91,56 @@ def test_log_probs_are_the_negated_per_token_loss_and_zero_where_ignored():
     assert out.entropy is None and out.is_top1 is None
     shifted_ignored = torch.cat([labels[1:], labels.new_full((1,), -100)]) == -100
     assert (out.log_probs[shifted_ignored] == 0).all()
+
+
+LOSS_CASES = {
+    "mean-z-smoothing": dict(reduction="mean", z_loss_scale=1e-2, label_smoothing=0.1),
+    "sequence-shift": dict(reduction="sequence", shift=True, z_loss_scale=1e-3),
+    "sum-softcap": dict(reduction="sum", softcap=5.0, num_items_in_batch=None),
+    "none-low-memory": dict(reduction="none", low_memory=True, z_loss_scale=1e-2),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES), ids=list(LOSS_CASES))
+def test_loss_with_statistics_is_the_loss_and_statistics_of_the_same_logits(case):
+    """``linear_cross_entropy_statistics``: the loss, z-loss and every gradient are
+    ``linear_cross_entropy``'s exactly; the statistics are those of the log-probabilities'
+    distribution against fp64 (0 where no target, detached), in one sweep."""
+    kw = dict(LOSS_CASES[case])
+    x, w, b, labels = make_inputs(53, 24, 301, torch.float32, shift=kw.get("shift", False))
+    position_ids = torch.cat([torch.arange(20), torch.arange(33)]).to(DEVICE)
+    if kw["reduction"] == "sequence":
+        kw["position_ids"] = position_ids
+    (loss, z), stats = linear_cross_entropy_statistics(
+        x, w, labels, b, statistics=("entropy", "is_top1", "mean_logits"), chunk_bytes=4096, **kw
+    )
+    want = linear_cross_entropy(x, w, labels, b, chunk_bytes=4096, **kw)
+    torch.testing.assert_close(loss, want.loss, rtol=0, atol=0)
+    torch.testing.assert_close(z, want.z_loss, rtol=0, atol=0)
+    g = torch.randn_like(loss)
+    got_g = torch.autograd.grad((loss * g).sum(), (x, w, b))
+    want_g = torch.autograd.grad((want.loss * g).sum(), (x, w, b))
+    for a, e in zip(got_g, want_g):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    targets = labels
+    if kw.get("shift"):  # the next label of the same document (position 20 starts the second)
+        targets = torch.cat([labels[1:], labels.new_full((1,), -100)])
+        targets[19] = -100
+    ref = linear_log_probs_reference(
+        x, w, targets, b, dtype=torch.float64, softcap=kw.get("softcap")
+    )
+    assert set(stats) == {"entropy", "is_top1", "mean_logits"}
+    for name in ("entropy", "mean_logits"):
+        assert stats[name].shape == labels.shape and not stats[name].requires_grad
+        torch.testing.assert_close(stats[name].double(), getattr(ref, name), rtol=1e-5, atol=1e-5)
+    assert torch.equal(stats["is_top1"], ref.is_top1)
+    assert stats["is_top1"].any()
+
+
+def test_loss_with_statistics_rejects_unknown_names():
+    x, w, _, labels = make_inputs(8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="unknown statistics"):
+        linear_cross_entropy_statistics(x, w, labels, statistics=("log_probs",))
 
 
 def test_is_top1_takes_the_first_maximum_as_argmax_does():
