@@ -56,6 +56,7 @@ from surgery.convergence.data import (  # noqa: E402
     IGNORE_INDEX,
     USER,
 )
+from surgery.convergence.minis import mini_multimodal_config  # noqa: E402
 from surgery.convergence.multimodal import (  # noqa: E402
     MROPE_WRAPPERS,
     MULTIMODAL,
@@ -85,12 +86,14 @@ QWEN_GRIDS = {
 
 
 def image_token_id(config) -> int:
-    return getattr(config, MULTIMODAL[config.model_type][1].mini_config.special_tokens[0])
+    return getattr(
+        config, mini_multimodal_config(MULTIMODAL[config.model_type][1]).special_tokens[0]
+    )
 
 
 def _text_vocabulary(config) -> int:
     """Text ids are drawn below the lowest special token of the wrapper's config."""
-    special = MULTIMODAL[config.model_type][1].mini_config.special_tokens
+    special = mini_multimodal_config(MULTIMODAL[config.model_type][1]).special_tokens
     return min(getattr(config, name) for name in special)
 
 

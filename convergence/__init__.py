@@ -1,8 +1,9 @@
 """surgery.convergence: proof that a patched model trains like the original.
 
-Mini models of every supported architecture (``configs``), deterministic synthetic data collated
-padded or packed (``data``), the reference loss from HF logits (``loss``), the lockstep
-train-and-compare loop (``train``) and the verdict with its tolerance table (``compare``).
+Mini models of every supported architecture (``configs``, at the suite's sizes; how each is
+built: ``mini`` and ``minis``, by ``model_type``), deterministic synthetic data collated padded or
+packed (``data``), the reference loss from HF logits (``loss``), the lockstep train-and-compare
+loop (``train``) and the verdict with its tolerance table (``compare``).
 Run it with ``python -m surgery.convergence``.
 """
 

@@ -5,10 +5,10 @@ suite proves the loss-only fallback on (``FALLBACK_SPECS``), in two sizes.
 through the interpreter. ``full`` matches Liger-Kernel's mini models (4 layers, hidden 1024,
 vocab 32000) and is what the GPU suite trains.
 
-What makes each architecture different from llama comes from its spec's ``mini_config``, because
-that is what the patch has to get right (sliding windows, softcaps, layer types, RoPE parameters,
-q/k norms, tied heads); this file only adds the sizes. Sliding windows are set shorter than the
-longest documents so that they actually clip.
+What makes each architecture different from llama comes from its mini config (``minis``, by
+``model_type``), because that is what the patch has to get right (sliding windows, softcaps, layer
+types, RoPE parameters, q/k norms, tied heads); this file only adds the sizes. Sliding windows are
+set shorter than the longest documents so that they actually clip.
 """
 
 from __future__ import annotations
@@ -19,9 +19,21 @@ from typing import Any
 import torch
 import transformers
 
-from surgery.models import SPECS, ArchitectureSpec, MiniConfig, MiniSize, from_size
+from surgery.models import SPECS, ArchitectureSpec
 
-__all__ = ["ARCHITECTURES", "FALLBACK", "SIZES", "Size", "build_model", "make_config"]
+from .mini import MiniConfig, MiniSize, from_size
+from .minis import mini_config
+
+__all__ = [
+    "ARCHITECTURES",
+    "FALLBACK",
+    "FALLBACK_MINI_CONFIGS",
+    "SIZES",
+    "Size",
+    "architecture_mini_config",
+    "build_model",
+    "make_config",
+]
 
 
 @dataclass(frozen=True)
@@ -71,23 +83,36 @@ SIZES: dict[str, Size] = {
 
 # Causal LMs outside the registry that the suite proves through ``patch(fallback="loss")`` (the
 # fused loss alone; their attention, norms and MLPs stay transformers'). The spec only names the
-# class and the mini config: nothing else of it is used.
+# class: nothing else of it is used.
 FALLBACK_SPECS: tuple[ArchitectureSpec, ...] = (
     ArchitectureSpec(
         model_type="phi3",
         module="transformers.models.phi3.modeling_phi3",
         causal_lm="Phi3ForCausalLM",
         attention="",
-        mini_config=MiniConfig(
-            "Phi3Config",
-            {"original_max_position_embeddings": from_size("max_position_embeddings")},
-        ),
     ),
 )
+# Their mini configs, by model_type, where transformers' config class alone is not one (the
+# registry's are in ``minis``).
+FALLBACK_MINI_CONFIGS: dict[str, MiniConfig] = {
+    "phi3": MiniConfig(
+        "Phi3Config",
+        {"original_max_position_embeddings": from_size("max_position_embeddings")},
+    ),
+}
 
 # Every architecture the suite trains, by its short name (``--model``): gemma3 for gemma3_text.
 ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.name: spec for spec in SPECS + FALLBACK_SPECS}
 FALLBACK = frozenset(spec.name for spec in FALLBACK_SPECS)
+
+
+def architecture_mini_config(name: str) -> MiniConfig:
+    """The mini config of ``ARCHITECTURES[name]``: a fallback model's in
+    ``FALLBACK_MINI_CONFIGS``, else the registry's (``minis.mini_config``)."""
+    spec = ARCHITECTURES[name]
+    if spec.model_type in FALLBACK_MINI_CONFIGS:
+        return FALLBACK_MINI_CONFIGS[spec.model_type]
+    return mini_config(spec)
 
 
 def make_config(
@@ -98,7 +123,7 @@ def make_config(
     if name not in ARCHITECTURES:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(ARCHITECTURES)}")
     s = SIZES[size] if isinstance(size, str) else size
-    mini = ARCHITECTURES[name].mini_config
+    mini = architecture_mini_config(name)
     # use_cache keeps the config's default (on, as in real checkpoints): with a cache the HF mask
     # builder lets packed documents attend to each other, so the patched forward's own guard
     # against that is what the packed sides test.

@@ -5,7 +5,8 @@ train-and-compare loop as the text models (``train``).
 A model is named by its wrapper's ``model_type`` (``qwen2_5_vl``, ``gemma3``, ``mistral3``,
 ``gemma4``, ``llama4``, ``qwen3_vl_moe``, ...; every wrapper of the registry): the
 text model is the spec's mini config at the run's size inside the wrapper's mini config
-(``MiniMultimodalConfig``: a tiny vision tower, the special tokens at the end of the vocabulary).
+(``minis.MINI_MULTIMODAL_CONFIGS``: a tiny vision tower, the special tokens at the end of the
+vocabulary).
 
 Samples are SFT dialogues whose first user turn holds one or two images:
 ``BOS USER [begin] IMAGE x n [end] prompt ASSISTANT response EOS`` and maybe more text turns. The
@@ -42,17 +43,13 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from surgery.models import (
-    MULTIMODAL_ONLY_SPECS,
-    SPECS,
-    ArchitectureSpec,
-    MiniImages,
-    MultimodalWrapper,
-)
+from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS, ArchitectureSpec, MultimodalWrapper
+from surgery.models.spec import MiniImages
 
 from .configs import SIZES, Size, condition_attention
 from .data import ASSISTANT, BOS, EOS, FIRST_CONTENT, IGNORE_INDEX, USER, Document, SyntheticCorpus
 from .data import collate as collate_text
+from .minis import mini_config, mini_multimodal_config
 
 __all__ = [
     "IMAGE_LAYOUTS",
@@ -94,15 +91,14 @@ def pattern(*shape: int, phase: float) -> torch.Tensor:
 
 
 def image_recipe(config: transformers.PretrainedConfig) -> MiniImages:
-    """How ``config``'s wrapper lays out an image (``MiniMultimodalConfig.images`` of its
-    spec); a wrapper without one, or with a layout that has no builder here, stops with its
-    name."""
+    """How ``config``'s wrapper lays out an image (``MultimodalWrapper.images``); a wrapper
+    without one, or with a layout that has no builder here, stops with its name."""
     entry = MULTIMODAL.get(config.model_type)
-    recipe = None if entry is None else entry[1].mini_config.images
+    recipe = None if entry is None else entry[1].images
     if recipe is None:
         raise NotImplementedError(
             f"the convergence suite has no image inputs for the {config.model_type} wrapper of the "
-            "registry: give its MultimodalWrapper's mini_config a MiniImages (models/<family>.py)"
+            "registry: give its MultimodalWrapper images, a MiniImages (models/<family>.py)"
         )
     if recipe.layout not in IMAGE_LAYOUTS:
         raise NotImplementedError(
@@ -209,9 +205,14 @@ def make_multimodal_config(
         raise ValueError(f"unknown multimodal model {name!r}; expected one of {sorted(MULTIMODAL)}")
     spec, wrapper = MULTIMODAL[name]
     s = SIZES[size] if isinstance(size, str) else size
-    text_arguments = dict(wrapper.mini_config.text_arguments)
-    text = spec.mini_config.build(
-        s, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, **text_arguments
+    text_mini, mini = mini_config(spec), mini_multimodal_config(wrapper)
+    text = text_mini.build(
+        s,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **mini.text_arguments,
     )
     rope = getattr(text, "rope_parameters", None) or {}
     if "mrope_section" in rope:
@@ -222,8 +223,8 @@ def make_multimodal_config(
         if sum(section) != rotary and rotary % sum(section) == 0:
             scale = rotary // sum(section)
             text.rope_parameters = {**rope, "mrope_section": [scale * x for x in section]}
-    config = wrapper.mini_config.build(text)
-    config._attn_implementation = spec.mini_config.attention(attention)
+    config = mini.build(text)
+    config._attn_implementation = text_mini.attention(attention)
     return config
 
 
@@ -255,7 +256,7 @@ class _Corpus(SyntheticCorpus):
 
     def __init__(self, config, size: str, seed: int, rope_model=None):
         self.config = config
-        mini = MULTIMODAL[config.model_type][1].mini_config
+        mini = mini_multimodal_config(MULTIMODAL[config.model_type][1])
         self.text_vocab = mini.text_vocabulary(config.text_config)
         super().__init__(self.text_vocab, seed)
         recipe = image_recipe(config)
@@ -344,8 +345,9 @@ def collate_multimodal(
     batch = collate_text(docs, layout)
     wrapper = MULTIMODAL[model_type][1]
     batch.update(_cat_images([i for d in docs for i in d.images]))
-    is_image = batch["input_ids"] == getattr(config, wrapper.mini_config.special_tokens[0])
-    token_types = wrapper.mini_config.images.token_types
+    image_token = getattr(config, mini_multimodal_config(wrapper).special_tokens[0])
+    is_image = batch["input_ids"] == image_token
+    token_types = wrapper.images.token_types
     if token_types is not None:
         batch[token_types] = is_image.long()
     if wrapper.bidirectional_tokens is not None:

@@ -3,16 +3,6 @@
 from . import gemma, llama, mistral, qwen
 from .gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4
 from .llama import LLAMA, LLAMA4
-from .mini import (
-    MINI_VISION_TOWER,
-    MiniConfig,
-    MiniImages,
-    MiniMultimodalConfig,
-    MiniSize,
-    alternating_layer_types,
-    from_size,
-    text_hidden_size,
-)
 from .mistral import MINISTRAL, MINISTRAL3, MISTRAL, MISTRAL4, MIXTRAL
 from .qwen import (
     QWEN2,
@@ -65,7 +55,6 @@ __all__ = [
     "LLAMA4",
     "MINISTRAL",
     "MINISTRAL3",
-    "MINI_VISION_TOWER",
     "MISTRAL",
     "MISTRAL4",
     "MIXTRAL",
@@ -83,13 +72,6 @@ __all__ = [
     "QWEN3_VL_MOE",
     "SPECS",
     "ArchitectureSpec",
-    "MiniConfig",
-    "MiniImages",
-    "MiniMultimodalConfig",
-    "MiniSize",
     "MultimodalWrapper",
     "RMSNormStyle",
-    "alternating_layer_types",
-    "from_size",
-    "text_hidden_size",
 ]

@@ -4,15 +4,15 @@ need to know about one transformers causal-LM family, and nothing more."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-
-from .mini import MiniConfig, MiniMultimodalConfig
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 __all__ = [
     "GATED_ACTIVATIONS",
     "GEMMA_RMS_NORM",
     "LLAMA_RMS_NORM",
     "ArchitectureSpec",
+    "MiniImages",
     "MultimodalWrapper",
     "RMSNormStyle",
 ]
@@ -52,6 +52,35 @@ def _is_instance_of(module: object, defined_in: str, name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class MiniImages:
+    """How a wrapper's processor lays out one image, for the inputs of its mini models (made by
+    ``surgery.convergence.multimodal.image_inputs``, which the convergence suite and the VLM
+    benchmark draw their image chats from)."""
+
+    layout: str
+    """The processor's layout, one of the convergence suite's ``IMAGE_LAYOUTS``:
+    ``"patch_grid"`` (flattened (t, h, w) patches of t_patch x p x p pixels and
+    ``image_grid_thw``, merged ``spatial_merge_size``² to a token: the Qwen-VL family),
+    ``"pixels"`` ((height, width) pixels and ``image_sizes``, patches merged
+    ``spatial_merge_size``²: Pixtral), ``"square"`` (one size, the processor resizes; the config's
+    ``mm_tokens_per_image`` tokens: Gemma 3), ``"shuffled_tile"`` (one tile whose patches are
+    pixel-shuffled: Llama 4), ``"positioned_patches"`` ((h, w) patches at their (x, y) positions,
+    padded to ``patch_budget`` at (-1, -1), pooled k x k: Gemma 4)."""
+    sizes: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, hash=False)
+    """The image sizes a sample draws from, by mini size name (the convergence suite's ``SIZES``:
+    ``"tiny"``, ``"full"``), in the layout's units ((t, h, w) patches, (height, width) pixels,
+    (h, w) patches); none: the one size of the layout."""
+    around: tuple[str, str] | None = None
+    """The config arguments naming the tokens that open and close an image's tokens (Qwen:
+    vision start and end), or None where the processor puts none around them (Mistral 3)."""
+    token_types: str | None = None
+    """The forward argument, 1 at image tokens, the processor gives besides the images (Qwen's
+    ``mm_token_type_ids``); the wrapper's ``bidirectional_tokens`` are given anyway."""
+    patch_budget: int | None = None
+    """``"positioned_patches"``: the patches every image is padded to."""
+
+
+@dataclass(frozen=True)
 class MultimodalWrapper:
     """A transformers multimodal model (``...ForConditionalGeneration``: vision tower, projector,
     language model, lm_head) whose language model is the text model of the spec that lists it
@@ -66,8 +95,6 @@ class MultimodalWrapper:
     """The transformers module defining ``wrapper``."""
     wrapper: str
     """The multimodal class (``Gemma3ForConditionalGeneration``)."""
-    mini_config: MiniMultimodalConfig
-    """How to build its mini models around a text spec's mini config (the tests')."""
     language_model: str = "model.language_model"
     """Dotted path from the wrapper to its language model: a text base model (the wrapper holds
     lm_head, and its forward runs ``self.model`` then lm_head), or the text spec's causal LM
@@ -92,6 +119,9 @@ class MultimodalWrapper:
     ``cu_seqlens`` and, without flash attention, calls the attention once per image, frame or
     window (the Qwen-VL family): with ``varlen_attention`` it runs them all in one varlen call
     (``surgery.vision_attention``). None: the vision tower is left as it is."""
+    images: MiniImages | None = None
+    """How its processor lays out an image (the convergence suite's image chats, the tests'
+    images); None: the suite has no image inputs for it and says so."""
 
     @property
     def name(self) -> str:
@@ -130,9 +160,6 @@ class ArchitectureSpec:
     spec is in ``MULTIMODAL_ONLY_SPECS``, not ``SPECS``)."""
     attention: str
     """Class whose instances get the generic attention forward (RoPE through ``apply_rope``)."""
-    mini_config: MiniConfig
-    """How to build the architecture's mini models from transformers' own config class: the tests'
-    tiny models and the convergence suite's models are all made from it."""
     rotary_attr: str = "rotary_emb"
     """Attribute of the base model (``model.model``) holding the rotary module. Frequencies are
     read from it at call time: dynamic RoPE types rewrite them in its forward, which runs before

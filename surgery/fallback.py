@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from surgery.models import ArchitectureSpec, MiniConfig
+from surgery.models import ArchitectureSpec
 
 from .foreign import ForeignForwardError, foreign_kernel_modules
 from .forward import STATE_ATTR, PatchState, causal_lm_forward, moe_causal_lm_forward
@@ -216,7 +216,6 @@ def loss_only_spec(lm: nn.Module, softcap_attr: str | None, moe: bool) -> Archit
         module=cls.__module__,
         causal_lm=cls.__qualname__,
         attention="",
-        mini_config=MiniConfig(type(lm.config).__name__),
         logit_softcap=softcap_attr,
         router_aux_loss=moe,
     )

@@ -70,18 +70,17 @@ def test_every_wrapper_of_the_registry_is_trained_and_one_without_image_inputs_f
 
 @pytest.mark.parametrize("name", sorted(MULTIMODAL))
 def test_every_wrapper_spec_says_how_its_images_are_laid_out(name, monkeypatch):
-    """The image inputs come from the wrapper's spec (``MiniMultimodalConfig.images``): a layout
+    """The image inputs come from the wrapper's spec (``MultimodalWrapper.images``): a layout
     the suite builds, sizes for every mini size or none (the layout's one size); a spec whose
     layout has no builder stops with its name and the layout's."""
     spec, wrapper = MULTIMODAL[name]
-    recipe = wrapper.mini_config.images
+    recipe = wrapper.images
     assert recipe.layout in IMAGE_LAYOUTS
     assert set(recipe.sizes) in (set(), set(SIZES))
     config = build_multimodal_model(name).config
     inputs, tokens = image_inputs(config, recipe.sizes.get("tiny", ((),))[0], phase=0.0)
     assert tokens > 0 and inputs["pixel_values"].numel() > 0
-    odd = dataclasses.replace(wrapper, mini_config=dataclasses.replace(
-        wrapper.mini_config, images=dataclasses.replace(recipe, layout="hexagons")))  # fmt: skip
+    odd = dataclasses.replace(wrapper, images=dataclasses.replace(recipe, layout="hexagons"))
     monkeypatch.setitem(MULTIMODAL, name, (spec, odd))
     with pytest.raises(NotImplementedError, match=f"{name} wrapper's image layout 'hexagons'"):
         image_inputs(config, (1, 4, 4), phase=0.0)

@@ -12,9 +12,9 @@ import torch
 from surgery.convergence.compare import evaluate, flip_margin_ratio
 from surgery.convergence.configs import ARCHITECTURES, SIZES, build_model
 from surgery.convergence.data import collate, make_batches
+from surgery.convergence.minis.gemma import GEMMA4_MOE_ARGUMENTS
 from surgery.convergence.routing import Decision, compare_decisions, margins
 from surgery.convergence.train import RunConfig, Variant, _Side, train_and_compare
-from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
 
 EVAL_DOCS = make_batches("tiny", 1, seed=0)[1]
 # Gemma 4's mixture is not in its mini config (tests/models tests it with these arguments).

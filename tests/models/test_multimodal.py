@@ -16,6 +16,7 @@ import surgery
 from surgery import forward as surgery_forward
 from surgery.attention import mrope_layout
 from surgery.convergence.configs import condition_attention
+from surgery.convergence.minis import mini_config, mini_multimodal_config
 from surgery.convergence.multimodal import image_inputs as one_image
 from surgery.convergence.multimodal import image_recipe
 from surgery.models import MULTIMODAL_ONLY_SPECS
@@ -46,7 +47,7 @@ WRAPPERS = list({w.model_type: k for k, (_, w) in PAIRS.items()}.values())
 def image_inputs(config, images: int, is_image: torch.Tensor) -> dict:
     """The inputs of ``images`` images of a mini wrapper (``TOKENS_PER_IMAGE`` tokens each) as
     its processor would give them: the convergence suite's builder of the wrapper's layout
-    (its spec's ``MiniImages``), at the first of the recipe's tiny sizes that makes
+    (its ``MultimodalWrapper.images``), at the first of the recipe's tiny sizes that makes
     ``TOKENS_PER_IMAGE`` tokens; ``is_image``: where the image tokens are."""
     recipe = image_recipe(config)
     for size in recipe.sizes.get("tiny", ((),)):
@@ -65,12 +66,12 @@ def image_inputs(config, images: int, is_image: torch.Tensor) -> dict:
 
 def text_config(spec, wrapper, **overrides):
     """The text mini config of ``spec`` as ``wrapper`` holds it."""
-    overrides = {"pad_token_id": 0, **wrapper.mini_config.text_arguments, **overrides}
-    return spec.mini_config.build(TINY, **overrides)
+    overrides = {"pad_token_id": 0, **mini_multimodal_config(wrapper).text_arguments, **overrides}
+    return mini_config(spec).build(TINY, **overrides)
 
 
 def tiny_vlm(spec, wrapper, seed: int = 0, **text_overrides):
-    config = wrapper.mini_config.build(text_config(spec, wrapper, **text_overrides))
+    config = mini_multimodal_config(wrapper).build(text_config(spec, wrapper, **text_overrides))
     torch.manual_seed(seed)
     model = wrapper.wrapper_class()._from_config(config, attn_implementation="sdpa")
     with torch.no_grad():  # non-trivial norm weights, as the text mini models have
@@ -84,8 +85,9 @@ def image_batch(model, wrapper) -> dict:
     """Two right-padded rows, each with one image at its own offset. The image tokens are labels
     too (unlike a chat template's), so that what every image position computes reaches the loss."""
     config = model.config
-    image = getattr(config, wrapper.mini_config.special_tokens[0])
-    text_vocab = wrapper.mini_config.text_vocabulary(config.text_config)
+    mini = mini_multimodal_config(wrapper)
+    image = getattr(config, mini.special_tokens[0])
+    text_vocab = mini.text_vocabulary(config.text_config)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, text_vocab, (2, SEQ), generator=g)
     for row, start in enumerate((1, 4)):
@@ -239,7 +241,7 @@ def test_bidirectional_text_model_refused(arch, bidirectional):
 def test_every_wrapper_has_test_inputs():
     assert PAIRS
     for spec, wrapper in PAIRS.values():
-        config = wrapper.mini_config.build(text_config(spec, wrapper))
+        config = mini_multimodal_config(wrapper).build(text_config(spec, wrapper))
         assert config.model_type == wrapper.model_type
         assert image_inputs(config, 1, torch.zeros(1, SEQ, dtype=torch.bool))
 

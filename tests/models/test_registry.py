@@ -14,7 +14,14 @@ import torch
 
 import surgery
 from surgery.attention import mrope_layout, read_path
-from surgery.convergence.configs import ARCHITECTURES, FALLBACK_SPECS, SIZES, make_config
+from surgery.convergence.configs import (
+    ARCHITECTURES,
+    FALLBACK_SPECS,
+    SIZES,
+    architecture_mini_config,
+    make_config,
+)
+from surgery.convergence.minis import mini_config
 from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
 
 from .tiny import ARCHS, TINY, attn_for, causal_lm_from_config, tiny_config
@@ -33,7 +40,7 @@ def test_multimodal_only_text_specs_are_reached_through_a_wrapper(spec):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.model_type)
 def test_every_registered_model_is_tested(spec):
     config = tiny_config(spec.model_type)
-    assert type(config).__name__ == spec.mini_config.config_class
+    assert type(config).__name__ == mini_config(spec).config_class
     assert config.model_type == spec.model_type
     torch.manual_seed(0)
     model = causal_lm_from_config(config, attn_implementation=attn_for(spec.model_type))
@@ -139,10 +146,10 @@ def test_everything_that_lists_architectures_lists_the_registry():
 @pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_convergence_configs_build(name, size):
-    spec = ARCHITECTURES[name]
+    mini = architecture_mini_config(name)
     config = make_config(name, size)
-    assert type(config).__name__ == spec.mini_config.config_class
-    assert config._attn_implementation == spec.mini_config.attention("sdpa")
+    assert type(config).__name__ == mini.config_class
+    assert config._attn_implementation == mini.attention("sdpa")
     assert config.hidden_size == SIZES[size].hidden_size
 
 

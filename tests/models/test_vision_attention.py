@@ -16,6 +16,7 @@ import torch
 
 import surgery
 import surgery.vision_attention as vision_attention
+from surgery.convergence.minis import mini_multimodal_config
 from surgery.describe import describe
 from surgery.swap import ORIGINAL_ATTR
 from tests.utils import ReferenceVarlen, assert_close_budget, dense_varlen
@@ -40,7 +41,7 @@ def tiny_tower_vlm(pair: str):
     """The pair's mini wrapper with two vision blocks; Qwen2.5-VL's second attends over whole
     images (``fullatt_block_indexes``), its first over windows of one merged patch."""
     spec, wrapper = PAIRS[pair]
-    config = wrapper.mini_config.build(text_config(spec, wrapper))
+    config = mini_multimodal_config(wrapper).build(text_config(spec, wrapper))
     config.vision_config.depth = 2
     if wrapper.model_type == "qwen2_5_vl":
         config.vision_config.fullatt_block_indexes = [1]

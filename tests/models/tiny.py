@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 import surgery
-from surgery.models import MiniSize
+from surgery.convergence.mini import MiniSize
+from surgery.convergence.minis import mini_config
 
 VOCAB = 131  # odd on purpose
 HIDDEN = 32
@@ -18,7 +19,8 @@ KV_HEADS = 2
 HEAD_DIM = 8
 
 # Every architecture's tiny model has this shape; what makes it differ from Llama comes from its
-# spec (``ArchitectureSpec.mini_config``), so a new spec is tested here with no other edit.
+# mini config (``surgery.convergence.minis``; transformers' config class alone where the table has
+# no entry), so a new spec is tested here with no other edit.
 TINY = MiniSize(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
@@ -38,27 +40,27 @@ ARCHS = list(SPECS)
 
 def attn_for(arch: str, attn: str = "sdpa") -> str:
     """``attn``, unless the architecture needs another (Gemma2: eager)."""
-    return SPECS[arch].mini_config.attention(attn)
+    return mini_config(SPECS[arch]).attention(attn)
 
 
 def sized_config(arch: str, **size):
     """The config of ``arch`` at another size: the tiny size with the fields ``size`` names
     replaced (``vocab_size=32_000``, ...), every argument the spec derives from the size derived
     again (Gemma 3n/4's per-layer tables, Mistral 4's head split)."""
-    return SPECS[arch].mini_config.build(dataclasses.replace(TINY, **size), pad_token_id=0)
+    return mini_config(SPECS[arch]).build(dataclasses.replace(TINY, **size), pad_token_id=0)
 
 
 def tiny_config(arch: str, **overrides):
     """The tiny config of ``arch`` (a ``config.model_type``); ``overrides`` replace any argument."""
-    return SPECS[arch].mini_config.build(TINY, **{"pad_token_id": 0, **overrides})
+    return mini_config(SPECS[arch]).build(TINY, **{"pad_token_id": 0, **overrides})
 
 
 def gemma4_moe_config(size: MiniSize = TINY, **overrides):
     """Gemma 4's mini config with its mixture of experts (``GEMMA4_MOE_ARGUMENTS``; the
     registry's tiny Gemma 4 is dense) at ``size``; ``overrides`` replace any argument."""
-    from surgery.models.gemma import GEMMA4_MOE_ARGUMENTS
+    from surgery.convergence.minis.gemma import GEMMA4_MOE_ARGUMENTS
 
-    mini = SPECS["gemma4_text"].mini_config
+    mini = mini_config(SPECS["gemma4_text"])
     moe = dataclasses.replace(mini, arguments={**mini.arguments, **GEMMA4_MOE_ARGUMENTS})
     return moe.build(size, **{"pad_token_id": 0, **overrides})
 

@@ -1,9 +1,11 @@
 """Mini models of an architecture, built from transformers' own config class.
 
-The tests' tiny models and the convergence suite's tiny and full ones all come from a spec's
-``MiniConfig``: the caller picks the shape (``MiniSize``), the spec says what makes the architecture
-differ from Llama (sliding windows, softcaps, layer types, RoPE parameters, ...) and which attention
-implementation it needs. So a new spec is tested and proven with no other edit.
+The tests' tiny models and the convergence suite's tiny and full ones all come from an
+architecture's ``MiniConfig`` (``surgery.convergence.minis``, by ``model_type``): the caller picks
+the shape (``MiniSize``), the mini config says what makes the architecture differ from Llama
+(sliding windows, softcaps, layer types, RoPE parameters, ...) and which attention implementation
+it needs. An architecture without an entry there gets transformers' config class at the size
+alone, so a new spec is tested and proven with no other edit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MINI_VISION_TOWER",
     "MiniConfig",
-    "MiniImages",
     "MiniMultimodalConfig",
     "MiniSize",
     "alternating_layer_types",
@@ -89,8 +90,7 @@ class MiniConfig:
     """Config arguments that make the architecture differ from Llama, each kept as strict as the
     patch needs: a softcap small enough to bite, a window that clips, both layer types present. A
     callable value is called with the ``MiniSize``: ``from_size`` or a module-level function such as
-    ``alternating_layer_types``, not a lambda: a patched model holds its spec, which must survive
-    deepcopy and pickle. Read only; ``build`` copies the values."""
+    ``alternating_layer_types``. Read only; ``build`` copies the values."""
     attn_implementation: str | None = None
     """The attention implementation the architecture needs (Gemma2: ``"eager"``; sdpa cannot apply
     its attention-logit softcap), or None: the caller's choice."""
@@ -110,35 +110,6 @@ class MiniConfig:
             kwargs[name] = value(size) if callable(value) else copy.deepcopy(value)
         kwargs.update(copy.deepcopy(overrides))
         return getattr(transformers, self.config_class)(**kwargs)
-
-
-@dataclass(frozen=True)
-class MiniImages:
-    """How a wrapper's processor lays out one image, for the inputs of its mini models (made by
-    ``surgery.convergence.multimodal.image_inputs``, which the convergence suite and the VLM
-    benchmark draw their image chats from)."""
-
-    layout: str
-    """The processor's layout, one of the convergence suite's ``IMAGE_LAYOUTS``:
-    ``"patch_grid"`` (flattened (t, h, w) patches of t_patch x p x p pixels and
-    ``image_grid_thw``, merged ``spatial_merge_size``² to a token: the Qwen-VL family),
-    ``"pixels"`` ((height, width) pixels and ``image_sizes``, patches merged
-    ``spatial_merge_size``²: Pixtral), ``"square"`` (one size, the processor resizes; the config's
-    ``mm_tokens_per_image`` tokens: Gemma 3), ``"shuffled_tile"`` (one tile whose patches are
-    pixel-shuffled: Llama 4), ``"positioned_patches"`` ((h, w) patches at their (x, y) positions,
-    padded to ``patch_budget`` at (-1, -1), pooled k x k: Gemma 4)."""
-    sizes: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict, hash=False)
-    """The image sizes a sample draws from, by mini size name (the convergence suite's ``SIZES``:
-    ``"tiny"``, ``"full"``), in the layout's units ((t, h, w) patches, (height, width) pixels,
-    (h, w) patches); none: the one size of the layout."""
-    around: tuple[str, str] | None = None
-    """The config arguments naming the tokens that open and close an image's tokens (Qwen:
-    vision start and end), or None where the processor puts none around them (Mistral 3)."""
-    token_types: str | None = None
-    """The forward argument, 1 at image tokens, the processor gives besides the images (Qwen's
-    ``mm_token_type_ids``); the wrapper's ``bidirectional_tokens`` are given anyway."""
-    patch_budget: int | None = None
-    """``"positioned_patches"``: the patches every image is padded to."""
 
 
 @dataclass(frozen=True)
@@ -164,9 +135,6 @@ class MiniMultimodalConfig:
     """Arguments the text mini config takes inside this wrapper, on top of its own (Qwen's
     multimodal RoPE sections, sized to the mini head): the caller builds the text config with
     them (``tests/models/test_multimodal.py``)."""
-    images: MiniImages | None = None
-    """How its processor lays out an image (the convergence suite's image chats); None: the
-    suite has no image inputs for it and says so."""
 
     def text_vocabulary(self, text_config: PretrainedConfig) -> int:
         """Token ids below this are text: the special tokens take the rest."""
