@@ -39,9 +39,10 @@ backward runs:
   weight gradient, are gathered again in the backward from the layer's input, which the router
   keeps anyway (``surgery.recompute``; always, it is a copy);
 - the gather of the token rows and the per-token sum are adjoint, and each one's backward is the
-  other (``_token_rows``, ``_DownProjectionAndSum``): a gather, where autograd's backward of an
-  index scatter-adds into zeros (atomics and a zero fill on a GPU). The same values: the
-  gradient rows a token receives are summed in fp32 in slot order and rounded once.
+  other (``surgery.kernels.rows.token_rows``, ``_DownProjectionAndSum``): a gather, where
+  autograd's backward of an index scatter-adds into zeros (atomics and a zero fill on a GPU).
+  The same values: the gradient rows a token receives are summed in fp32 in slot order and
+  rounded once.
 
 Per layer that is (rows x 2 (hidden + I)) elements less kept for the backward. A module surgery has
 not marked, or one that is expert-parallel or in a dtype without a kernel, runs transformers'
@@ -69,6 +70,8 @@ from torch import nn
 
 from surgery.kernels.gated_activation import gated_activation_merged, gated_activation_merged_fwd
 from surgery.kernels.gather_sum import gather_sum
+from surgery.kernels.grouped_mm import grouped_weight_grad_loop
+from surgery.kernels.rows import token_rows
 
 from . import recompute
 
@@ -150,45 +153,12 @@ def _expert_offsets(expert_ids_sorted: torch.Tensor, num_experts: int) -> torch.
     return torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
-# An op, not an autograd.Function: inside the activation-checkpoint region that rebuilds the rows
-# in the backward (``_gathered``), torch 2.11's partitioner keeps a Function's output instead.
-@torch.library.custom_op("surgery::token_rows", mutates_args=())
-def _token_rows(
-    hidden_states: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, top_k: int
-) -> torch.Tensor:
-    """``hidden_states[rows]``: each token's row once per slot, in expert order (``rows`` = perm //
-    top_k; slot j = token x top_k + k sits at row ``inverse[j]``). The backward sums each token's
-    slots in slot order (``gather_sum``, in fp32, rounded once), a gather, where autograd's
-    backward of an index scatter-adds into zeros (atomics, and a zero fill of the input's
-    size)."""
-    return hidden_states[rows]
-
-
-@_token_rows.register_fake
-def _(hidden_states, rows, inverse, top_k):
-    return hidden_states.new_empty((rows.shape[0], *hidden_states.shape[1:]))
-
-
-def _token_rows_context(ctx, inputs, output):
-    _, _, inverse, top_k = inputs
-    ctx.save_for_backward(inverse)
-    ctx.top_k = top_k
-
-
-def _token_rows_backward(ctx, grad):
-    (inverse,) = ctx.saved_tensors
-    return gather_sum(grad, inverse, ctx.top_k), None, None, None
-
-
-_token_rows.register_autograd(_token_rows_backward, setup_context=_token_rows_context)
-
-
 def _gather_rows(hidden_states, rows, inverse, top_k: int, dtype: torch.dtype):
-    return _token_rows(hidden_states, rows, inverse, top_k).to(dtype)
+    return token_rows(hidden_states, rows, inverse, top_k).to(dtype)
 
 
 def _gathered(hidden_states, rows, inverse, dtype: torch.dtype, top_k: int, record: bool):
-    """``hidden_states[rows]`` in the weights' dtype (``_token_rows``), registered (``record``) to
+    """``hidden_states[rows]`` in the weights' dtype (``token_rows``), registered (``record``) to
     be gathered again in the backward where holding ``hidden_states`` instead never costs more
     (top_k rows per token)."""
     gather = functools.partial(_gather_rows, top_k=top_k, dtype=dtype)
@@ -212,24 +182,6 @@ def _gated(gate_up: torch.Tensor, plan: ExpertsPlan, record: bool) -> torch.Tens
     return product
 
 
-@torch.library.custom_op("surgery::grouped_weight_grad_loop", mutates_args=())
-def _grouped_weight_grad_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # One op, opaque to torch.compile, as transformers' own per-expert fallback: one host sync for
-    # the offsets, and a loop inductor could not improve on (data-dependent group sizes).
-    out = torch.zeros(offs.size(0), a.size(1), b.size(1), device=a.device, dtype=a.dtype)
-    start = 0
-    for group, end in enumerate(offs.tolist()):
-        if end > start:
-            torch.mm(a[start:end].t(), b[start:end], out=out[group])
-        start = end
-    return out
-
-
-@_grouped_weight_grad_loop.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return a.new_empty(offs.size(0), a.size(1), b.size(1))
-
-
 def _grouped_weight_grad(
     a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
@@ -241,7 +193,7 @@ def _grouped_weight_grad(
     if transformers_moe._can_use_grouped_mm(b, weight, offs):
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         return grouped_mm(a.t(), b, offs=offs)
-    return _grouped_weight_grad_loop(a, b, offs)
+    return grouped_weight_grad_loop(a, b, offs)
 
 
 class _DownProjectionAndSum(torch.autograd.Function):

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.kernels.rows import padded_rows, real_rows
+
 from .compiling import host_read
 
 __all__ = [
@@ -46,8 +48,6 @@ __all__ = [
     "UNPADDED_KWARG",
     "Unpadded",
     "pad_heads",
-    "padded_rows",
-    "real_rows",
     "right_padding",
     "unpadded_layout",
 ]
@@ -60,56 +60,6 @@ the bound itself is not tuned."""
 UNPADDED_KWARG = "surgery_unpadded"
 """The keyword argument that carries ``Unpadded`` from the causal-LM forward through the base model
 and its decoder layers to the attention."""
-
-
-# Two ops, each the other's backward, both gathers: autograd's own backward of a gather is a
-# scatter-add into zeros, several times as long as a gather. Ops rather than autograd
-# Functions: under torch.compile a Function's output inside an activation-checkpoint region was
-# kept instead of rebuilt by torch 2.11's partitioner (the padded rotated queries and keys of the
-# q/k-norm models, rebuilt with the rest of their region: surgery.attention).
-
-
-@torch.library.custom_op("surgery::padded_rows", mutates_args=())
-def padded_rows(
-    x: torch.Tensor, index: torch.Tensor, gather: torch.Tensor, padding: torch.Tensor
-) -> torch.Tensor:
-    """(T, ...) real rows -> (batch * seq, ...): row ``gather[i]`` of ``x`` at row i, zeros at the
-    rows ``padding`` lists (an ``Unpadded``'s ``index``, ``gather`` and ``padding``)."""
-    return x.index_select(0, gather).index_fill_(0, padding, 0)
-
-
-@padded_rows.register_fake
-def _(x, index, gather, padding):
-    return x.new_empty((gather.shape[0], *x.shape[1:]))
-
-
-@torch.library.custom_op("surgery::real_rows", mutates_args=())
-def real_rows(
-    y: torch.Tensor, index: torch.Tensor, gather: torch.Tensor, padding: torch.Tensor
-) -> torch.Tensor:
-    """(batch * seq, ...) -> its (T, ...) real rows, ``index``'s."""
-    return y.index_select(0, index)
-
-
-@real_rows.register_fake
-def _(y, index, gather, padding):
-    return y.new_empty((index.shape[0], *y.shape[1:]))
-
-
-def _padded_rows_backward(ctx, grad):
-    return real_rows(grad, *ctx.layout), None, None, None
-
-
-def _real_rows_backward(ctx, grad):
-    return padded_rows(grad, *ctx.layout), None, None, None
-
-
-def _keep_layout(ctx, inputs, output):
-    ctx.layout = inputs[1:]
-
-
-padded_rows.register_autograd(_padded_rows_backward, setup_context=_keep_layout)
-real_rows.register_autograd(_real_rows_backward, setup_context=_keep_layout)
 
 
 @dataclass(frozen=True)

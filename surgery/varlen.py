@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.kernels.packing import packed_chunked_cu_seqlens, packed_cu_seqlens, split_at_chunks
 from surgery.kernels.reduction import host_cu_seqlens
 
 from .compiling import host_read
@@ -41,7 +42,6 @@ __all__ = [
     "flash_layout",
     "flash_takes_heads",
     "packed_sequences",
-    "split_at_chunks",
     "varlen_attention",
     "varlen_kernel",
 ]
@@ -109,10 +109,10 @@ def packed_sequences(
                 return None
             cu_seqlens, chunked = read
         elif chunk_size is None:
-            cu_seqlens = _packed_cu_seqlens_op(position_ids, shape[0], shape[1])
+            cu_seqlens = packed_cu_seqlens(position_ids, shape[0], shape[1])
             chunked = None
         else:
-            cu_seqlens, chunked = _packed_chunked_cu_seqlens_op(
+            cu_seqlens, chunked = packed_chunked_cu_seqlens(
                 position_ids, shape[0], shape[1], chunk_size
             )
         chunks = None
@@ -136,26 +136,6 @@ def packed_sequences(
     )
 
 
-def split_at_chunks(
-    position_ids: torch.Tensor,
-    shape: tuple[int, int],
-    cu_seqlens: torch.Tensor,
-    chunk_size: int,
-) -> torch.Tensor:
-    """int64 ``cu_seqlens`` (a (batch, seq) batch's documents, ``host_cu_seqlens``) split further
-    at every token whose position is a multiple of ``chunk_size``: the chunks of chunked
-    attention, each attending causally to itself. ``position_ids`` (batch, seq), (1, seq) or
-    (seq,), on ``cu_seqlens``' device. Within a document positions count up by one, so the chunk
-    of a query at position p starts ``p % chunk_size`` tokens before it or at the document's
-    start (a row's first document may start mid-chunk, at any position)."""
-    positions = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
-    positions = positions.expand(shape).reshape(-1).to(cu_seqlens.device)
-    starts = positions % chunk_size == 0
-    starts[cu_seqlens[:-1]] = True
-    first = torch.nonzero(starts).flatten()
-    return torch.cat([first, first.new_tensor([starts.numel()])])
-
-
 @host_read
 def _read_cu_seqlens(
     position_ids: torch.Tensor,
@@ -177,43 +157,6 @@ def _read_cu_seqlens(
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
     torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     return cu_seqlens, chunked
-
-
-@torch.library.custom_op("surgery::packed_cu_seqlens", mutates_args=())
-def _packed_cu_seqlens_op(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-    """``PackedSequences.cu_seqlens`` of a (batch, seq) batch, on the position ids' device."""
-    cu_seqlens = host_cu_seqlens(position_ids, (batch, seq))
-    return cu_seqlens.to(device=position_ids.device, dtype=torch.int32)
-
-
-@_packed_cu_seqlens_op.register_fake
-def _(position_ids, batch, seq):
-    # documents + 1 entries, at least one document per row (the bound must be a plain int: with
-    # dynamic shapes the batch may not be).
-    least = batch + 1 if isinstance(batch, int) else 2
-    size = torch.library.get_ctx().new_dynamic_size(min=least)
-    return position_ids.new_empty(size, dtype=torch.int32)
-
-
-@torch.library.custom_op("surgery::packed_chunked_cu_seqlens", mutates_args=())
-def _packed_chunked_cu_seqlens_op(
-    position_ids: torch.Tensor, batch: int, seq: int, chunk_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``PackedSequences.cu_seqlens`` and its chunks' (``split_at_chunks``) of a (batch, seq)
-    batch, on the position ids' device, from one read of the position ids."""
-    host_positions = position_ids.cpu()
-    cu_seqlens = host_cu_seqlens(host_positions, (batch, seq))
-    chunked = split_at_chunks(host_positions, (batch, seq), cu_seqlens, chunk_size)
-    return tuple(x.to(device=position_ids.device, dtype=torch.int32) for x in (cu_seqlens, chunked))
-
-
-@_packed_chunked_cu_seqlens_op.register_fake
-def _(position_ids, batch, seq, chunk_size):
-    least = batch + 1 if isinstance(batch, int) else 2
-    ctx = torch.library.get_ctx()
-    documents = position_ids.new_empty(ctx.new_dynamic_size(min=least), dtype=torch.int32)
-    chunks = position_ids.new_empty(ctx.new_dynamic_size(min=least), dtype=torch.int32)
-    return documents, chunks
 
 
 def varlen_kernel(device: torch.device) -> Callable | None:

@@ -13,8 +13,8 @@ import surgery
 import surgery.varlen as varlen
 from surgery import chunked_attention
 from surgery.chunked_attention import chunked_document_mask
+from surgery.kernels.packing import split_at_chunks
 from surgery.kernels.reduction import host_cu_seqlens
-from surgery.varlen import split_at_chunks
 from tests.surgery.test_varlen_attention import ReferenceVarlen
 from tests.utils import FP32_CLOSE as TOL
 from tests.utils import assert_close_budget

@@ -660,23 +660,3 @@ def test_gpu_padding_free_per_row_within_budget(compiled):
     assert_close_budget(got[0], want[0], eager[0], torch.bfloat16, what="loss")
     for name, g in want[1].items():
         assert_close_budget(got[1][name], g, eager[1][name], torch.bfloat16, what=name)
-
-
-def test_padding_free_ops():
-    """``surgery::padded_rows`` and ``surgery::real_rows``: each the other's backward (gathers),
-    their fake tensors and autograd registration as torch.library checks them."""
-    from torch.library import opcheck
-
-    from surgery.unpadding import padded_rows, real_rows, right_padding
-
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    _, layout = right_padding(mask, (mask - 1) * 100, -100, unpad=True)  # padding ignored
-    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
-    full = padded_rows(x, *layout.layout)
-    assert torch.equal(full[layout.index], x) and not full[layout.padding].any()
-    assert torch.equal(real_rows(full, *layout.layout), x)
-    assert torch.autograd.gradcheck(lambda t: padded_rows(t, *layout.layout), (x,))
-    y = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: real_rows(t, *layout.layout), (y,))
-    opcheck(torch.ops.surgery.padded_rows.default, (x, *layout.layout))
-    opcheck(torch.ops.surgery.real_rows.default, (y, *layout.layout))

@@ -322,14 +322,6 @@ def test_default_compile_reads_packed_documents_once_per_shape(arch, monkeypatch
     assert any("searchsorted" in str(n.target) for n in recorder.graphs[0].graph.nodes)
 
 
-def test_packed_cu_seqlens_op():
-    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [4, 5, 0, 1, 2, 3]])
-    cu = torch.ops.surgery.packed_cu_seqlens(pos, 2, 6)
-    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 8, 12]
-    one_row = torch.ops.surgery.packed_cu_seqlens(torch.tensor([[0, 1, 0, 1]]), 2, 4)
-    assert one_row.tolist() == [0, 2, 4, 6, 8]  # (1, T) position ids shared by every row
-
-
 def compiled_saved_bytes(arch: str, batch, **options) -> int:
     torch._dynamo.reset()
     model = surgery.patch(tiny_model(arch).train(), **options)

@@ -21,20 +21,7 @@ from tests.models.tiny import sequences, tiny_model, tiny_tokenizer
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 from surgery.integrations.trl_sft import SFTTrainer  # noqa: E402  (needs trl)
-
-COMMON = dict(
-    max_steps=2,
-    learning_rate=0.1,
-    optim="sgd",
-    report_to=[],
-    save_strategy="no",
-    use_cpu=True,
-    logging_steps=1,
-    seed=0,
-    data_seed=0,
-    dataloader_num_workers=0,
-    bf16=False,
-)
+from tests.surgery.test_trl_trainers import COMMON  # noqa: E402  (two steps, SGD, fp32 on CPU)
 
 
 def _trainer(cls, model, tmp_path, padding_free, **settings):
