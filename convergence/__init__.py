@@ -2,8 +2,10 @@
 
 Mini models of every supported architecture (``configs``, at the suite's sizes; how each is
 built: ``mini`` and ``minis``, by ``model_type``), deterministic synthetic data collated padded or
-packed (``data``), the reference loss from HF logits (``loss``), the lockstep train-and-compare
-loop (``train``) and the verdict with its tolerance table (``compare``).
+packed (``data``), the reference loss from HF logits (``loss``), the sides compared (``side``) and
+what is captured of them (``capture``), the lockstep train-and-compare loop (``train``; a real
+checkpoint's sides one after another: ``pretrained``, ``sequential``) and the verdict with its
+tolerance table (``compare``).
 Run it with ``python -m surgery.convergence``.
 """
 
@@ -11,7 +13,8 @@ from .compare import TOLERANCES, Check, Tolerance, evaluate
 from .configs import ARCHITECTURES, SIZES, build_model, make_config
 from .data import collate_packed, collate_padded, make_batches
 from .loss import causal_lm_loss
-from .train import RunConfig, Variant, train_and_compare
+from .side import Variant
+from .train import RunConfig, train_and_compare
 
 __all__ = [
     "ARCHITECTURES",

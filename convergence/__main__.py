@@ -223,7 +223,7 @@ def _plan(args, size: str):
     """What the arguments ask for: ``(models, dtype argument, dtypes, layouts, variants, lr)``,
     or exit status 2 for a model the suite does not know."""
     from .configs import ARCHITECTURES
-    from .train import Variant
+    from .side import Variant
 
     if args.multimodal:
         from .multimodal import MULTIMODAL as known

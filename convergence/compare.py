@@ -149,10 +149,11 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 
 
-# The z-loss's own gradient (train._z_grad; untied heads), fp32, same weights. What is summed
-# cancels to it from the whole lm_head gradient, so its rounding is relatively large where the
-# z-loss is small: measured up to 1.7e-4 at scale 1e-4 and 2e-6 at 1e-2 (tiny, probes, the real
-# patch through the interpreter); a 1% error in the z-loss gradient is 1e-2.
+# The z-loss's own gradient (``z_grad`` of capture.capture_step; untied heads), fp32, same
+# weights. What is summed cancels to it from the whole lm_head gradient, so its rounding is
+# relatively large where the z-loss is small: measured up to 1.7e-4 at scale 1e-4 and 2e-6 at
+# 1e-2 (tiny, probes, the real patch through the interpreter); a 1% error in the z-loss gradient
+# is 1e-2.
 Z_GRAD = 1e-3
 # The probes' gradients (fp32, same weights, every step). Past step 0 the weights have trained and
 # fp32's summation-order noise between two correct forwards grows a little: measured up to 1.6e-5
@@ -340,8 +341,8 @@ class _SideChecks:
         if self.dtype == "fp32":  # the unpatched fp32 run's own error is measured
             limits.update({k: self.consistent(PROBE_GRAD, self.ref_exact[k][0]) for k in grads})
         elif own := record.get("partner_kernel_error"):
-            # The bf16 run's fp32 partner through TF32 kernels (train.PYTORCH_PARTNER): its
-            # worst error against its PyTorch path, with fp32's accuracy budget.
+            # The bf16 run's fp32 partner through TF32 kernels (linear_attention.PYTORCH_PARTNER):
+            # its worst error against its PyTorch path, with fp32's accuracy budget.
             steps = self.steps[own]
             limits.update({k: _consistent(PROBE_GRAD, max(steps[k]), fp32) for k in grads})
         for key, limit in limits.items():

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .loss import causal_lm_loss
-from .train import router_aux_loss_trained
+from .side import router_aux_loss_trained
 
 __all__ = ["BUGS", "Bug", "fake_patch"]
 
@@ -290,7 +290,8 @@ def run_config(control: Control, *, size: str = "tiny", device: str = "cpu", **k
     """The ``RunConfig`` that exposes ``control``'s bug (its loss options, layouts and model);
     the correct fake patch must pass the same config. ``kw``: further RunConfig fields."""
     from .configs import SIZES, make_config
-    from .train import RunConfig, Variant
+    from .side import Variant
+    from .train import RunConfig
 
     spec = BUGS[control.bug]
     variant = Variant(spec.reduction, control.z, spec.label_smoothing)

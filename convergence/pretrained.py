@@ -56,17 +56,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from . import train as _train
-from .data import DATA_KINDS, Document, read_documents, split_batches, synthetic_batches
-from .sequential import SequentialRunner, SideSpec, SideTrace
+from .capture import run_record
+from .data import (
+    DATA_KINDS,
+    Document,
+    read_documents,
+    split_batches,
+    synthetic_batches,
+)
+from .sequential import SequentialRunner, SideSpec
+from .side import DTYPES, EXACT, LAYOUTS, Variant
 from .sketch import SKETCH_WIDTH
-from .train import DTYPES, EXACT, LAYOUTS, Variant
 
 __all__ = [
     "YARDSTICKS",
@@ -215,11 +221,10 @@ def train_and_compare_pretrained(
     ``compare.evaluate``, ``format_table``, ``plot`` and ``write_json`` read), plus a
     ``"pretrained"`` entry: the checkpoint, the yardstick used and why, each side's peak memory.
 
-    ``patch`` defaults to ``surgery.patch``, called as in ``train``. ``batches``: ``(train,
-    eval)`` documents, by default ``load_batches(run)``; ``run.steps`` is the number of training
-    batches."""
+    ``patch`` defaults to ``surgery.patch`` (``side.default_patch``), called as in ``train``.
+    ``batches``: ``(train, eval)`` documents, by default ``load_batches(run)``; ``run.steps`` is
+    the number of training batches."""
     t0 = time.perf_counter()
-    patch = patch or _train._default_patch()
     data_info: dict[str, Any] = {}
     if batches is None:
         train_docs, eval_docs, data_info = load_batches(run)
@@ -304,36 +309,29 @@ def _merge_twin(runner: SequentialRunner, yardstick: _Yardstick, patched) -> dic
     the twin merged into one against ``yardstick.exact``, the unpatched run's scaled by how much
     larger its own step-0 error is than the twin's one extra rounding; returns that scaling."""
     at_init, twin = yardstick.sides
-    exact = yardstick.exact
-    from_exact = runner.steps[f"reference~{at_init}"]["grad"][0]
-    from_twin = runner.steps[f"reference~{twin}"]["grad"][0]
+    exact, compared = yardstick.exact, runner.compared
+    from_exact = compared.steps[f"reference~{at_init}"]["grad"][0]
+    from_twin = compared.steps[f"reference~{twin}"]["grad"][0]
     ratio = from_exact / from_twin if from_twin > 0 else 1.0
     scale = max(1.0, ratio) if ratio == ratio and ratio != float("inf") else 1.0
     scaling = {
         "twin_scale": scale,
         "grad@0": {"reference~" + at_init: from_exact, "reference~" + twin: from_twin},
         "unscaled": {
-            "steps": runner.steps[f"reference~{twin}"],
-            "eval_final": runner.eval_final[f"reference~{twin}"],
-            "final": runner.final[f"reference~{twin}"],
+            "steps": compared.steps[f"reference~{twin}"],
+            "eval_final": compared.eval_final[f"reference~{twin}"],
+            "final": compared.final[f"reference~{twin}"],
         },
     }
     for side in ["reference"] + [s.name for s in patched]:
         key, key_init, key_twin = f"{side}~{exact}", f"{side}~{at_init}", f"{side}~{twin}"
         k = scale if side == "reference" else 1.0
-        runner.steps[key] = _merge(runner.steps.pop(key_init), runner.steps.pop(key_twin), k)
-        runner.eval_init[key] = runner.eval_init.pop(key_init)
-        runner.eval_init.pop(key_twin)
-        runner.eval_final[key] = _scaled(runner.eval_final.pop(key_twin), k)
-        runner.final[key] = _scaled(runner.final.pop(key_twin), k)
+        compared.steps[key] = _merge(compared.steps.pop(key_init), compared.steps.pop(key_twin), k)
+        compared.eval_init[key] = compared.eval_init.pop(key_init)
+        compared.eval_init.pop(key_twin)
+        compared.eval_final[key] = _scaled(compared.eval_final.pop(key_twin), k)
+        compared.final[key] = _scaled(compared.final.pop(key_twin), k)
     return scaling
-
-
-def _series(trace: SideTrace) -> dict[str, list[float]]:
-    out = {"loss": trace.losses, "z_loss": trace.z_losses}
-    if trace.aux_losses is not None:
-        out["aux_loss"] = trace.aux_losses
-    return out
 
 
 def _pretrained_record(run, runner, yardstick: _Yardstick, scaling, patched, train_docs,
@@ -343,47 +341,39 @@ def _pretrained_record(run, runner, yardstick: _Yardstick, scaling, patched, tra
 
     traces, exact = runner.traces, yardstick.exact
     if yardstick.mode == "full":
-        yardstick_series = _series(traces[exact])
+        yardstick_series = traces[exact].series()
     else:
-        at_init_series, twin_series = (_series(traces[n]) for n in yardstick.sides)
+        at_init_series, twin_series = (traces[n].series() for n in yardstick.sides)
         yardstick_series = {k: v[:1] + twin_series[k][1:] for k, v in at_init_series.items()}
     sides = {
         name: {
             "layout": traces[name].spec.layout,
             "patched": traces[name].spec.patched,
-            **_series(traces[name]),
+            **traces[name].series(),
         }
         for name in ["reference"] + [s.name for s in patched]
     }
     sides[exact] = {"layout": "padded", "patched": False, **yardstick_series}
     text_config = AutoConfig.from_pretrained(run.checkpoint).get_text_config()
     v = run.variant
-    return {
-        "config": {
-            **asdict(run),
-            "variant": {**asdict(v), "name": v.name},
-            "model": run.label,
-            "name": run.name,
-        },
-        "exact": exact,
-        "sides": sides,
-        "probes": {name: info for t in traces.values() for name, info in t.probes.items()},
-        "steps": runner.steps,
-        "final": runner.final,
-        "eval_init": runner.eval_init,
-        "eval_final": runner.eval_final,
-        # A mixture of experts: each side's own routing decisions against the yardstick's, by
-        # phase (as train's record; {} for a dense model).
-        "routing": {
-            phase: {k: v for k, v in by_side.items() if k in sides}
-            for phase, by_side in runner.routing.items()
-        },
-        "logits_materialised_in_training": sorted(
-            name for name, t in traces.items() if t.logits_materialised
-        ),
-        "tokens_per_step": sum(len(d) for docs in train_docs for d in docs) / len(train_docs),
-        "seconds": time.perf_counter() - t0,
-        "size": {
+    config = {**asdict(run), "variant": {**asdict(v), "name": v.name}, "model": run.label,
+              "name": run.name}  # fmt: skip
+    # A mixture of experts: each side's own routing decisions against the yardstick's, by phase
+    # (as train's record; {} for a dense model).
+    routing = {
+        phase: {name: summary for name, summary in by_side.items() if name in sides}
+        for phase, by_side in runner.compared.routing.items()
+    }
+    record = run_record(
+        config,
+        exact,
+        sides,
+        {name: info for t in traces.values() for name, info in t.probes.items()},
+        replace(runner.compared, routing=routing),
+        logits_materialised=[name for name, t in traces.items() if t.logits_materialised],
+        train_docs=train_docs,
+        seconds=time.perf_counter() - t0,
+        size={
             "parameters": runner.n_params,
             "vocab_size": text_config.vocab_size,
             "hidden_size": getattr(text_config, "hidden_size", None),
@@ -391,6 +381,9 @@ def _pretrained_record(run, runner, yardstick: _Yardstick, scaling, patched, tra
             "docs_per_step": run.batch_size,
             "max_doc_len": run.max_length,
         },
+    )
+    return {
+        **record,
         "pretrained": {
             "checkpoint": run.checkpoint,
             "data": data_info or {"source": "given batches"},

@@ -30,7 +30,7 @@ shape, ``k`` or ``largest`` differs from the recorded one, or a forward that cal
 more times, is an error.
 
 Tokens are matched between layouts through the real tokens: the flat positions of the batch's
-non-pad tokens in row-major order (documents in order, as ``train._Side.real_tokens``), which a
+non-pad tokens in row-major order (documents in order, as ``side.Side.real_tokens``), which a
 router's ``(batch * seq, experts)`` scores (or ``(batch, seq, experts)``) are indexed by.
 
 Under replay a side's own decisions are still recorded (the free ``topk`` of its own scores, with

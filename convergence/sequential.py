@@ -2,16 +2,17 @@
 the runner behind ``pretrained`` (a real model and its AdamW state may fit only once).
 
 A side (``SideSpec``) is loaded from the checkpoint, trained on the batches and dropped before the
-next one starts; nothing of model size outlives it. What the lockstep run (``train``) compares in
-full, this one compares through a fixed random linear map of each tensor (``sketch.CountSketch``,
-2^14 fp64 numbers, the same map for every side): every step's gradients of all parameters, of the
-final norm's output and of the lm_head, the eval batch's logits and their gradients, and the
-weight deltas from the initial weights (a sketch of the weights at the start and at the end: the
-map is linear). A relative error read off two sketches is the tensors' own to within about 1%.
-Losses are scalars and exact. A side compared with later ones (``keep``: the reference and the
-yardstick) keeps 0.4 MB a step; the others are compared as their steps happen and keep nothing.
-The result is ``train``'s record entries, pair by pair: ``steps``, ``eval_init``, ``eval_final``,
-``final`` and ``probes``.
+next one starts; nothing of model size outlives it. The sides are the lockstep run's
+(``side.Side``), captured and compared by the same core (``capture``: every step's gradients of
+all parameters, of the final norm's output and of the lm_head, the eval batch's logits and their
+gradients, and the weight deltas from the initial weights); what the lockstep run (``train``)
+keeps whole, this one keeps as a fixed random linear map of each tensor (``capture.Sketched``,
+2^14 fp64 numbers, the same map for every side; the weight deltas from a sketch of the weights at
+the start and at the end: the map is linear). A relative error read off two sketches is the
+tensors' own to within about 1%. Losses are scalars and exact. A side compared with later ones
+(``keep``: the reference and the yardstick) keeps 0.4 MB a step; the others are compared as their
+steps happen and keep nothing. The result is the record's pair entries
+(``SequentialRunner.compared``, a ``capture.Comparisons``) and each side's ``SideTrace``.
 
 The fp32 probes of ``train`` (the patched model on the unpatched fp32 run's weights at every
 step) run inside their partner's run, as patched copies of its modules that share its parameters
@@ -33,6 +34,7 @@ in ``train``.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import zlib
 from collections.abc import Sequence
@@ -41,24 +43,31 @@ from typing import Any
 
 import torch
 
+from .capture import (
+    METRICS,
+    Comparisons,
+    Sketched,
+    capture_eval,
+    capture_step,
+    delta_metrics,
+    eval_metrics,
+    rel_err,
+    step_metrics,
+)
 from .data import Document, collate
 from .routing import Decision, compare_decisions
-from .sketch import SKETCH_WIDTH, CountSketch
-from .train import (
+from .side import (
     DTYPES,
-    METRICS,
     Forward,
-    _aux_value,
-    _rel_scalar,
-    _routed_forward,
-    _Side,
-    _to_device,
-    _values,
+    Side,
     adds_router_aux_loss,
+    loss_series,
     patch_as_the_suite_does,
-    rel_err,
     router_aux_loss_trained,
+    to_device,
+    values,
 )
+from .sketch import SKETCH_WIDTH, CountSketch
 
 __all__ = ["SequentialRunner", "SideSpec", "SideTrace", "prepare_model"]
 
@@ -104,8 +113,12 @@ class SideTrace:
     peak_bytes: int | None = None  # CUDA: in the training steps (eval batches make logits)
     peak_bytes_all: int | None = None  # CUDA: including the eval batches
 
+    def series(self) -> dict[str, list[float]]:
+        """The side's recorded losses, as ``Side.series``."""
+        return loss_series(self.losses, self.z_losses, self.aux_losses)
 
-def _round_once_more(side: _Side, noise: float, step: int, seed: int) -> None:
+
+def _round_once_more(side: Side, noise: float, step: int, seed: int) -> None:
     """The twin's extra rounding: every gradient element ``g`` becomes ``g + δ g`` rounded to
     the gradient's dtype, δ uniform in ``[-noise, noise]``, seeded by the step and the parameter's
     name (``g · (1 + δ)`` would round ``1 + δ`` first: in fp32, to 1)."""
@@ -118,46 +131,6 @@ def _round_once_more(side: _Side, noise: float, step: int, seed: int) -> None:
             delta = torch.rand(p.grad.shape, generator=gen, device=p.grad.device) * 2 - 1
             g = p.grad.float()
             p.grad.copy_(torch.addcmul(g, g, delta, value=noise))
-
-
-def _step_metrics(
-    a: dict[str, Any], b: dict[str, Any], z_on: bool, aux_on: bool
-) -> dict[str, float]:
-    out = {
-        "loss": _rel_scalar(a["loss"], b["loss"]),
-        "z_loss": _rel_scalar(a["z_loss"], b["z_loss"]) if z_on else 0.0,
-        "aux_loss": _rel_scalar(a["aux_loss"], b["aux_loss"]) if aux_on else 0.0,
-        "grad": rel_err(a["grad"], b["grad"]),
-        "hidden_grad": rel_err(a["hidden_grad"], b["hidden_grad"]),
-        "lm_head_grad": rel_err(a["lm_head_grad"], b["lm_head_grad"]),
-    }
-    # As train's z_grad: the lm_head gradient's sum over the vocabulary is the z-loss's alone
-    # when the head is not also the input embedding.
-    if z_on and a.get("z_grad") is not None and b.get("z_grad") is not None:
-        out["z_grad"] = rel_err(a["z_grad"], b["z_grad"])
-    return out
-
-
-def _eval_metrics(
-    a: dict[str, Any], b: dict[str, Any], z_on: bool, aux_on: bool
-) -> dict[str, float]:
-    return {
-        "loss": _rel_scalar(a["loss"], b["loss"]),
-        "z_loss": _rel_scalar(a["z_loss"], b["z_loss"]) if z_on else 0.0,
-        "aux_loss": _rel_scalar(a["aux_loss"], b["aux_loss"]) if aux_on else 0.0,
-        **{k: rel_err(a[k], b[k]) for k in ("logits", "logits_grad", "hidden_grad", "grad")},
-    }
-
-
-def _final_metrics(a: SideTrace, b: SideTrace) -> dict[str, Any]:
-    per_tensor = {k: rel_err(a.delta_per_tensor[k], d) for k, d in b.delta_per_tensor.items()}
-    worst = max(per_tensor, key=per_tensor.get)
-    return {
-        "param_delta": per_tensor[worst],
-        "param_delta_worst": worst,
-        "param_delta_per_tensor": per_tensor,
-        "param_delta_global": rel_err(a.delta, b.delta),
-    }
 
 
 def prepare_model(model, dtype: torch.dtype) -> None:
@@ -183,10 +156,11 @@ def prepare_model(model, dtype: torch.dtype) -> None:
 
 
 class SequentialRunner:
-    """Runs sides one at a time with ``run_side``; ``traces`` and the pair entries (``steps``,
-    ``eval_init``, ``eval_final``, ``final``) fill in as they finish. ``run`` gives the
-    checkpoint, its dtype, the device, the loss variant, the learning rate, the seed and the
-    name shown in progress lines (a ``pretrained.PretrainedRun``)."""
+    """Runs sides one at a time with ``run_side``; ``traces`` and the pair entries
+    (``compared``: ``steps``, ``eval_init``, ``eval_final``, ``final``, ``routing``) fill in as
+    they finish. ``run`` gives the checkpoint, its dtype, the device, the loss variant, the
+    learning rate, the seed and the name shown in progress lines (a ``pretrained.PretrainedRun``);
+    ``patch``: what patches the patched sides (None: ``side.default_patch()``)."""
 
     def __init__(self, run, patch, progress, train_docs, eval_docs):
         self.run = run
@@ -198,21 +172,19 @@ class SequentialRunner:
         self.z_on = run.variant.z_loss_scale > 0
         self.sketch = CountSketch(SKETCH_WIDTH, seed=run.seed)
         self.small_sketch = CountSketch(_PER_TENSOR_WIDTH, seed=run.seed)
+        self.keep = Sketched(self.sketch)
         self.traces: dict[str, SideTrace] = {}
-        self.steps: dict[str, dict[str, list[float]]] = {}
-        self.eval_init: dict[str, dict[str, float]] = {}
-        self.eval_final: dict[str, dict[str, float]] = {}
-        self.final: dict[str, dict[str, Any]] = {}
+        # Every finished pair's measurements (routing: each side's own against the yardstick's).
+        self.compared = Comparisons()
         self.n_params = 0
         self.aux_on = False  # the model trains a router aux loss (known once a side has loaded)
         # Mixtures of experts (module docstring): the routing every later side replays, by phase
         # (the first side's, on the CPU); whether the model routes at all (known after the first
-        # side's eval batch); the side whose decisions the others' are judged against (set by
-        # the caller before that side runs); and each side's own against it, by phase.
+        # side's eval batch); and the side whose decisions the others' are judged against (set
+        # by the caller before that side runs).
         self.replay_source: dict[str, list[Decision]] = {}
         self.routed = False
         self.routing_yardstick: str | None = None
-        self.routing: dict[str, dict[str, dict[str, Any]]] = {}
 
     def _load(self, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
@@ -228,26 +200,10 @@ class SequentialRunner:
         model.train()
         return model
 
-    def _collate(self, docs: Sequence[Document], spec: SideSpec) -> dict[str, torch.Tensor]:
-        return _to_device(collate(docs, spec.layout), self.device)
+    def _collate(self, docs: Sequence[Document], layout: str) -> dict[str, torch.Tensor]:
+        return to_device(collate(docs, layout), self.device)
 
-    def _capture_step(self, side: _Side, batch, out: Forward) -> dict[str, Any]:
-        sk = self.sketch
-        head_grad = side.lm_head.grad
-        loss, z, aux = _values(out)
-        return {
-            "loss": loss,
-            "z_loss": z,
-            "aux_loss": aux,
-            "grad": sk((k, p.grad) for k, p in side.params.items()),
-            "hidden_grad": sk.one("hidden", side.real_tokens(side.hidden.grad, batch)),
-            "lm_head_grad": sk.one("lm_head", head_grad),
-            "z_grad": head_grad.sum(0).to("cpu", torch.float64)
-            if self.z_on and side.untied and head_grad is not None
-            else None,
-        }
-
-    def _probe(self, model, layout: str, partner: SideSpec) -> _Side:
+    def _probe(self, model, layout: str, partner: SideSpec) -> Side:
         """As train's probes: the patched model in fp32 on the fp32 partner's weights at every
         step, to be held to fp32's same-weights limits. Here it is a patched copy of the
         partner's modules that shares its parameters (and their gradients), so it costs no
@@ -257,18 +213,18 @@ class SequentialRunner:
         v = self.run.variant
         # As in train: the attention mask where the router aux loss reads it.
         mask = partner.mask or router_aux_loss_trained(model)
-        return _Side(f"probe-{layout}", probe, layout, True, v, self.run, mask, probe=True)
+        return Side(f"probe-{layout}", probe, layout, True, v, self.run, mask, probe=True)
 
     def _patched(self, model):
         """``model`` patched as ``train``'s sides are."""
         return patch_as_the_suite_does(self.patch, model, self.run.variant)
 
-    def _replayed(self, side: _Side, batch, phase: str, trace: SideTrace) -> Forward:
+    def _replayed(self, side: Side, batch, phase: str, trace: SideTrace) -> Forward:
         """``side.forward(batch)`` with the routing of ``phase`` that every side replays: the
         first side to run the phase routes freely and its decisions become that routing. The
         side's own decisions are kept in ``trace`` for the comparison with the yardstick's."""
         source = self.replay_source.get(phase)
-        out, decisions = _routed_forward(side, batch, source)
+        out, decisions = side.routed_forward(batch, source)
         own = [Decision(d.scores.cpu(), d.indices.cpu(), d.largest) for d in decisions]
         if source is None:
             self.replay_source[phase] = own
@@ -276,7 +232,7 @@ class SequentialRunner:
             trace.decisions[phase] = own
         return out
 
-    def _step_routing(self, side: _Side, batch, t: int) -> list[Decision]:
+    def _step_routing(self, side: Side, batch, t: int) -> list[Decision]:
         """The routing every side replays at training step ``t``: the first side's own, from a
         forward of it without gradients (kept from step 0 on with its scores, which the step-0
         comparison judges; later steps keep the picks alone, and only their shape of the
@@ -284,7 +240,7 @@ class SequentialRunner:
         phase = "step0" if t == 0 else f"train{t}"
         if phase not in self.replay_source:
             with torch.no_grad():
-                _, decisions = _routed_forward(side, batch, None)
+                _, decisions = side.routed_forward(batch, None)
             self.replay_source[phase] = [
                 Decision(
                     d.scores.cpu() if t == 0 else d.scores.new_zeros(()).expand(d.scores.shape),
@@ -295,33 +251,14 @@ class SequentialRunner:
             ]
         return self.replay_source[phase]
 
-    def _capture_eval(
-        self, side: _Side, spec: SideSpec, phase: str, trace: SideTrace
-    ) -> dict[str, Any]:
-        batch = self._collate(self.eval_docs, spec)
-        side.model.eval()
-        side.zero_grad()
-        fwd = self._replayed(side, batch, phase, trace)
-        logits = fwd.logits
-        if logits is None:
-            raise RuntimeError(f"{spec.name}: the eval forward returned no logits")
-        logits.retain_grad()
-        fwd.loss.backward()
-        sk = self.sketch
-        out = {
-            "loss": fwd.loss.item(),
-            "z_loss": fwd.z_loss.item(),
-            "aux_loss": _aux_value(fwd.aux_loss),
-            "logits": sk.one("logits", side.real_tokens(logits.detach(), batch)),
-            "logits_grad": sk.one("logits_grad", side.real_tokens(logits.grad, batch)),
-            "hidden_grad": sk.one("hidden", side.real_tokens(side.hidden.grad, batch)),
-            "grad": sk((k, p.grad) for k, p in side.params.items()),
-        }
-        side.zero_grad()
-        side.model.train()
-        return out
+    def _capture_eval(self, side: Side, phase: str, trace: SideTrace) -> dict[str, Any]:
+        """The eval batch's capture of ``side`` (``capture.capture_eval``) under ``phase``'s
+        replayed routing."""
+        batch = self._collate(self.eval_docs, side.layout)
+        forward = functools.partial(self._replayed, side, phase=phase, trace=trace)
+        return capture_eval(side, batch, forward, self.keep)
 
-    def _weights(self, side: _Side) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _weights(self, side: Side) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.no_grad():
             whole = self.sketch(side.params.items())
             per_tensor = {k: self.small_sketch.one(k, p) for k, p in side.params.items()}
@@ -349,7 +286,7 @@ class SequentialRunner:
         peaks.append(self._peak(reset=True))
         trace.peak_bytes = peaks[-1]
         if spec.train:
-            trace.eval_final = self._capture_eval(side, spec, "eval_final", trace)
+            trace.eval_final = self._capture_eval(side, "eval_final", trace)
             final, final_per_tensor = self._weights(side)
             trace.delta = final - trace.init
             trace.delta_per_tensor = {
@@ -358,13 +295,7 @@ class SequentialRunner:
         peaks.append(self._peak())
         trace.peak_bytes_all = None if None in peaks else max(peaks)
         trace.probes = {
-            probe.name: {
-                "layout": probe.layout,
-                "partner": spec.name,
-                "loss": probe.losses,
-                "z_loss": probe.z_losses,
-                **({"aux_loss": probe.aux_losses} if self.aux_on else {}),
-            }
+            probe.name: {"layout": probe.layout, "partner": spec.name, **probe.series()}
             for probe in probes
         }
         del side, probes
@@ -382,7 +313,7 @@ class SequentialRunner:
         elif type(model).forward is not model.forward.__func__:
             raise RuntimeError(f"{spec.name}: the unpatched model's forward was replaced")
         probes = [self._probe(model, layout, spec) for layout in spec.probes]
-        side = _Side(spec.name, model, spec.layout, spec.patched, run.variant, run, spec.mask)
+        side = Side(spec.name, model, spec.layout, spec.patched, run.variant, run, spec.mask)
         trace = SideTrace(spec)
         self.n_params = sum(p.numel() for p in side.params.values())
         init, init_per_tensor = self._weights(side)
@@ -396,7 +327,7 @@ class SequentialRunner:
         self.aux_on = side.aux_coef is not None
         if self.aux_on:
             trace.aux_losses = []
-        trace.eval_init = self._capture_eval(side, spec, "eval_init", trace)
+        trace.eval_init = self._capture_eval(side, "eval_init", trace)
         self.routed = bool(self.replay_source["eval_init"])
         return side, probes, trace, init_per_tensor
 
@@ -404,7 +335,7 @@ class SequentialRunner:
                     steps) -> None:  # fmt: skip
         """Step ``t`` on ``docs``: the probes on the side's weights, then the side (trained where
         ``spec.train``); each pair's metrics of the step appended to ``steps``."""
-        batch = self._collate(docs, spec)
+        batch = self._collate(docs, spec.layout)
         # A mixture of experts trains under the step's routing (module docstring): the first
         # side's, picked by a forward of it without gradients, which its probes and its own step
         # replay; every later side and its probes replay it.
@@ -417,12 +348,12 @@ class SequentialRunner:
             # The side's own step-0 decisions are judged against the yardstick's.
             fwd = self._replayed(side, batch, "step0", trace)
         else:
-            fwd, _ = _routed_forward(side, batch, routing)
+            fwd, _ = side.routed_forward(batch, routing)
         fwd.loss.backward()
         if spec.grad_noise:
             _round_once_more(side, spec.grad_noise, t, self.run.seed)
         trace.logits_materialised |= spec.patched and fwd.logits is not None
-        here = self._capture_step(side, batch, fwd)
+        here = capture_step(side, batch, values(fwd), self.keep, self.z_on)
         del batch, fwd
         trace.losses.append(here["loss"])
         trace.z_losses.append(here["z_loss"])
@@ -438,7 +369,7 @@ class SequentialRunner:
                 if t >= len(other.steps):
                     continue
                 xa, xb = (here, other.steps[t]) if a == spec.name else (other.steps[t], here)
-            for k, value in _step_metrics(xa, xb, self.z_on, self.aux_on).items():
+            for k, value in step_metrics(xa, xb, self.z_on, self.aux_on).items():
                 steps[f"{a}~{b}"][k].append(value)
         del here, probed, routing
         if spec.train:
@@ -446,30 +377,31 @@ class SequentialRunner:
 
     def _probe_step(self, probe, docs, routing) -> dict[str, Any]:
         """One step of ``probe`` (on its partner's current weights) on ``docs``: its capture."""
-        probe_batch = _to_device(collate(docs, probe.layout), self.device)
+        probe_batch = self._collate(docs, probe.layout)
         probe.zero_grad()
         if routing is not None:
-            fwd, _ = _routed_forward(probe, probe_batch, routing)
+            fwd, _ = probe.routed_forward(probe_batch, routing)
         else:
             fwd = probe.forward(probe_batch)
         fwd.loss.backward()
-        captured = self._capture_step(probe, probe_batch, fwd)
-        probe.record(fwd)
-        return captured
+        return capture_step(probe, probe_batch, probe.record(fwd), self.keep, self.z_on)
 
     def _store(self, spec: SideSpec, trace: SideTrace, mine, steps) -> None:
         """The finished side and its pairs with the sides run before it, stored."""
         self.traces[spec.name] = trace
+        compared, on = self.compared, (self.z_on, self.aux_on)
         for a, b in mine:
-            self.steps[f"{a}~{b}"] = steps[f"{a}~{b}"]
+            key = f"{a}~{b}"
+            compared.steps[key] = steps[key]
             if a in trace.probes:
                 continue
             ta, tb = self.traces[a], self.traces[b]
-            on = self.z_on, self.aux_on
-            self.eval_init[f"{a}~{b}"] = _eval_metrics(ta.eval_init, tb.eval_init, *on)
+            compared.eval_init[key] = eval_metrics(ta.eval_init, tb.eval_init, *on)
             if ta.eval_final is not None and tb.eval_final is not None:
-                self.eval_final[f"{a}~{b}"] = _eval_metrics(ta.eval_final, tb.eval_final, *on)
-                self.final[f"{a}~{b}"] = _final_metrics(ta, tb)
+                compared.eval_final[key] = eval_metrics(ta.eval_final, tb.eval_final, *on)
+                compared.final[key] = delta_metrics(
+                    ta.delta_per_tensor, tb.delta_per_tensor, ta.delta, tb.delta
+                )
         self._compare_routing()
 
     def _compare_routing(self) -> None:
@@ -484,7 +416,8 @@ class SequentialRunner:
             for phase, mine in trace.decisions.items():
                 if phase in yardstick.decisions:
                     theirs = yardstick.decisions[phase]
-                    self.routing.setdefault(phase, {})[name] = compare_decisions(mine, theirs)
+                    by_side = self.compared.routing.setdefault(phase, {})
+                    by_side[name] = compare_decisions(mine, theirs)
             trace.decisions = {}
 
     def _peak(self, reset: bool = False) -> int | None:

@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from surgery.convergence import __main__ as cli
-from surgery.convergence import train
 from surgery.convergence.controls import fake_patch
 from tests.utils import extra_requirements
 
@@ -31,7 +30,7 @@ def test_cli_passes_and_writes_outputs(tmp_path, capsys):
 
 
 def test_cli_fails_on_a_bug(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train, "_default_patch", lambda: fake_patch("token_mean"))
+    monkeypatch.setattr("surgery.convergence.side.default_patch", lambda: fake_patch("token_mean"))
     code = cli.main(
         ["--steps", "2", "--reduction", "sequence", "--packed", "--no-plot", "--out", str(tmp_path)]
     )

@@ -13,7 +13,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from surgery.convergence import __main__ as cli
-from surgery.convergence import pretrained, sequential, train
+from surgery.convergence import pretrained, sequential
 from surgery.convergence.compare import GRADS, evaluate
 from surgery.convergence.configs import build_model
 from surgery.convergence.controls import fake_patch
@@ -489,7 +489,7 @@ def test_cli_pretrained_passes_with_surgery_patch(checkpoint, tmp_path, capsys):
 
 
 def test_cli_pretrained_fails_on_a_bug(checkpoint, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train, "_default_patch", lambda: fake_patch("grad_scale"))
+    monkeypatch.setattr("surgery.convergence.side.default_patch", lambda: fake_patch("grad_scale"))
     args = _cli_args(checkpoint, tmp_path, "text.jsonl", "--reduction", "mean", "--padded",
                      "--yardstick", "init", "--no-plot")  # fmt: skip
     code = cli.main(args)

@@ -14,7 +14,8 @@ from surgery.convergence.configs import ARCHITECTURES, SIZES, build_model
 from surgery.convergence.data import collate, make_batches
 from surgery.convergence.minis.gemma import GEMMA4_MOE_ARGUMENTS
 from surgery.convergence.routing import Decision, compare_decisions, margins
-from surgery.convergence.train import RunConfig, Variant, _Side, train_and_compare
+from surgery.convergence.side import Side, Variant
+from surgery.convergence.train import RunConfig, train_and_compare
 
 EVAL_DOCS = make_batches("tiny", 1, seed=0)[1]
 # Gemma 4's mixture is not in its mini config (tests/models tests it with these arguments).
@@ -28,7 +29,7 @@ def _experts_modules(model) -> int:
 def _run(model, layout, replay=None):
     """One eval forward of EVAL_DOCS in ``layout`` inside a Routing: (decisions, real-token
     logits, [(decision index, what the router returned)] per router call)."""
-    side = _Side("s", model, layout, False, Variant(), RunConfig(), probe=True)
+    side = Side("s", model, layout, False, Variant(), RunConfig(), probe=True)
     batch = collate(EVAL_DOCS, layout)
     routing = side.routing(batch, replay)
     picks = []
@@ -97,19 +98,19 @@ def test_aux_loss_ranks_after_the_routers_alike_patched_and_unpatched(name):
         routing.check_replayed()
         return out, routing.decisions
 
-    ref, decisions = run(_Side("ref", model, "padded", False, Variant(), RunConfig(), probe=True),
+    ref, decisions = run(Side("ref", model, "padded", False, Variant(), RunConfig(), probe=True),
                          "padded")  # fmt: skip
     assert ref.aux_loss is not None and len(decisions) == 2 * n
     for router, aux in zip(decisions[:n], decisions[n:]):
         assert torch.equal(router.indices, aux.indices)
     shapes = [(d.scores.shape, d.k, d.largest) for d in decisions]
     for layout in ("padded", "packed"):
-        side = _Side(layout, patched, layout, True, Variant(), RunConfig(), probe=True)
+        side = Side(layout, patched, layout, True, Variant(), RunConfig(), probe=True)
         out, mine = run(side, layout, decisions)
         assert [(d.scores.shape, d.k, d.largest) for d in mine] == shapes, layout
         torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-6)
-    unmasked = _Side("yardstick", model, "padded", False, Variant(), RunConfig(), mask=False,
-                     probe=True)  # fmt: skip
+    unmasked = Side("yardstick", model, "padded", False, Variant(), RunConfig(), mask=False,
+                    probe=True)  # fmt: skip
     out, mine = run(unmasked, "padded")
     assert len(mine) == 2 * n
     torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=1e-7)
@@ -131,7 +132,7 @@ def test_replay_forces_the_same_experts_on_padded_and_packed_real_tokens(name):
     documents: each real token is sent to the forced experts in both, the logits agree as for one
     routing, and pads keep their own choice. Mistral 4's router is group-limited (three topk
     calls, the last picks the experts), Llama 4's is top-1 over logits."""
-    # Without a cache transformers keeps packed documents apart (see train._Side).
+    # Without a cache transformers keeps packed documents apart (see surgery.convergence.train).
     model = build_model(name, overrides={"use_cache": False}).eval()
     free, _, free_picks = _run(model, "padded")
     gen = torch.Generator().manual_seed(0)
@@ -204,17 +205,15 @@ def test_every_training_step_replays_the_yardsticks_routing(monkeypatch):
     """At every training step every side (and probe) runs with the decisions the yardstick
     took at that step, the yardstick first: sides that routed freely trained different experts
     after one flipped near-tie (fp32, full size: 10x past the loss limits on the H100)."""
-    import surgery.convergence.train as train
-
     calls = []
-    routed_forward = train._routed_forward
+    routed_forward = Side.routed_forward
 
     def recording(side, batch, replay):
         out, decisions = routed_forward(side, batch, replay)
         calls.append((side.name, side.model.training, replay, decisions))
         return out, decisions
 
-    monkeypatch.setattr(train, "_routed_forward", recording)
+    monkeypatch.setattr(Side, "routed_forward", recording)
     cfg = RunConfig(model="mixtral", dtype="fp32", steps=2, layouts=("padded", "packed"))
     record = train_and_compare(cfg)
     training = [c for c in calls if c[1]]

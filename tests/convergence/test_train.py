@@ -165,7 +165,7 @@ def test_router_aux_loss_found_in_every_release(name, multimodal, adds):
     (transformers 5.17's Qwen3-VL-MoE and Qwen3.5-MoE wrappers, whose aux loss the suite then
     skipped); not Llama 4, which outputs router logits but adds nothing."""
     from surgery.convergence.multimodal import build_multimodal_model
-    from surgery.convergence.train import adds_router_aux_loss
+    from surgery.convergence.side import adds_router_aux_loss
 
     model = build_multimodal_model(name) if multimodal else build_model(name, "tiny")
     assert adds_router_aux_loss(model) is adds
@@ -179,7 +179,7 @@ def test_fp64_yardstick_runs_transformers_pytorch_linear_attention(monkeypatch):
     import functools
     import importlib
 
-    from surgery.convergence.train import pytorch_linear_attention
+    from surgery.convergence.linear_attention import pytorch_linear_attention
     from tests.models.tiny import sequences, tiny_model
 
     model = tiny_model("qwen3_5_text", dtype=torch.float64).eval()
