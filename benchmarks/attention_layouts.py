@@ -2,8 +2,8 @@
 heads, 8 key/value heads, head dim 64, bf16) through sdpa's cuDNN and flash kernels over the padded
 (batch, seq) layout, and through flash attention's variable-length kernel
 (``torch.nn.attention.varlen.varlen_attn``) over the same rows as one packed row, whole (8192
-tokens) and with 512 padding tokens left out (7680). Why ``surgery.unpadding`` keeps the attention
-in the padded layout.
+tokens) and with 512 padding tokens left out (7680). Why ``surgery.attention.unpadding`` keeps the
+attention in the padded layout.
 
     python benchmarks/attention_layouts.py > benchmarks/results/padding_free_attention.txt
 """

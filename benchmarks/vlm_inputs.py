@@ -27,7 +27,7 @@ Layouts (``make_vlm_batch``):
   label -100, the text positions restarting at every conversation; Qwen's position ids are
   (4, batch, seq), the text row then each conversation's own 3-D rotary positions (the model's
   ``get_rope_index`` on it alone). Gemma 3's images attend both ways through ``token_type_ids``:
-  patched, such a row runs each conversation's own mask (``surgery.multimodal``), unpatched
+  patched, such a row runs each conversation's own mask (``surgery.forwards.multimodal``), unpatched
   transformers' mask of the row;
 - ``single``: one conversation of ``seq`` tokens with ``IMAGES_PER_ROW`` images, batch 1.
 """

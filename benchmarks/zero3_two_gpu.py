@@ -189,7 +189,7 @@ class Runner:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         self.cuda = device.type == "cuda"
         self.surgery = import_surgery()
-        self.spy = KernelSpy(sys.modules["surgery.head"])
+        self.spy = KernelSpy(sys.modules["surgery.forwards.head"])
         self.scratch = Path(tempfile.mkdtemp(prefix="zero3_"))
         self.engines: list[weakref.ref] = []  # every ZeRO-3 engine so far: each must be freed
 

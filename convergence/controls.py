@@ -175,7 +175,7 @@ def fake_patch(bug: str | None = None, onset: int = 0):
             if counted and input_ids is last_batch[0]:
                 steps[0] -= 1
             # The packed-batch guard: with a KV cache transformers lets packed rows attend across
-            # documents (see surgery.forward).
+            # documents (see surgery.forwards.causal_lm).
             use_cache = None if on("attention_leak") else False
             aux_on = router_aux_loss_trained(self)
             moe = {"output_router_logits": True} if aux_on else {}

@@ -28,7 +28,7 @@ Layouts: padded and packed (one row, text positions restarting at each conversat
 family. The Qwen-VL family's packed rows carry transformers' (4, batch, seq) position ids (the text
 row, then each document's ``get_rope_index``); the others take 2-D ones. Gemma 3's images (and
 Gemma 4's, where its text config says "vision") attend both ways through their token types; a
-packed row of them runs surgery's per-conversation masks (``surgery.multimodal``), which
+packed row of them runs surgery's per-conversation masks (``surgery.forwards.multimodal``), which
 transformers' mask of the packed row is not: the unpatched reference is always the padded one.
 """
 

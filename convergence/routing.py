@@ -14,13 +14,13 @@ within each group, groups, then experts), and nothing else in the decoder does (
 own calls ``topk``). With ``output_router_logits`` (the sides of a mixture with a router aux loss
 train it), transformers' ``load_balancing_loss_func`` ranks each layer's router probabilities once
 more, one call per layer in layer order, after the decoder has returned: in the unpatched causal-LM
-forward and in surgery's alike (``surgery.forward`` calls the same function at the same point). So
-every side makes the same calls in the same order, and the calls in order are the forward's routing
-decisions followed by the aux loss's count of tokens per expert; replaying both sends each real
-token to the same experts in the experts' output and in the aux loss, so a near tie that rounding
-tips moves neither. A ``topk`` that is no part of the forward being compared (a side computing an
-aux loss of its own) is not recorded: ``paused`` runs it freely, ``again`` forces the experts the
-forward's own count of the same probabilities was given. What a call records
+forward and in surgery's alike (``surgery.forwards.causal_lm`` calls the same function at the same
+point). So every side makes the same calls in the same order, and the calls in order are the
+forward's routing decisions followed by the aux loss's count of tokens per expert; replaying both
+sends each real token to the same experts in the experts' output and in the aux loss, so a near tie
+that rounding tips moves neither. A ``topk`` that is no part of the forward being compared (a side
+computing an aux loss of its own) is not recorded: ``paused`` runs it freely, ``again`` forces the
+experts the forward's own count of the same probabilities was given. What a call records
 (``Decision``): the scores it ranked and the indices it picked, at the batch's real tokens. Given
 another forward's decisions (``replay``), each call returns those indices at the real tokens, the
 side's own choice at pads, and the side's *own* scores gathered at the forced indices, so that the

@@ -1,10 +1,10 @@
 """Rows gathered in groups and summed: ``out[i] = sum_k w[r] values[r]`` with r the row
 ``index[i * group + k]`` (w = 1 without ``weights``).
 
-A mixture of experts runs it twice per layer (``surgery.experts``): to sum each token's top-k
-expert outputs weighted by their routing weights (rows sorted by expert, ``index`` the sorted row
-of each (token, slot)), and in the backward to sum the gradients of a token's top-k gathered input
-rows. Written as
+A mixture of experts runs it twice per layer (``surgery.forwards.experts``): to sum each token's
+top-k expert outputs weighted by their routing weights (rows sorted by expert, ``index`` the sorted
+row of each (token, slot)), and in the backward to sum the gradients of a token's top-k gathered
+input rows. Written as
 ``values[index].view(-1, group, width).sum(1)`` the compiler materialises nothing but runs a
 reduction of length ``group`` per output element, several times slower than a copy of the
 rows (``benchmarks/results/train_step-qwen3_moe-compile-gather-sum*``); the kernel gives each
@@ -16,8 +16,8 @@ Contract: ``values`` (rows, width), unit stride along the width, fp32 / bf16 / f
 (rows,) or None, any float dtype; returns a new contiguous (n, width) tensor in ``values``' dtype:
 each row times its weight and the group's rows summed, in fp32, in order k = 0, 1, ..., rounded
 once. The PyTorch path (CPU without the Triton interpreter) sums in fp32
-too, in PyTorch's reduction order. Not differentiable itself: ``surgery.experts`` gives it a
-backward.
+too, in PyTorch's reduction order. Not differentiable itself: ``surgery.forwards.experts`` gives it
+a backward.
 
 Reference: ``gather_sum_reference``.
 """

@@ -69,7 +69,7 @@ def padded_rows(
 ) -> torch.Tensor:
     """(T, ...) real rows -> (batch * seq, ...): row ``gather[i]`` of ``x`` at row i, zeros at the
     rows ``padding`` lists (a padded layout's ``index``, ``gather`` and ``padding``:
-    ``surgery.unpadding.Unpadded``)."""
+    ``surgery.attention.unpadding.Unpadded``)."""
     return x.index_select(0, gather).index_fill_(0, padding, 0)
 
 

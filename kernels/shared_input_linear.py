@@ -87,7 +87,7 @@ def shared_input_linear(
 ) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))`` (see the module docstring).
     x (..., in), each weight (out_i, in), each bias (out_i,) or None; all of one dtype and
-    device. Outside autocast: the caller decides (``surgery.layers.projections`` calls the
+    device. Outside autocast: the caller decides (``surgery.forwards.layers.projections`` calls the
     modules instead under autocast, whose casts it would otherwise have to repeat)."""
     if not weights:
         raise ValueError("shared_input_linear needs at least one weight")

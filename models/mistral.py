@@ -2,8 +2,8 @@
 the layers its config's ``layer_types`` makes sliding (read from each attention module).
 Ministral 3: Mistral (yarn RoPE) whose query is scaled after RoPE by a factor growing with its
 position (llama-4 style, ``position_query_scale``). Mistral 4: multi-head latent attention
-(``latent_attention``, ``surgery.mla``) with Ministral 3's query scale, and MoE layers (a shared
-expert, no router aux loss) after its first dense ones."""
+(``latent_attention``, ``surgery.attention.mla``) with Ministral 3's query scale, and MoE layers (a
+shared expert, no router aux loss) after its first dense ones."""
 
 import dataclasses
 

@@ -134,7 +134,7 @@ QWEN3_5_MOE = dataclasses.replace(
 
 # Text architectures that exist only as the language model of a multimodal model (Qwen2-VL,
 # Qwen2.5-VL, Qwen3-VL and its MoE: no causal LM class of their own, ``causal_lm`` None): reached
-# through their wrapper (``surgery.multimodal``), listed in ``MULTIMODAL_ONLY_SPECS``.
+# through their wrapper (``surgery.forwards.multimodal``), listed in ``MULTIMODAL_ONLY_SPECS``.
 QWEN2_VL_MULTIMODAL = _qwen_multimodal("qwen2_vl", "Qwen2VL", vision_attention="VisionAttention")
 
 QWEN2_VL = ArchitectureSpec(

@@ -87,7 +87,7 @@ class MultimodalWrapper:
     (``ArchitectureSpec.multimodal``; matched at patch time by its ``config.text_config``'s
     ``model_type``). The language model is patched as that spec says, the vision tower and the
     projector are left to transformers (but for ``vision_attention``), and the wrapper's forward
-    gets the fused loss with the wrapper's own output class (``surgery.multimodal``)."""
+    gets the fused loss with the wrapper's own output class (``surgery.forwards.multimodal``)."""
 
     model_type: str
     """``config.model_type`` of the wrapper (``gemma3``)."""
@@ -107,8 +107,8 @@ class MultimodalWrapper:
     """The wrapper's forward argument whose nonzero entries mark tokens (images) that transformers
     may let attend to each other in both directions (Gemma 3's ``token_type_ids``, Gemma 4's
     ``mm_token_type_ids``): when a batch has any, the attention runs the mask transformers built
-    (a packed row: ``surgery.multimodal.packed_bidirectional_masks``), never one of surgery's
-    causal shortcuts (``causal_right_padding``, ``varlen_attention``)."""
+    (a packed row: ``surgery.forwards.multimodal.packed_bidirectional_masks``), never one of
+    surgery's causal shortcuts (``causal_right_padding``, ``varlen_attention``)."""
     bidirectional_when: tuple[str, object] | None = None
     """The text config's (attribute, value) under which transformers lets ``bidirectional_tokens``
     attend both ways (Gemma 4: ``("use_bidirectional_attention", "vision")``); None: whenever the
@@ -118,7 +118,7 @@ class MultimodalWrapper:
     """The vision tower's attention class (in ``module``) whose forward takes the tower's
     ``cu_seqlens`` and, without flash attention, calls the attention once per image, frame or
     window (the Qwen-VL family): with ``varlen_attention`` it runs them all in one varlen call
-    (``surgery.vision_attention``). None: the vision tower is left as it is."""
+    (``surgery.attention.vision``). None: the vision tower is left as it is."""
     images: MiniImages | None = None
     """How its processor lays out an image (the convergence suite's image chats, the tests'
     images); None: the suite has no image inputs for it and says so."""
@@ -181,7 +181,8 @@ class ArchitectureSpec:
     num_experts, num_experts_per_tok, attention_mask)`` (transformers' own function of
     ``module``, the causal LM's own attributes) to the loss, returning transformers'
     ``MoeCausalLMOutputWithPast`` fields. The routed experts run through transformers' experts
-    implementations, surgery's own (``surgery.experts``) by default where it can fuse them."""
+    implementations, surgery's own (``surgery.forwards.experts``) by default where it can fuse
+    them."""
     tied_lm_head: bool = False
     """The architecture's config ties ``lm_head.weight`` to ``embed_tokens.weight`` by default. The
     loss always reads the head's own ``weight`` through its module call, so a tied head trains the
@@ -201,8 +202,8 @@ class ArchitectureSpec:
     ``Llama4TextExperts``: ``forward(hidden_states)`` of (experts x tokens, hidden), each expert's
     tokens already scaled by its routing weight; ``bmm`` with ``gate_up_proj`` (experts, hidden,
     2 I), gate then up; ``act_fn(gate) * up``; ``bmm`` with ``down_proj`` (experts, I, hidden)).
-    Its instances get ``surgery.experts.batched_experts_forward``, the activation fused between
-    the GEMMs, when ``experts_implementation`` asks for surgery's experts; None: none."""
+    Its instances get ``surgery.forwards.experts.batched_experts_forward``, the activation fused
+    between the GEMMs, when ``experts_implementation`` asks for surgery's experts; None: none."""
     attention_output_gate: bool = False
     """``q_proj`` yields, per head, the query then an output gate of the same size (its output
     viewed as ``(..., heads, 2 * head_dim)`` and split in halves); the attention output is
@@ -211,7 +212,7 @@ class ArchitectureSpec:
     """Linear-attention (recurrent) layer class of a hybrid model, left to transformers' own math
     but given the documents of a packed batch: its instances run each document as one row of a
     right-padded batch, so that neither its recurrent state nor its convolution window crosses a
-    document boundary (``surgery.linear_attention``); None: none."""
+    document boundary (``surgery.attention.linear``); None: none."""
     kv_sharing: bool = False
     """Later layers reuse the keys and values of an earlier layer of their type (Gemma 3n, Gemma
     4): the attention takes transformers' ``shared_kv_states``; a module whose
@@ -241,15 +242,15 @@ class ArchitectureSpec:
     """On a layer without RoPE whose module sets ``attn_temperature_tuning`` (Llama 4), the query
     is multiplied by ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))`` (the module's
     attributes), each token's position read from the position ids
-    (``surgery.chunked_attention``)."""
+    (``surgery.attention.chunked``)."""
     chunked_attention: bool = False
     """The layers whose ``config.layer_types`` entry is ``"chunked_attention"`` attend causally
     within chunks of ``config.attention_chunk_size`` positions (Llama 4's RoPE layers); on a packed
-    batch the chunks follow each document's own positions (``surgery.chunked_attention``)."""
+    batch the chunks follow each document's own positions (``surgery.attention.chunked``)."""
     positions_to_attention: bool = False
     """The decoder layers do not pass ``position_ids`` on to the attention (Llama 4): the base
     model's forward is wrapped to hand them to it under a keyword of surgery's own
-    (``surgery.base_model``)."""
+    (``surgery.forwards.base_model``)."""
     eager_softmax_fp32: bool = True
     """transformers' eager attention of ``module`` takes its softmax in fp32, as
     ``lean_eager_attention`` does; False (Llama 4: in the scores' dtype): the eager
@@ -263,14 +264,15 @@ class ArchitectureSpec:
     latent_attention: bool = False
     """The attention is multi-head latent attention (Mistral 4's MLA: low-rank query, one
     compressed key/value latent per token, a rotary key part shared by all heads): its instances
-    get ``surgery.mla.mla_attention_forward`` in place of the generic attention forward."""
+    get ``surgery.attention.mla.mla_attention_forward`` in place of the generic attention
+    forward."""
     mrope: bool = False
     """Multimodal RoPE (Qwen2-VL and later): the rotary module takes (3, batch, seq) temporal,
     height and width positions and gives each frequency the angle of one of them (its
     ``mrope_section``). The base model hands the attention the positions its rotary module takes
-    (``surgery.base_model``), and ``apply_rope`` rotates with the sections, their layout
+    (``surgery.forwards.base_model``), and ``apply_rope`` rotates with the sections, their layout
     (contiguous or interleaved) read from the rotary module's own ``recomposition_frequencies``
-    at patch time (``surgery.attention.mrope_layout``)."""
+    at patch time (``surgery.attention.forward.mrope_layout``)."""
     multimodal: tuple[MultimodalWrapper, ...] = ()
     """The multimodal models whose language model can be this architecture's text model (Gemma
     3's ``Gemma3ForConditionalGeneration``; Mistral 3's wraps a Mistral or a Ministral 3)."""

@@ -5,15 +5,15 @@ fused ``linear_cross_entropy`` loss, position-aware ``apply_rope``, and fused ``
 ``gated_activation`` kernels; ``apply_<arch>()`` does the same for models built afterwards.
 """
 
-from . import api, apply
-from .api import *  # noqa: F403  (patch, unpatch, patched, ...)
-from .apply import *  # noqa: F403  (revert, and apply_<name> for every supported architecture)
-from .describe import PatchReport, describe
-from .fallback import FallbackRefusedError
-from .foreign import ForeignForwardError
-from .options import PatchOptions
-from .outputs import CausalLMOutputWithZLoss, MoeCausalLMOutputWithZLoss, ZLossOutput
-from .registry import UnsupportedModelError, supported
+from surgery import api, apply
+from surgery.api import *  # noqa: F403  (patch, unpatch, patched, ...)
+from surgery.apply import *  # noqa: F403  (revert, and apply_<name> for every supported architecture)
+from surgery.describe import PatchReport, describe
+from surgery.options import PatchOptions
+from surgery.outputs import CausalLMOutputWithZLoss, MoeCausalLMOutputWithZLoss, ZLossOutput
+from surgery.patching.fallback import FallbackRefusedError
+from surgery.patching.foreign import ForeignForwardError
+from surgery.patching.registry import UnsupportedModelError, supported
 
 __version__ = "0.1.0"
 

@@ -6,10 +6,11 @@ the module (``types.MethodType``), and keeps what it replaced to restore. It add
 buffers or submodules: what a patched forward needs lives in plain attributes of the instance's
 ``__dict__``. Modules are matched by transformers' own classes (``ArchitectureSpec.is_instance``).
 ``patch`` is all or nothing: every swap is planned and checked first (signatures, forwards other
-code installed: see ``surgery.foreign``), then installed; a failure while installing undoes the
-swaps already made. accelerate's hooks and mixed-precision wrapper are kept around the patched
+code installed: see ``surgery.patching.foreign``), then installed; a failure while installing undoes
+the swaps already made. accelerate's hooks and mixed-precision wrapper are kept around the patched
 forward; other libraries' forwards are refused. A causal LM outside the registry is patched only
-when asked (``fallback="loss"``): the fused loss alone, proven at patch time (``surgery.fallback``).
+when asked (``fallback="loss"``): the fused loss alone, proven at patch time
+(``surgery.patching.fallback``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from surgery.models import ArchitectureSpec
-
-from .attention import (
+from surgery.attention.forward import (
     BINDING_ATTR,
     AttentionBinding,
     attention_forward,
@@ -33,33 +32,28 @@ from .attention import (
     mrope_layout,
     read_path,
 )
-from .base_model import BASE_MODEL_ATTR, BaseModelNeeds, base_model_forward_for, base_model_needs
-from .experts_install import batched_experts_swaps, install_experts, restore_experts
-from .fallback import (
-    FALLBACK_ATTR,
-    FALLBACKS,
-    fallback_patched_lm,
-    find_fallback_lm,
-    plan_loss_fallback,
-    prove_loss_fallback,
+from surgery.attention.linear import (
+    LINEAR_ATTENTION_ATTR,
+    fla_ready,
+    linear_attention_forward,
 )
-from .foreign import (
-    ForeignForwardError,
-    foreign_kernel_modules,
-    library_of,
-    tensor_parallel_forward,
+from surgery.attention.mla import mla_attention_forward
+from surgery.attention.vision import VISION_ATTENTION_ATTR, vision_attention_forward
+from surgery.forwards.base_model import (
+    BASE_MODEL_ATTR,
+    BaseModelNeeds,
+    base_model_forward_for,
+    base_model_needs,
 )
-from .forward import (
+from surgery.forwards.causal_lm import (
     STATE_ATTR,
     PatchState,
     causal_lm_forward,
     delegating_forward,
     moe_causal_lm_forward,
 )
-from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
-from .integrations.trl import REQUEST_ATTR as TRL_REQUEST_ATTR
-from .integrations.trl import serve_fused_head
-from .layers import (
+from surgery.forwards.head import LM_HEAD_ATTR, head_linears, lm_head_forward
+from surgery.forwards.layers import (
     EMBEDDING_ATTR,
     MLP_ATTR,
     NORM_ATTR,
@@ -68,15 +62,30 @@ from .layers import (
     input_embeddings,
     rms_norm_forward_for,
 )
-from .linear_attention import LINEAR_ATTENTION_ATTR, fla_ready, linear_attention_forward
-from .mla import mla_attention_forward
-from .multimodal import language_model, text_model
-from .options import OPTIONS, PatchOptions, loss_only_options
-from .recompute import RECOMPUTE_ATTR, RecomputePlan
-from .registry import UnsupportedModelError, find_causal_lm
-from .signature import in_signature_of
-from .swap import Swap, apply_swaps, plan_swap, restore_swap
-from .vision_attention import VISION_ATTENTION_ATTR, vision_attention_forward
+from surgery.forwards.multimodal import language_model, text_model
+from surgery.forwards.recompute import RECOMPUTE_ATTR, RecomputePlan
+from surgery.integrations.trl import REQUEST_ATTR as TRL_REQUEST_ATTR
+from surgery.integrations.trl import serve_fused_head
+from surgery.models import ArchitectureSpec
+from surgery.options import OPTIONS, PatchOptions, loss_only_options
+from surgery.patching.experts_install import batched_experts_swaps, install_experts, restore_experts
+from surgery.patching.fallback import (
+    FALLBACK_ATTR,
+    FALLBACKS,
+    fallback_patched_lm,
+    find_fallback_lm,
+    plan_loss_fallback,
+    prove_loss_fallback,
+)
+from surgery.patching.foreign import (
+    ForeignForwardError,
+    foreign_kernel_modules,
+    library_of,
+    tensor_parallel_forward,
+)
+from surgery.patching.registry import UnsupportedModelError, find_causal_lm
+from surgery.patching.signature import in_signature_of
+from surgery.patching.swap import Swap, apply_swaps, plan_swap, restore_swap
 
 __all__ = [
     "is_patched",
@@ -149,7 +158,7 @@ Wanted = list[tuple[str, nn.Module, Callable, dict[str, Any]]]
 
 def _plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> list[Swap]:
     """Every swap ``options`` asks for on ``lm`` (a causal LM, a multimodal wrapper or a text
-    model: ``surgery.multimodal``), checked; nothing is changed yet."""
+    model: ``surgery.forwards.multimodal``), checked; nothing is changed yet."""
     _check_not_foreign(lm, spec)
     wrapper = spec.wrapper_of(lm)
     if _delegates(lm, spec, wrapper):
@@ -312,8 +321,8 @@ def _padding_free(
     rotary: nn.Module | None,
 ) -> bool:
     """Whether a right-padded training batch of this model may run padding-free
-    (``PatchOptions.padding_free``, ``surgery.unpadding``): the option and what it rests on
-    (``causal_right_padding``; ``rope``, whose attention forward pads again) are on, and no layer
+    (``PatchOptions.padding_free``, ``surgery.attention.unpadding``): the option and what it rests
+    on (``causal_right_padding``; ``rope``, whose attention forward pads again) are on, and no layer
     reads the layout beyond the attention: the architecture's (``ArchitectureSpec.
     row_layout_free``), no base-model forward of surgery's or multimodal wrapper, no sliding
     window, no RoPE whose frequencies follow the sequence's length (``LENGTH_DEPENDENT_ROPE``:
@@ -341,7 +350,7 @@ def _install(
 ) -> None:
     """Install the planned ``swaps`` on ``lm`` (registry, or fallback: ``spec`` None), all or
     nothing."""
-    experts_changed = install_experts(lm, spec, options)  # see surgery.experts
+    experts_changed = install_experts(lm, spec, options)  # see surgery.forwards.experts
     try:
         apply_swaps(swaps)
     except BaseException:
@@ -425,9 +434,10 @@ def patch(
     ``fallback="loss"``: a causal LM outside the registry gets the fused loss alone (its lm_head
     and causal-LM forwards; attention, norms and MLPs keep their own, and the options acting on
     them are off: ``surgery.options.loss_only_options``), once a probe has shown that the fused
-    loss computes exactly what its forward computes (``surgery.fallback``). A model that fails the
-    probe raises ``FallbackRefusedError`` (an ``UnsupportedModelError``) saying what differed, or
-    with ``strict=False`` warns and is left untouched. A supported model ignores ``fallback``.
+    loss computes exactly what its forward computes (``surgery.patching.fallback``). A model that
+    fails the probe raises ``FallbackRefusedError`` (an ``UnsupportedModelError``) saying what
+    differed, or with ``strict=False`` warns and is left untouched. A supported model ignores
+    ``fallback``.
     """
     given = locals()  # the keyword options: OPTIONS, in this signature's order (a test holds it)
     if fallback is not None and fallback not in FALLBACKS:

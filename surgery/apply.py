@@ -20,10 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from surgery.api import patch
 from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
-
-from .api import patch
-from .options import PatchOptions
+from surgery.options import PatchOptions
 
 # and apply_<name> for every spec (below); apply_targets and write_stub are this module's own
 __all__ = ["revert"]

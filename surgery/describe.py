@@ -1,8 +1,8 @@
 """``surgery.describe(model)``: what ``patch`` swapped on a model, what it left alone and why, and
 the options in force.
 
-It reads what the patch installed (each swapped module's attributes, ``surgery.swap``), not what
-the options would imply, so it shows the model as it is: patched through the registry, by the
+It reads what the patch installed (each swapped module's attributes, ``surgery.patching.swap``), not
+what the options would imply, so it shows the model as it is: patched through the registry, by the
 loss-only fallback, or not at all.
 """
 
@@ -14,29 +14,33 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from surgery.attention.forward import BINDING_ATTR
+from surgery.attention.linear import LINEAR_ATTENTION_ATTR
+from surgery.attention.vision import VISION_ATTENTION_ATTR
+from surgery.forwards.base_model import BASE_MODEL_ATTR, BaseModelNeeds
+from surgery.forwards.causal_lm import STATE_ATTR, PatchState
+from surgery.forwards.experts import EXPERTS_PLAN_ATTR
+from surgery.forwards.head import LM_HEAD_ATTR, head_takes_loss, rows_sharded
+from surgery.forwards.layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_linear, share_input
+from surgery.forwards.multimodal import text_model
+from surgery.forwards.recompute import RECOMPUTE_ATTR
+from surgery.integrations.fla import fla_status
 from surgery.models import ArchitectureSpec
-
-from .attention import BINDING_ATTR
-from .base_model import BASE_MODEL_ATTR, BaseModelNeeds
-from .experts import EXPERTS_PLAN_ATTR
-from .experts_install import (
+from surgery.options import PatchOptions
+from surgery.patching.experts_install import (
     batched_experts_left_alone,
     describe_batched_experts,
     describe_experts,
 )
-from .fallback import FALLBACK_ATTR, LossFallback, fallback_patched_lm, find_fallback_lm
-from .foreign import tensor_parallel_forward
-from .forward import STATE_ATTR, PatchState
-from .head import LM_HEAD_ATTR, head_takes_loss, rows_sharded
-from .integrations.fla import fla_status
-from .layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_linear, share_input
-from .linear_attention import LINEAR_ATTENTION_ATTR
-from .multimodal import text_model
-from .options import PatchOptions
-from .recompute import RECOMPUTE_ATTR
-from .registry import UnsupportedModelError, find_causal_lm
-from .swap import is_swapped
-from .vision_attention import VISION_ATTENTION_ATTR
+from surgery.patching.fallback import (
+    FALLBACK_ATTR,
+    LossFallback,
+    fallback_patched_lm,
+    find_fallback_lm,
+)
+from surgery.patching.foreign import tensor_parallel_forward
+from surgery.patching.registry import UnsupportedModelError, find_causal_lm
+from surgery.patching.swap import is_swapped
 
 __all__ = ["ModuleGroup", "PatchReport", "describe"]
 
@@ -95,8 +99,8 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 def _share_input(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Whether ``module``'s projections ``names`` (those it has) run through
-    ``shared_input_linear`` (``surgery.layers.share_input``), as the patch left them; autocast
-    and a later hook or adapter call them as modules."""
+    ``shared_input_linear`` (``surgery.forwards.layers.share_input``), as the patch left them;
+    autocast and a later hook or adapter call them as modules."""
     return share_input([m for m in (getattr(module, n, None) for n in names) if m is not None])
 
 

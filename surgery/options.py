@@ -190,7 +190,7 @@ OPTIONS: tuple[Option, ...] = (
            "attention probabilities are not kept for the backward, which recomputes them from the "
            "kept half-precision tanh output (or scores) with transformers' own ops: gradients bit "
            "for bit transformers', 4 bytes per attention score and layer less (2 without a "
-           "softcap) for one softmax pass more in the backward; see `surgery.attention`."),
+           "softcap) for one softmax pass more in the backward; see `surgery.attention.forward`."),
     Option("varlen_attention", True, BOOL, _LAYOUT, False,
            'With `rope` and `attn_implementation="sdpa"` on a CUDA GPU with flash attention '
            "(sm80+, torch 2.11+), a packed batch in a training or loss call (position ids "

@@ -1,7 +1,7 @@
 """flash-linear-attention (fla) for the linear-attention layers of hybrid models.
 
 fla is an optional dependency (``pip install "transformers-surgery[hybrid]"``). Where it imports
-and a layer's input is on CUDA, ``linear_attention_kernels`` gives ``surgery.linear_attention``
+and a layer's input is on CUDA, ``linear_attention_kernels`` gives ``surgery.attention.linear``
 the three fla entry points it runs a Gated DeltaNet layer with, each taking the documents of the
 batch as ``cu_seqlens`` (offsets over one row of tokens, the varlen convention of flash
 attention), so that nothing flows from one document into the next:

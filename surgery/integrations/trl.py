@@ -32,10 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from surgery.forwards.head import fused_head, head_takes_loss
 from surgery.kernels import UpstreamHint
-
-from ..head import fused_head, head_takes_loss
-from ..swap import ORIGINAL_ATTR
+from surgery.patching.swap import ORIGINAL_ATTR
 
 __all__ = [
     "CHECKED",
@@ -151,8 +150,8 @@ WARNED_ATTR = "_surgery_trl_warned"
 
 
 def _warn_loss_options(model: nn.Module) -> None:
-    from ..api import patch_options
-    from ..options import OPTION
+    from surgery.api import patch_options
+    from surgery.options import OPTION
 
     if model.__dict__.get(WARNED_ATTR):
         return

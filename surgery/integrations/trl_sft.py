@@ -31,9 +31,9 @@ from typing import Any
 
 import trl
 
-from ..api import _find_lm, patch_options
-from ..options import OPTION, PatchOptions
-from .trl import LOSS_OPTIONS, SFT_LOSS_KWARG, fused_head_request
+from surgery.api import _find_lm, patch_options
+from surgery.integrations.trl import LOSS_OPTIONS, SFT_LOSS_KWARG, fused_head_request
+from surgery.options import OPTION, PatchOptions
 
 __all__ = ["SFTTrainer"]
 

@@ -18,7 +18,7 @@ def _frames(*where):
 
 TORCH = ("/site/torch/nn/functional.py", 10, "linear")
 MODEL = ("/site/transformers/models/llama/modeling_llama.py", 42, "forward")
-HEAD = ("/repo/surgery/head.py", 7, "head_forward")
+HEAD = ("/repo/surgery/forwards/head.py", 7, "head_forward")
 
 
 def _trace():

@@ -14,7 +14,7 @@ import torch
 
 from surgery.convergence.data import ASSISTANT, BOS, IGNORE_INDEX, USER
 from surgery.convergence.multimodal import image_markers
-from surgery.multimodal import packed_bidirectional_masks
+from surgery.forwards.multimodal import packed_bidirectional_masks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -128,7 +128,7 @@ def test_image_chat_layout(name, kind):
 def test_patched_step_matches_unpatched(name, kind):
     """One fp32 forward+backward: the worker's surgery contender against transformers. Packed
     Gemma 3 rows: transformers given each conversation's own masks (its mask of the packed row
-    lets tokens see later ones; ``surgery.multimodal``)."""
+    lets tokens see later ones; ``surgery.forwards.multimodal``)."""
     losses = []
     for contender in ("unpatched", "surgery"):
         model = _model(name)

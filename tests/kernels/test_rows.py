@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch.library import opcheck
 
+from surgery.attention.unpadding import right_padding
 from surgery.kernels.grouped_mm import grouped_weight_grad_loop, grouped_weight_grad_reference
 from surgery.kernels.rows import (
     padded_rows,
@@ -16,7 +17,6 @@ from surgery.kernels.rows import (
     token_rows,
     token_rows_reference,
 )
-from surgery.unpadding import right_padding
 
 
 def test_padded_and_real_rows_are_each_others_backward():

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import surgery
-from surgery import attention as surgery_attention
-from surgery import forward as surgery_forward
-from surgery import head as surgery_head
-from surgery import layers as surgery_layers
+from surgery.attention import forward as surgery_attention
+from surgery.forwards import causal_lm as surgery_forward
+from surgery.forwards import head as surgery_head
+from surgery.forwards import layers as surgery_layers
 from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import (

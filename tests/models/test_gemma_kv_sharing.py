@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import surgery
-from surgery import layers as surgery_layers
+from surgery.forwards import layers as surgery_layers
 from tests.utils import FP32_CLOSE as TOL
 
 from .tiny import (

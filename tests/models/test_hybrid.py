@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import surgery
-from surgery import varlen
+from surgery.attention import varlen
+from surgery.attention.linear import packed_documents
 from surgery.kernels import reduction
-from surgery.linear_attention import packed_documents
-from surgery.swap import ORIGINAL_ATTR
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.utils import FP32_CLOSE as TOL
 from tests.utils import TOLERANCES, dense_varlen
 

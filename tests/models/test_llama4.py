@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import surgery
-import surgery.varlen as varlen
-from surgery import chunked_attention
-from surgery.chunked_attention import chunked_document_mask
+import surgery.attention.varlen as varlen
+from surgery.attention import chunked as chunked_attention
+from surgery.attention.chunked import chunked_document_mask
 from surgery.kernels.packing import split_at_chunks
 from surgery.kernels.reduction import host_cu_seqlens
 from tests.surgery.test_varlen_attention import ReferenceVarlen

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import surgery
-import surgery.attention as attention
-import surgery.varlen as varlen_module
-from surgery.signature import CACHE
+import surgery.attention.forward as attention
+import surgery.attention.varlen as varlen_module
+from surgery.patching.signature import CACHE
 from tests.surgery.test_varlen_attention import ReferenceVarlen
 from tests.utils import FP32_CLOSE as TOL
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import surgery
-from surgery import forward as surgery_forward
-from surgery.attention import mrope_layout
+from surgery.attention.forward import mrope_layout
 from surgery.convergence.configs import condition_attention
 from surgery.convergence.minis import mini_config, mini_multimodal_config
 from surgery.convergence.multimodal import image_inputs as one_image
 from surgery.convergence.multimodal import image_recipe
+from surgery.forwards import causal_lm as surgery_forward
+from surgery.forwards.multimodal import language_model
 from surgery.models import MULTIMODAL_ONLY_SPECS
-from surgery.multimodal import language_model
-from surgery.swap import ORIGINAL_ATTR
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.surgery.routing_helpers import replayed_steps
 from tests.utils import FP32_CLOSE as TOL
 from tests.utils import TOLERANCES, assert_close_budget, expect_transformers_failure
@@ -147,7 +147,7 @@ def test_wrapper_trains_as_transformers(pair, request):
     for field in ref.keys() - {"loss", "logits"}:
         assert_same_value(out[field], ref[field], field)
     # The language model's layers and the head are patched; in the vision tower, only the
-    # Qwen-VL attention (one varlen call: surgery.vision_attention), CPU here, so as it was.
+    # Qwen-VL attention (one varlen call: surgery.attention.vision), CPU here, so as it was.
     names = swapped(model)
     text = {id(m) for m in language_model(model, wrapper).modules()}
     vision = {n for n, m in model.named_modules() if wrapper.is_vision_attention(m)}

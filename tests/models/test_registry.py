@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import surgery
-from surgery.attention import mrope_layout, read_path
+from surgery.attention.forward import mrope_layout, read_path
 from surgery.convergence.configs import (
     ARCHITECTURES,
     FALLBACK_SPECS,

@@ -1,5 +1,5 @@
 """The Qwen-VL vision towers' attention (``MultimodalWrapper.vision_attention``) in one varlen
-call per layer (``surgery.vision_attention``): the tower of every Qwen-VL wrapper, patched in
+call per layer (``surgery.attention.vision``): the tower of every Qwen-VL wrapper, patched in
 bf16, gives transformers' output and gradients within bf16's budget against fp32, with one
 kernel call per block over exactly the segments transformers hands the block (Qwen2.5-VL's
 windows and its full-attention images), both directions. On CPU the kernel is
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import surgery
-import surgery.vision_attention as vision_attention
+import surgery.attention.vision as vision_attention
 from surgery.convergence.minis import mini_multimodal_config
 from surgery.describe import describe
-from surgery.swap import ORIGINAL_ATTR
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.utils import ReferenceVarlen, assert_close_budget, dense_varlen
 
 from .test_multimodal import PAIRS, WRAPPERS, image_batch, text_config

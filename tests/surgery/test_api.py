@@ -13,7 +13,7 @@ from torch import nn
 
 import surgery
 from surgery.models import MULTIMODAL_ONLY_SPECS, SPECS
-from surgery.swap import ORIGINAL_ATTR
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     ARCHS,
     assert_grads_close,
@@ -219,8 +219,8 @@ def test_mlp_activation_without_kernel_keeps_the_mlp_forward():
 
 
 def test_signature_mismatch_raises():
-    from surgery.attention import attention_forward
-    from surgery.swap import check_signature
+    from surgery.attention.forward import attention_forward
+    from surgery.patching.swap import check_signature
 
     class Attention(nn.Module):
         def forward(self, hidden_states, attention_mask, position_embeddings, **kwargs):
@@ -235,7 +235,7 @@ def test_cache_under_either_name(arch):
     """transformers 5.24 renamed ``past_key_values`` (and ``cache_params``) to ``cache``: a patched
     model takes its cache under the old name, the new one or by position, in any release, and
     continues the prompt as the unpatched model does."""
-    from surgery.signature import CACHE
+    from surgery.patching.signature import CACHE
 
     model = tiny_model(arch).eval()
     reference = twin(model)

@@ -31,8 +31,8 @@ from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward a
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
 
 import surgery
-from surgery.attention import lean_eager_attention, shared_sdpa_mask
-from surgery.forward import STATE_ATTR
+from surgery.attention.forward import lean_eager_attention, shared_sdpa_mask
+from surgery.forwards.causal_lm import STATE_ATTR
 from tests.models.tiny import (
     ARCHS,
     SPECS,
@@ -172,7 +172,7 @@ def test_option_is_validated():
 
 
 def test_right_padding_verdict_and_layout():
-    from surgery.unpadding import right_padding
+    from surgery.attention.unpadding import right_padding
 
     def verdict(mask, labels, ignore_index=-100):
         return right_padding(mask, labels, ignore_index, unpad=False)[0]
@@ -611,7 +611,7 @@ def test_padding_free_attention_per_row_or_padded(arch, per_row, monkeypatch):
     per row that has real tokens, on those tokens alone (a row of padding only gets none); over
     more rows (here the bound set to 1), one call per layer on the padded (batch, seq) layout.
     Both give unpatched transformers' loss and gradients (fp32, with the mask)."""
-    import surgery.unpadding as unpadding
+    import surgery.attention.unpadding as unpadding
 
     if not per_row:
         monkeypatch.setattr(unpadding, "ROW_CALLS_MAX", 1)

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import recompute
+from surgery.forwards import recompute
 from tests.models.tiny import (
     ARCHS,
     SPECS,

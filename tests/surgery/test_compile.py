@@ -25,11 +25,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from transformers import AutoModelForCausalLM, masking_utils
 
 import surgery
-import surgery.varlen as varlen
-from surgery import recompute
+import surgery.attention.varlen as varlen
 from surgery.compiling import graph_break_allowed
+from surgery.forwards import recompute
+from surgery.forwards.layers import input_embeddings
 from surgery.kernels import gated_activation, linear_cross_entropy
-from surgery.layers import input_embeddings
 from tests.models.tiny import (
     ARCHS,
     SPECS,

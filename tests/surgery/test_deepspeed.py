@@ -11,8 +11,8 @@ the same config (per-step losses, final parameters gathered with ``GatheredParam
 one process without DeepSpeed, with an untied head (Llama) and a tied one (Gemma, Gemma2:
 ``lm_head.weight`` is ``embed_tokens.weight``, one parameter gathered by two modules), and with a
 model built under ``deepspeed.zero.Init`` (what ``from_pretrained`` does under a ZeRO-3 config) and
-patched while partitioned. And that no activation rebuilt in the backward (``surgery.recompute``)
-reads a parameter ZeRO-3 has released since the forward.
+patched while partitioned. And that no activation rebuilt in the backward
+(``surgery.forwards.recompute``) reads a parameter ZeRO-3 has released since the forward.
 
 The config forces ZeRO-3 to keep nothing whole: no parameter persistence (by default parameters
 under 100k elements, i.e. all of a tiny model, stay whole on every rank), no prefetch, no live
@@ -40,8 +40,8 @@ import pytest
 import torch
 
 import surgery
-from surgery import head as surgery_head
-from surgery import recompute as surgery_recompute
+from surgery.forwards import head as surgery_head
+from surgery.forwards import recompute as surgery_recompute
 from surgery.kernels import linear_cross_entropy
 from surgery.kernels.dispatch import interpreter_enabled, use_triton
 from tests.models.tiny import VOCAB, attn_for, sequences, tiny_config, tiny_model
@@ -160,7 +160,7 @@ def _args(out_dir: Path, **overrides):
 
 
 class KernelSpy:
-    """Stands in for ``linear_cross_entropy`` in ``surgery.head`` (what the patched lm_head
+    """Stands in for ``linear_cross_entropy`` in ``surgery.forwards.head`` (what the patched lm_head
     calls) and records what the weight looked like inside the call."""
 
     def __init__(self):
@@ -181,9 +181,9 @@ class KernelSpy:
 
 
 class RebuildSpy:
-    """Wraps the rebuild of an activation recomputed in the backward (``surgery.recompute``) and
-    records its inputs as the rebuild finds them: a parameter among them (an RMSNorm's weight) may
-    have been released by ZeRO-3 since the forward."""
+    """Wraps the rebuild of an activation recomputed in the backward
+    (``surgery.forwards.recompute``) and records its inputs as the rebuild finds them: a parameter
+    among them (an RMSNorm's weight) may have been released by ZeRO-3 since the forward."""
 
     def __init__(self):
         self.rebuilds: list[list[dict]] = []

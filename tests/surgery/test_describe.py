@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.fallback import FALLBACK_ATTR, loss_only_options
 from surgery.integrations import fla
-from surgery.swap import ORIGINAL_ATTR
+from surgery.patching.fallback import FALLBACK_ATTR, loss_only_options
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.models.tiny import causal_lm_from_config, tiny_config, tiny_model
 from tests.surgery.test_fallback import fallback_model
 

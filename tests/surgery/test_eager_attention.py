@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import surgery
-from surgery.eager_attention import lean_eager_attention
+from surgery.attention.eager import lean_eager_attention
 from tests.models.tiny import loss_and_grads, padded_batch, sequences, tiny_config, tiny_model, twin
 from tests.surgery.test_recompute import kept_bytes
 

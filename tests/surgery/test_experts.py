@@ -1,7 +1,7 @@
-"""Mixture-of-experts experts through surgery's experts implementation (``surgery.experts``):
-against transformers' own implementations (its ``grouped_mm`` and its eager loop) on every
-architecture of the registry whose experts dispatch through them, what the backward keeps, the
-``experts_implementation`` option, ``unpatch`` and ``describe``.
+"""Mixture-of-experts experts through surgery's experts implementation
+(``surgery.forwards.experts``): against transformers' own implementations (its ``grouped_mm`` and
+its eager loop) on every architecture of the registry whose experts dispatch through them, what the
+backward keeps, the ``experts_implementation`` option, ``unpatch`` and ``describe``.
 
 The architectures are derived from the registry: every spec whose tiny model has experts modules,
 plus Gemma 4 with its mixture of experts (``GEMMA4_MOE_ARGUMENTS``; its tiny model is dense).
@@ -22,10 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.integrations import moe as transformers_moe
 
 import surgery
-from surgery import experts as surgery_experts
-from surgery.experts import EXPERTS_PLAN_ATTR, SURGERY_EXPERTS
-from surgery.experts_install import experts_modules
-from surgery.swap import is_swapped
+from surgery.forwards import experts as surgery_experts
+from surgery.forwards.experts import EXPERTS_PLAN_ATTR, SURGERY_EXPERTS
+from surgery.patching.experts_install import experts_modules
+from surgery.patching.swap import is_swapped
 from tests.models.tiny import (
     ARCHS,
     SPECS,

@@ -13,10 +13,10 @@ import transformers
 from torch import nn
 
 import surgery
-from surgery import forward as surgery_forward
-from surgery import head as surgery_head
-from surgery.fallback import FALLBACK_ATTR, LossFallback, loss_only_options
-from surgery.swap import ORIGINAL_ATTR
+from surgery.forwards import causal_lm as surgery_forward
+from surgery.forwards import head as surgery_head
+from surgery.patching.fallback import FALLBACK_ATTR, LossFallback, loss_only_options
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     TINY,
     VOCAB,
@@ -512,7 +512,8 @@ def test_custom_forward_refused(case):
 
 
 def test_custom_forward_computing_the_same_is_not_replaced():
-    """The probe passes, but surgery replaces transformers' forwards only (surgery.foreign)."""
+    """The probe passes, but surgery replaces transformers' forwards only
+    (surgery.patching.foreign)."""
     model = _subclass("phi3", lambda x: x)
     before = instance_forwards(model)
     with pytest.raises(surgery.ForeignForwardError, match="in place of transformers' own forward"):

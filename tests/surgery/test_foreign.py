@@ -1,6 +1,6 @@
 """Models other code changed before ``surgery.patch``: another kernel library's patches are refused
 with nothing changed, accelerate's hooks and mixed-precision wrapper are kept around the patched
-forward (``surgery.foreign``), and ``patch`` is all or nothing."""
+forward (``surgery.patching.foreign``), and ``patch`` is all or nothing."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 import surgery
-from surgery.foreign import ForeignForwardError, ForwardSlot
-from surgery.swap import ORIGINAL_ATTR
+from surgery.patching.foreign import ForeignForwardError, ForwardSlot
+from surgery.patching.swap import ORIGINAL_ATTR
 from tests.models.tiny import (
     assert_grads_close,
     loss_and_grads,
@@ -166,7 +166,7 @@ LIGER_SCRIPT = textwrap.dedent(
     import json, os, sys
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import surgery
-    from surgery.foreign import ForeignForwardError
+    from surgery.patching.foreign import ForeignForwardError
     from tests.models.tiny import tiny_model
     import liger_kernel.transformers as liger
 
@@ -242,7 +242,7 @@ def test_device_map_with_disk_offloaded_layers(tmp_path):
     surgery.patch(model)
     assert surgery.is_patched(model)
     assert model.lm_head.__dict__["forward"] is head_hook_forward  # the hook is kept
-    assert model.lm_head.__dict__["_old_forward"].__func__ is surgery.head.lm_head_forward
+    assert model.lm_head.__dict__["_old_forward"].__func__ is surgery.forwards.head.lm_head_forward
 
     with torch.no_grad():
         want = reference(**BATCH.kwargs())
@@ -292,7 +292,7 @@ def test_accelerate_hooks_are_kept_in_training(order):
     for name in ("", "lm_head", "model.layers.0.self_attn", "model.layers.1.mlp", "model.norm"):
         assert Counter.calls.get(name) == 1, name
     mlp = model.model.layers[0].mlp
-    assert mlp._old_forward.__func__ is surgery.layers.gated_mlp_forward
+    assert mlp._old_forward.__func__ is surgery.forwards.layers.gated_mlp_forward
 
     surgery.unpatch(model)
     assert mlp._old_forward.__func__ is type(mlp).forward and mlp._hf_hook is not None

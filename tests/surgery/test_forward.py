@@ -5,7 +5,8 @@ every position, k: the last k), a 1-D tensor of positions kept in every row, a 2
 of positions per row and a 2-D boolean mask (the kept positions of all rows, flattened). The
 slicing is transformers' own ``slice_logits_to_keep``, where the installed release has it. The
 short rows end in pad positions whose sliding window (Mistral, Qwen 2 and 3, Gemma 3) holds only
-padding: query rows that attend to no key, whose logits match too (see ``surgery.attention``).
+padding: query rows that attend to no key, whose logits match too (see
+``surgery.attention.forward``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import transformers.modeling_utils as modeling_utils
 
 import surgery
-from surgery import forward as surgery_forward
+from surgery.forwards import causal_lm as surgery_forward
 from tests.models.tiny import (
     ARCHS,
     loss_and_grads,

@@ -196,7 +196,7 @@ def test_varlen_attention_within_budget(arch, monkeypatch):
     """``varlen_attention``: two packed bf16 rows (GQA, sliding windows of 64 on the sliding
     layers) through torch's varlen flash attention, against the fp32 masked reference, within
     the budget of the masked bf16 run; the kernel really ran, once per layer."""
-    import surgery.varlen as varlen
+    import surgery.attention.varlen as varlen
 
     windows = []
     real = varlen.varlen_kernel

@@ -1,5 +1,5 @@
 """The linear-attention layers of hybrid models through flash-linear-attention
-(``surgery.integrations.fla``, ``surgery.linear_attention``).
+(``surgery.integrations.fla``, ``surgery.attention.linear``).
 
 On CPU, fla's kernels do not run: ``StandIn`` has their signatures and computes each document
 alone with a reference (a per-token delta-rule recurrence, a per-document convolution, the gated
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import surgery
+from surgery.attention.linear import DOCUMENTS_KWARG, padded_documents
 from surgery.integrations import fla
-from surgery.linear_attention import DOCUMENTS_KWARG, padded_documents
 from tests.models import test_hybrid
 from tests.models import test_multimodal as multimodal
 from tests.models.test_hybrid import HYBRIDS, alone, lm_only

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import surgery
-import surgery.experts
-from surgery import head as surgery_head
+import surgery.forwards.experts
+from surgery.forwards import head as surgery_head
 from tests.models.tiny import (
     ARCHS,
     assert_grads_close,
@@ -110,13 +110,13 @@ def test_lora_attention_and_experts(arch, order, lce_calls, monkeypatch):
     experts surgery fuses ran its fused forward on the adapted weights (peft swaps them in for
     the call); and unpatching gives transformers' step back, bit for bit."""
     products = []
-    fused_product = surgery.experts.gated_activation_merged
+    fused_product = surgery.forwards.experts.gated_activation_merged
 
     def counting(*args, **kwargs):
         products.append(args[0].shape)
         return fused_product(*args, **kwargs)
 
-    monkeypatch.setattr(surgery.experts, "gated_activation_merged", counting)
+    monkeypatch.setattr(surgery.forwards.experts, "gated_activation_merged", counting)
     lora = attention_and_experts(arch)
     model = peft_model(arch, order, **lora)
     reference = peft_model(arch, "never", **lora)
@@ -125,7 +125,7 @@ def test_lora_attention_and_experts(arch, order, lce_calls, monkeypatch):
     want_loss, want = loss_and_grads(reference, **batch)
     assert len(lce_calls) == 1
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    fused = [m for m in experts if surgery.experts.EXPERTS_PLAN_ATTR in m.__dict__]
+    fused = [m for m in experts if surgery.forwards.experts.EXPERTS_PLAN_ATTR in m.__dict__]
     assert len(products) == len(fused)  # one fused product per fused experts forward
     adapted = {n for n in grads if ".experts." in n and "lora_" in n}
     # an A and a B per 3-D parameter of every experts module
@@ -137,7 +137,9 @@ def test_lora_attention_and_experts(arch, order, lce_calls, monkeypatch):
 
     surgery.unpatch(model)
     assert not surgery.is_patched(model)
-    assert not any(surgery.experts.EXPERTS_PLAN_ATTR in m.__dict__ for m in model.modules())
+    assert not any(
+        surgery.forwards.experts.EXPERTS_PLAN_ATTR in m.__dict__ for m in model.modules()
+    )
     assert model.config._experts_implementation == reference.config._experts_implementation
     products.clear()
     loss, grads = loss_and_grads(model, **batch)

@@ -1,6 +1,6 @@
-"""``surgery.layers.projections``: the layers that share an input (the attention's q/k/v, the MLP's
-gate/up) run through ``shared_input_linear`` where they are plain ``nn.Linear`` modules, and are
-called as modules everywhere else (hooks, adapters, autocast, no gradient).
+"""``surgery.forwards.layers.projections``: the layers that share an input (the attention's q/k/v,
+the MLP's gate/up) run through ``shared_input_linear`` where they are plain ``nn.Linear`` modules,
+and are called as modules everywhere else (hooks, adapters, autocast, no gradient).
 
 The kernel's own values are tested in tests/kernels/test_shared_input_linear.py; here: which path
 a patched model takes, and that its loss and gradients are those of the model called module by
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import layers
+from surgery.forwards import layers
 from tests.models.tiny import (
     assert_grads_close,
     loss_and_grads,

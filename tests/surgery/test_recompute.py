@@ -12,8 +12,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import surgery
-from surgery import head as surgery_head
-from surgery import recompute
+from surgery.forwards import head as surgery_head
+from surgery.forwards import recompute
 from tests.models.tiny import (
     HIDDEN,
     loss_and_grads,
@@ -286,7 +286,7 @@ def test_mlp_reads_down_proj_only_where_it_is_plain(monkeypatch):
     weight) runs with the product as one step (``gated_linear``: the product rebuilt inside the
     activation's backward kernel); a hooked one is called as a module, its hook runs, and its
     product is rebuilt as before; ``recompute_mlp_product=False`` calls every one."""
-    from surgery import layers
+    from surgery.forwards import layers
 
     calls = []
     original = layers.gated_linear

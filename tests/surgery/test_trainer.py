@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import attention as surgery_attention
+from surgery.attention import forward as surgery_attention
 from tests.models.tiny import VOCAB, sequences, tiny_model, tiny_tokenizer, twin
 from tests.utils import ListDataset
 

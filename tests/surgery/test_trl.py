@@ -104,7 +104,7 @@ def served(monkeypatch):
         calls.append(kwargs.get("outputs"))
         return original(*args, **kwargs)
 
-    import surgery.head as head_module
+    import surgery.forwards.head as head_module
 
     monkeypatch.setattr(head_module, "linear_log_probs", spy)
     return calls

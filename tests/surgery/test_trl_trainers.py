@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import surgery
-import surgery.head as head_module
+import surgery.forwards.head as head_module
 from surgery.integrations import trl as serving
 from tests.models.tiny import sequences, tiny_model, tiny_tokenizer
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import surgery
-import surgery.varlen as varlen
-from surgery.attention import packed_sequences
+import surgery.attention.varlen as varlen
+from surgery.attention.forward import packed_sequences
 from tests.models.tiny import (
     ARCHS,
     attention_modules,
@@ -109,7 +109,7 @@ def assert_packed_bf16_within_budget_of_transformers(arch, kernel, variant="mean
         f"{arch} {variant}",
     )
     attentions = attention_modules(patched, arch)
-    scaling = surgery.attention.read_path(attentions[0], "scaling")
+    scaling = surgery.attention.forward.read_path(attentions[0], "scaling")
     assert kernel.calls == expected_calls(arch, LENGTHS, scaling)
     assert len(kernel.calls) == len(attentions)  # every layer, chunked ones too
     assert got[1].keys() == want[1].keys()

@@ -13,12 +13,12 @@ copies), and puts the rows' outputs one after another again:
 
 A batch of more than ``ROW_CALLS_MAX`` rows (one sdpa call a row would cost more launches than
 the padding's share of the attention), and a compiled step whose rotated queries and keys are
-rebuilt in the backward (behind q/k norms, ``surgery.attention``: sliced outside their rebuilt
-region they were kept by the partitioner), put the rotated queries, keys and values back into the
-(batch, seq) layout instead, with zeros at the padding (the queries and keys inside that region),
-for one sdpa call, and take the real rows of the output again (``pad_heads``, ``Unpadded.take``).
-Neither runs flash attention's variable-length kernel, the one that takes a row's end from a list
-of lengths: it ran slower than sdpa's cuDNN kernel over the same rows
+rebuilt in the backward (behind q/k norms, ``surgery.attention.forward``: sliced outside their
+rebuilt region they were kept by the partitioner), put the rotated queries, keys and values back
+into the (batch, seq) layout instead, with zeros at the padding (the queries and keys inside that
+region), for one sdpa call, and take the real rows of the output again (``pad_heads``,
+``Unpadded.take``). Neither runs flash attention's variable-length kernel, the one that takes a
+row's end from a list of lengths: it ran slower than sdpa's cuDNN kernel over the same rows
 (``benchmarks/results/padding_free_attention.txt``).
 
 Exact for every trained token: each attends causally to its own row's real tokens, at the
@@ -39,9 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.compiling import host_read
 from surgery.kernels.rows import padded_rows, real_rows
-
-from .compiling import host_read
 
 __all__ = [
     "ROW_CALLS_MAX",

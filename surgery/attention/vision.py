@@ -15,8 +15,8 @@ with the attention of every segment in one ``varlen_attn`` call over ``cu_seqlen
 directions (``window_size=(-1, -1)``). It is the attention each segment gets alone: sdpa takes the
 same flash kernel for a bf16 segment. It applies in half precision (16-bit weights, or
 fp32 ones under a 16-bit autocast) on a CUDA GPU with flash attention
-(``surgery.varlen.varlen_kernel``) and a head size of whole 16-byte vectors (Qwen2.5-VL's 80,
-Qwen3-VL's 72); elsewhere (fp32, CPU, or a flash implementation, which is varlen already)
+(``surgery.attention.varlen.varlen_kernel``) and a head size of whole 16-byte vectors (Qwen2.5-VL's
+80, Qwen3-VL's 72); elsewhere (fp32, CPU, or a flash implementation, which is varlen already)
 transformers' forward runs as it is.
 
 The longest segment sizes the kernel's grid: eagerly it is read once per layer from
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers.utils.generic import is_flash_attention_requested
 
-from .varlen import flash_layout, flash_takes_heads, varlen_kernel
+from surgery.attention.varlen import flash_layout, flash_takes_heads, varlen_kernel
 
 __all__ = ["VISION_ATTENTION_ATTR", "vision_attention_forward"]
 

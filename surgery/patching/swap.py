@@ -1,10 +1,10 @@
 """Swapping one module's forward for a generic one, and putting it back.
 
-A swap is planned first (``plan_swap``: where the forward lives now, see ``surgery.foreign``, and
-whether the replacement takes the same arguments), then installed with the others
-(``apply_swaps``, all or nothing). What a patched forward needs lives in plain attributes of the
-module's ``__dict__`` (the swap's ``extra``), never in parameters, buffers or submodules, so
-``state_dict`` and ``named_modules`` are unchanged.
+A swap is planned first (``plan_swap``: where the forward lives now, see
+``surgery.patching.foreign``, and whether the replacement takes the same arguments), then installed
+with the others (``apply_swaps``, all or nothing). What a patched forward needs lives in plain
+attributes of the module's ``__dict__`` (the swap's ``extra``), never in parameters, buffers or
+submodules, so ``state_dict`` and ``named_modules`` are unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +17,13 @@ from typing import Any
 
 from torch import nn
 
-from .foreign import TENSOR_PARALLEL, ForwardSlot, find_forward_slot, restore_forward
-from .signature import generic_name
+from surgery.patching.foreign import (
+    TENSOR_PARALLEL,
+    ForwardSlot,
+    find_forward_slot,
+    restore_forward,
+)
+from surgery.patching.signature import generic_name
 
 __all__ = [
     "ORIGINAL_ATTR",
@@ -68,7 +73,7 @@ def check_signature(module: nn.Module, original: Callable, replacement: Callable
     """The replacement must accept every argument the original accepts, in the same positions
     (callers pass them by position too): a transformers release that changes a forward fails
     here, not silently. An argument transformers renamed counts under its new name on both sides
-    (``surgery.signature.RENAMED``)."""
+    (``surgery.patching.signature.RENAMED``)."""
     orig = _positional(inspect.signature(original), drop_self=not inspect.ismethod(original))
     repl = _positional(inspect.signature(replacement), drop_self=True)
     positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

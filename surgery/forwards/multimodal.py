@@ -7,11 +7,11 @@ What ``patch`` does to a wrapper:
 - the language model's attention, norms and MLPs are patched as for its text sibling (the causal
   LM of the same spec); the vision tower and the projector keep transformers' forwards, but for
   the Qwen-VL towers' attention (``MultimodalWrapper.vision_attention``), whose per-segment
-  calls become one varlen call (``surgery.vision_attention``);
+  calls become one varlen call (``surgery.attention.vision``);
 - a wrapper holding lm_head (Mistral 3, Gemma 3, Gemma 4) gets the generic causal-LM forward
-  (``surgery.forward``), taking the wrapper's arguments in the wrapper's order
-  (``surgery.signature.in_signature_of``): every argument that is not the causal LM's (pixel
-  values, image sizes and grids, token types, video inputs) goes to the wrapper's own
+  (``surgery.forwards.causal_lm``), taking the wrapper's arguments in the wrapper's order
+  (``surgery.patching.signature.in_signature_of``): every argument that is not the causal LM's
+  (pixel values, image sizes and grids, token types, video inputs) goes to the wrapper's own
   ``self.model`` as given; the final hidden states go into the fused loss through the wrapper's
   lm_head call; the output is the wrapper's own class plus ``z_loss``, every other field
   (``image_hidden_states``, ``rope_deltas``, ...) copied from ``self.model``'s output as the
@@ -28,11 +28,11 @@ batch. A packed row of such a batch (position ids restarting, no mask) gets its 
 block-diagonally. transformers' mask of the packed row itself lets text tokens of the sliding
 layers attend to later tokens (Gemma 3, transformers 5.23: a token sees the next window's tokens
 of its conversation). A text config with ``use_bidirectional_attention`` on every token is
-refused (``surgery.registry``).
+refused (``surgery.patching.registry``).
 
 A text base model passed on its own (``surgery.patch(vlm.model.language_model)``) gets its layers
 patched (no loss: it has no head), its forward wrapped only to carry the patch state
-(``surgery.base_model``).
+(``surgery.forwards.base_model``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ from torch import nn
 
 from surgery.kernels.reduction import host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
-
-from .signature import CACHE
+from surgery.patching.signature import CACHE
 
 __all__ = ["language_model", "packed_bidirectional_masks", "text_model"]
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from . import recompute
+from surgery.forwards import recompute
 
 __all__ = ["lean_eager_attention"]
 
@@ -74,7 +74,7 @@ def lean_eager_attention(
     gradients or with attention dropout in training, ``eager`` (the model's own eager function,
     same signature) runs instead.
     Under ``torch.compile`` the probabilities are an activation-checkpoint region of their own
-    (``surgery.recompute.compiled_recompute``; the autograd.Function's backward cannot be
+    (``surgery.forwards.recompute.compiled_recompute``; the autograd.Function's backward cannot be
     traced): the compiled graph keeps the tanh output (or the scores) alone, and rebuilds both
     probability tensors in the backward with one softmax, as the eager backward does."""
     if not torch.is_grad_enabled() or (dropout and module.training):

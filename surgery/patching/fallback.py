@@ -29,8 +29,8 @@ Anything else is refused with ``FallbackRefusedError`` naming what differed, bef
 changed: a logit scale (Granite's ``logits_scaling``, Cohere's ``logit_scale``: the fused loss takes
 none), logits upcast to fp32 by the forward, another loss, another aux loss, another layout of
 the model (``transformer``/``embed_out`` instead of ``model``/``lm_head``). A forward that is not
-transformers' own (a subclass's, remote code's) is refused by ``surgery.foreign`` when the swaps are
-planned, after the probe: what differs is reported first.
+transformers' own (a subclass's, remote code's) is refused by ``surgery.patching.foreign`` when the
+swaps are planned, after the probe: what differs is reported first.
 """
 
 from __future__ import annotations
@@ -44,15 +44,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from surgery.forwards.causal_lm import (
+    STATE_ATTR,
+    PatchState,
+    causal_lm_forward,
+    moe_causal_lm_forward,
+)
+from surgery.forwards.head import LM_HEAD_ATTR, head_linears, lm_head_forward
 from surgery.models import ArchitectureSpec
-
-from .foreign import ForeignForwardError, foreign_kernel_modules
-from .forward import STATE_ATTR, PatchState, causal_lm_forward, moe_causal_lm_forward
-from .head import LM_HEAD_ATTR, head_linears, lm_head_forward
-from .options import PatchOptions, loss_only_options
-from .registry import UnsupportedModelError
-from .signature import CACHE
-from .swap import Swap, check_signature, plan_swap
+from surgery.options import PatchOptions, loss_only_options
+from surgery.patching.foreign import ForeignForwardError, foreign_kernel_modules
+from surgery.patching.registry import UnsupportedModelError
+from surgery.patching.signature import CACHE
+from surgery.patching.swap import Swap, check_signature, plan_swap
 
 __all__ = [
     "FALLBACKS",

@@ -12,12 +12,12 @@ whole row, so the convolution window and the recurrent state of one document flo
   (``packed_documents``: a document starts at each row's first token and wherever the position
   does not continue, the rule of transformers' packed mask and of the loss), by the causal-LM
   forward in a training or loss step (from the one host read that also serves the varlen
-  attention, ``surgery.forward``) or else by the base model's forward (``surgery.base_model``),
-  and handed to the base model under the keyword argument ``DOCUMENTS_KWARG``. The base model
-  passes its keyword arguments to the decoder layers, which pass theirs to the linear attention
-  (and to the attention, which drops this one). Where fla runs the layers, a right-padded (or
-  left-padded) batch's real tokens are documents too (``padded_documents``, the base model's
-  forward, from one host read of the attention mask);
+  attention, ``surgery.forwards.causal_lm``) or else by the base model's forward
+  (``surgery.forwards.base_model``), and handed to the base model under the keyword argument
+  ``DOCUMENTS_KWARG``. The base model passes its keyword arguments to the decoder layers, which pass
+  theirs to the linear attention (and to the attention, which drops this one). Where fla runs the
+  layers, a right-padded (or left-padded) batch's real tokens are documents too
+  (``padded_documents``, the base model's forward, from one host read of the attention mask);
 - with flash-linear-attention on CUDA (``surgery.integrations.fla``), each layer's forward
   (``linear_attention_forward``) runs the batch's tokens as one row: a packed batch as it lies,
   a padded one's real tokens gathered, and a batch of whole rows as it is. The projections are the
@@ -49,10 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surgery.integrations import fla
 from surgery.kernels.reduction import host_cu_seqlens
-
-from .integrations import fla
-from .signature import cache_argument
+from surgery.patching.signature import cache_argument
 
 __all__ = [
     "DOCUMENTS_KWARG",

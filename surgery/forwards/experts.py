@@ -9,7 +9,7 @@ the class's own loop; ...). surgery registers one more name there, ``SURGERY_EXP
 (``"surgery_grouped_mm"``), so that ``set_experts_implementation`` and the model's own dispatch stay
 in charge; ``surgery.patch`` selects it (``PatchOptions.experts_implementation``) and marks each
 experts module it may fuse with an ``ExpertsPlan`` (a plain instance attribute): which, and how,
-is ``surgery.experts_install``.
+is ``surgery.patching.experts_install``.
 
 ``fused_grouped_mm_experts_forward`` computes what transformers' ``grouped_mm_experts_forward``
 computes, with its grouped GEMMs (``_grouped_linear``: ``torch.nn.functional.grouped_mm`` where
@@ -33,11 +33,11 @@ backward runs:
   transformers scales dy by w before both GEMMs (``(dy * w) @ W_e``, ``(dy * w)^T h``) and takes dw
   as <dy, out>;
 - the product, kept for the down GEMM's weight gradient and for dw, is rebuilt in the backward
-  from the gated activation's kept input with the same kernel, bit for bit (``surgery.recompute``;
-  ``recompute_mlp_product``);
+  from the gated activation's kept input with the same kernel, bit for bit
+  (``surgery.forwards.recompute``; ``recompute_mlp_product``);
 - the token rows gathered for the up GEMM (rows = tokens x top_k, hidden wide), kept for its
   weight gradient, are gathered again in the backward from the layer's input, which the router
-  keeps anyway (``surgery.recompute``; always, it is a copy);
+  keeps anyway (``surgery.forwards.recompute``; always, it is a copy);
 - the gather of the token rows and the per-token sum are adjoint, and each one's backward is the
   other (``surgery.kernels.rows.token_rows``, ``_DownProjectionAndSum``): a gather, where
   autograd's backward of an index scatter-adds into zeros (atomics and a zero fill on a GPU).
@@ -49,7 +49,7 @@ not marked, or one that is expert-parallel or in a dtype without a kernel, runs 
 ``grouped_mm_experts_forward`` itself. What is never fused: experts with biases, without a gate,
 with an interleaved gate/up layout, a ``_apply_gate`` of their own (GPT-OSS's clamped gate) or a
 norm after each expert, and activations without a kernel
-(``surgery.experts_install.unfusable_reason``).
+(``surgery.patching.experts_install.unfusable_reason``).
 
 Llama 4's experts (``ArchitectureSpec.batched_experts``) are not dispatched through transformers'
 experts implementations: every token runs through every expert as two batched GEMMs, the MoE
@@ -68,12 +68,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from surgery.forwards import recompute
 from surgery.kernels.gated_activation import gated_activation_merged, gated_activation_merged_fwd
 from surgery.kernels.gather_sum import gather_sum
 from surgery.kernels.grouped_mm import grouped_weight_grad_loop
 from surgery.kernels.rows import token_rows
-
-from . import recompute
 
 try:
     from transformers.integrations import moe as transformers_moe

@@ -87,7 +87,8 @@ def in_signature_of(generic: Callable, original: Callable) -> Callable:
     """``generic`` (a forward ``(self, ...)`` that takes every argument by name) taking its
     arguments as ``original`` (a class's ``forward``) does: an argument passed by position is
     passed on under the name ``original`` gives that position, one passed by name as it is. The
-    result reports ``original``'s signature, so ``surgery.swap.check_signature`` accepts it.
+    result reports ``original``'s signature, so ``surgery.patching.swap.check_signature`` accepts
+    it.
 
     ``generic`` itself when its positional parameters begin with ``original``'s, in order (then a
     positional call already means the same; a renamed argument (``RENAMED``) counts as its new

@@ -5,8 +5,8 @@ The model's rotary module still runs once per forward (it applies dynamic RoPE u
 frequencies); the attention reads the frequencies from it at call time instead of using the cos/sin
 tables it produced.
 
-Packed batches through flash attention's varlen kernel: ``surgery.varlen``; the shared sdpa mask:
-``surgery.shared_mask``; the lean eager attention: ``surgery.eager_attention``.
+Packed batches through flash attention's varlen kernel: ``surgery.attention.varlen``; the shared
+sdpa mask: ``surgery.attention.shared_mask``; the lean eager attention: ``surgery.attention.eager``.
 """
 
 from __future__ import annotations
@@ -20,26 +20,30 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from surgery.kernels import apply_rope
-from surgery.kernels.rope import mrope_rows
-from surgery.models import ArchitectureSpec
-
-from . import recompute
-from .chunked_attention import POSITIONS_KWARG, after_rope, chunked_layer_mask, is_chunked_layer
-from .eager_attention import lean_eager_attention
-from .layers import projections
-from .linear_attention import DOCUMENTS_KWARG
-from .recompute import RECOMPUTE_ATTR, RecomputePlan
-from .shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
-from .signature import cache_argument, in_signature_of, update_cache
-from .unpadding import UNPADDED_KWARG, Unpadded, pad_heads
-from .varlen import (
+from surgery.attention.chunked import (
+    POSITIONS_KWARG,
+    after_rope,
+    chunked_layer_mask,
+    is_chunked_layer,
+)
+from surgery.attention.eager import lean_eager_attention
+from surgery.attention.linear import DOCUMENTS_KWARG
+from surgery.attention.shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
+from surgery.attention.unpadding import UNPADDED_KWARG, Unpadded, pad_heads
+from surgery.attention.varlen import (
     PACKED_KWARG,
     PackedSequences,
     flash_head_size,
     packed_sequences,
     varlen_attention,
 )
+from surgery.forwards import recompute
+from surgery.forwards.layers import projections
+from surgery.forwards.recompute import RECOMPUTE_ATTR, RecomputePlan
+from surgery.kernels import apply_rope
+from surgery.kernels.rope import mrope_rows
+from surgery.models import ArchitectureSpec
+from surgery.patching.signature import cache_argument, in_signature_of, update_cache
 
 __all__ = [
     "AttentionBinding",
@@ -84,8 +88,8 @@ class AttentionBinding:
 
 BINDING_ATTR = "_surgery_attention"
 MROPE_POSITIONS_KWARG = "surgery_mrope_positions"
-"""The keyword argument, passed the same way from the base model (``surgery.base_model``), that
-carries the positions a multimodal-RoPE model's rotary module takes: (3, batch, seq) temporal,
+"""The keyword argument, passed the same way from the base model (``surgery.forwards.base_model``),
+that carries the positions a multimodal-RoPE model's rotary module takes: (3, batch, seq) temporal,
 height and width rows, or (batch, seq) for the same position in all three (text)."""
 CAUSAL_KWARG = "surgery_causal"
 """The keyword argument, passed the same way, saying the causal-LM forward dropped the padding mask
@@ -211,13 +215,14 @@ def attention_forward(
     kv_shared = spec.kv_sharing and self.is_kv_shared_layer
     input_shape = hidden_states.shape[:-1]
     # The projections save hidden_states, the input norm's output: rebuilt in the backward when
-    # the norm registered it (surgery.recompute).
+    # the norm registered it (surgery.forwards.recompute).
     plan: RecomputePlan | None = self.__dict__.get(RECOMPUTE_ATTR)
     query, key, value, gate = _projected(self, spec, hidden_states, kv_shared, plan)
     # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
     # positions_to_attention); on its layers without RoPE nothing is rotated.
     position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
-    # A padding-free step (surgery.unpadding): one row of real tokens, each at its own position.
+    # A padding-free step (surgery.attention.unpadding): one row of real tokens, each at its own
+    # position.
     unpadded: Unpadded | None = kwargs.pop(UNPADDED_KWARG, None)
     if unpadded is not None:
         position_ids = unpadded.positions
@@ -418,7 +423,7 @@ def _attend(self, binding, query, key, value, attention_mask, unpadded, per_row,
 
 def attention_forward_for(module: nn.Module, generic: Callable = attention_forward) -> Callable:
     """``generic`` (``attention_forward``, or another generic attention forward) taking its
-    arguments in the order of ``module``'s class forward (``surgery.signature.in_signature_of``:
-    Gemma 4 takes ``shared_kv_states`` before the cache, Ministral 3 ``position_ids`` between
-    ``attention_mask`` and the cache)."""
+    arguments in the order of ``module``'s class forward
+    (``surgery.patching.signature.in_signature_of``: Gemma 4 takes ``shared_kv_states`` before the
+    cache, Ministral 3 ``position_ids`` between ``attention_mask`` and the cache)."""
     return in_signature_of(generic, type(module).forward)

@@ -18,14 +18,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from surgery.forwards import recompute
+from surgery.forwards.recompute import RECOMPUTE_ATTR, RecomputePlan
 from surgery.kernels import embedding, gated_activation, rms_norm
 from surgery.kernels.gated_activation import gated_activation_fwd, gated_linear, gated_linear_fuses
 from surgery.kernels.rms_norm import rms_norm_fwd
 from surgery.kernels.shared_input_linear import shared_input_linear
 from surgery.models import RMSNormStyle
-
-from . import recompute
-from .recompute import RECOMPUTE_ATTR, RecomputePlan
 
 __all__ = [
     "EMBEDDING_ATTR",
@@ -99,7 +98,7 @@ def rms_norm_forward_for(module: nn.Module) -> Callable:
     """The norm forward whose argument is named like the one of ``module``'s class forward (the
     patch checks that the names match, so a caller passing it by keyword still works). The class
     forward, not an instance one: what ``patch`` replaces is always transformers' own forward,
-    possibly inside accelerate's hook (``surgery.foreign``)."""
+    possibly inside accelerate's hook (``surgery.patching.foreign``)."""
     params = list(inspect.signature(type(module).forward).parameters)[1:]
     return rms_norm_forward_x if params[:1] == ["x"] else rms_norm_forward
 
@@ -166,7 +165,7 @@ def gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gated_activation(gate, up, activation))
     if recompute.compiling_with_grad():
         # The compiler's partitioner decides what is kept; the norm that produced x marked its
-        # output for rebuilding itself (see surgery.recompute).
+        # output for rebuilding itself (see surgery.forwards.recompute).
         gate, up = projections(x, self.gate_proj, self.up_proj)
         if _fused_down(self, plan, gate, up):
             return gated_linear(gate, up, self.down_proj.weight, activation)

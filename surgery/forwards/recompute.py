@@ -7,7 +7,8 @@ deterministic kernel away from tensors that autograd keeps anyway:
   a LoRA on it), is ``gated_activation_fwd(gate, up)``, and ``gated_activation`` keeps gate and up;
 - an RMSNorm's output (tokens x hidden), saved by the projections after it (q/k/v, gate/up), is
   ``rms_norm_fwd(x, weight)``, and the norm keeps x and its weight;
-- inside a mixture of experts (``surgery.experts``), the experts' product, rebuilt from the up
+- inside a mixture of experts (``surgery.forwards.experts``), the experts' product, rebuilt from the
+up
   GEMM's output the fused activation keeps, and the token rows gathered for the up GEMM, gathered
   again from the layer's input.
 
@@ -27,7 +28,7 @@ the partitioner honours: the region's output is rebuilt in the backward from its
 the kernel's own backward keeps anyway (the norm's input and weight; gate and up). The compiled
 graph then keeps what the eager scope keeps. One region has no eager counterpart: behind q/k norms
 the attention's rotated queries and keys are rebuilt from the projections the q/k norms keep (a
-norm and a rotation, ``surgery.attention``), which eager keeps twice.
+norm and a rotation, ``surgery.attention.forward``), which eager keeps twice.
 
 Anything unexpected saves normally: the scope is not opened when other saved-tensor hooks are
 active (activation checkpointing and CPU offload install theirs: the outer hooks own every saved

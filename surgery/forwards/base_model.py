@@ -8,11 +8,11 @@ layer drops those that are not for it). What a spec asks for (``BaseModelNeeds``
   not pass them on): ``POSITIONS_KWARG``, the position ids the base model uses (the caller's, or
   its default: the cached length onwards); on a packed batch (position ids, no attention mask, no
   KV cache yet) of a model with chunked layers (``chunked_attention``) also their mask
-  (``CHUNKED_MASK_KWARG``, ``surgery.chunked_attention``);
+  (``CHUNKED_MASK_KWARG``, ``surgery.attention.chunked``);
 - the documents of a packed batch (``linear_attention``, hybrid models): ``DOCUMENTS_KWARG``
-  (``surgery.linear_attention``), unless the caller found them already: the causal-LM forward of
+  (``surgery.attention.linear``), unless the caller found them already: the causal-LM forward of
   a training or loss step does, from the one host read of the position ids that also gives the
-  varlen attention its documents (``surgery.forward``). Where fla runs those layers
+  varlen attention its documents (``surgery.forwards.causal_lm``). Where fla runs those layers
   (``surgery.integrations.fla``), a padded batch's real tokens too (``padded_documents``, one host
   read of the 2-D attention mask; not under ``torch.compile``, nor with a KV cache).
 
@@ -27,14 +27,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from surgery.attention.chunked import (
+    CHUNKED_MASK_KWARG,
+    POSITIONS_KWARG,
+    packed_chunked_mask,
+)
+from surgery.attention.forward import MROPE_POSITIONS_KWARG
+from surgery.attention.linear import (
+    DOCUMENTS_KWARG,
+    fla_kernels,
+    packed_documents,
+    padded_documents,
+)
+from surgery.forwards.causal_lm import document_positions
 from surgery.models import ArchitectureSpec
-
-from .attention import MROPE_POSITIONS_KWARG
-from .chunked_attention import CHUNKED_MASK_KWARG, POSITIONS_KWARG, packed_chunked_mask
-from .forward import document_positions
-from .linear_attention import DOCUMENTS_KWARG, fla_kernels, packed_documents, padded_documents
-from .options import PatchOptions
-from .signature import CACHE, cache_argument, in_signature_of
+from surgery.options import PatchOptions
+from surgery.patching.signature import CACHE, cache_argument, in_signature_of
 
 __all__ = [
     "BASE_MODEL_ATTR",
@@ -145,5 +153,5 @@ def base_model_forward(
 
 def base_model_forward_for(model: nn.Module) -> Callable:
     """``base_model_forward`` taking its arguments in the order of ``model``'s class forward
-    (``surgery.signature.in_signature_of``)."""
+    (``surgery.patching.signature.in_signature_of``)."""
     return in_signature_of(base_model_forward, type(model).forward)

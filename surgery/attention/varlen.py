@@ -1,15 +1,16 @@
 """Packed batches through flash attention's variable-length kernel.
 
 With ``varlen_attention`` (the default), a packed batch on sdpa (rows holding several documents,
-``position_ids`` restarting at each; see ``surgery.forward``) runs every layer's attention through
-torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) over the
-documents, given as cumulative lengths over the flattened (batch * seq) tokens: each document
-attends causally to itself only, exactly what transformers' block-diagonal mask allows, but the
-kernel skips every block outside the documents and needs no mask and no key/value repeat for GQA
-(sdpa with a mask takes a masked kernel that computes the whole (seq x seq) square). A layer that
-varlen cannot serve (fp32, attention dropout in training, an attention-logit softcap, head_dim
-over 256) takes the mask transformers built as usual. Under ``torch.compile`` too: the boundaries
-then come from an op at run time (``packed_sequences``), so the graph holds no host read.
+``position_ids`` restarting at each; see ``surgery.forwards.causal_lm``) runs every layer's
+attention through torch's variable-length flash attention
+(``torch.nn.attention.varlen.varlen_attn``) over the documents, given as cumulative lengths over the
+flattened (batch * seq) tokens: each document attends causally to itself only, exactly what
+transformers' block-diagonal mask allows, but the kernel skips every block outside the documents and
+needs no mask and no key/value repeat for GQA (sdpa with a mask takes a masked kernel that computes
+the whole (seq x seq) square). A layer that varlen cannot serve (fp32, attention dropout in
+training, an attention-logit softcap, head_dim over 256) takes the mask transformers built as usual.
+Under ``torch.compile`` too: the boundaries then come from an op at run time (``packed_sequences``),
+so the graph holds no host read.
 
 Chunked attention (Llama 4's ``attention_chunk_size``: a query attends causally to the keys of its
 own chunk of positions) is causal attention over each chunk of each document: its layers take
@@ -30,10 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.compiling import host_read
 from surgery.kernels.packing import packed_chunked_cu_seqlens, packed_cu_seqlens, split_at_chunks
 from surgery.kernels.reduction import host_cu_seqlens
-
-from .compiling import host_read
 
 __all__ = [
     "PACKED_KWARG",
@@ -64,7 +64,7 @@ class PackedSequences:
     chunks: PackedSequences | None = None
     """The same batch for the chunked-attention layers (``packed_sequences``' ``chunk_size``):
     each document split at every token whose position is a multiple of the chunk size, as
-    ``surgery.chunked_attention.chunked_document_mask`` chunks it. None without chunked layers."""
+    ``surgery.attention.chunked.chunked_document_mask`` chunks it. None without chunked layers."""
 
 
 def packed_sequences(

@@ -26,9 +26,8 @@ from surgery.kernels import (
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_log_probs,
 )
-
-from .foreign import tensor_parallel_forward
-from .swap import ORIGINAL_ATTR, apply_swaps, is_swapped, plan_swap
+from surgery.patching.foreign import tensor_parallel_forward
+from surgery.patching.swap import ORIGINAL_ATTR, apply_swaps, is_swapped, plan_swap
 
 __all__ = [
     "LM_HEAD_ATTR",

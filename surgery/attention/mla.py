@@ -19,7 +19,7 @@ time as in the generic forward. Both norms are the model's RMSNorm class and get
 with the others. The softmax scale is the module's ``scaling`` (transformers folds yarn's mscale
 into it).
 
-A packed batch (``surgery.attention``'s ``varlen_attention``) runs through flash attention's
+A packed batch (``surgery.attention.forward``'s ``varlen_attention``) runs through flash attention's
 varlen kernel when query/key and value heads have one size (Mistral Small 4: 128 and 128), half
 precision, no dropout and no cache; otherwise through transformers' mask, as in the generic
 forward (DeepSeek V3's 192-channel keys over 128-channel values would need the values padded).
@@ -32,8 +32,8 @@ import sys
 import torch
 from torch import nn
 
-from . import attention, recompute
-from .attention import (
+from surgery.attention import forward as attention
+from surgery.attention.forward import (
     BINDING_ATTR,
     CAUSAL_KWARG,
     PACKED_KWARG,
@@ -46,9 +46,10 @@ from .attention import (
     varlen_attention,
     zero_unattended_rows,
 )
-from .linear_attention import DOCUMENTS_KWARG
-from .recompute import RECOMPUTE_ATTR
-from .signature import cache_argument, update_cache
+from surgery.attention.linear import DOCUMENTS_KWARG
+from surgery.forwards import recompute
+from surgery.forwards.recompute import RECOMPUTE_ATTR
+from surgery.patching.signature import cache_argument, update_cache
 
 __all__ = ["mla_attention_forward"]
 
@@ -101,7 +102,7 @@ def mla_attention_forward(
     query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
 
     # The projections of hidden_states (the input norm's output) save it: rebuilt in the backward
-    # when the norm registered it (surgery.recompute), as in the generic forward.
+    # when the norm registered it (surgery.forwards.recompute), as in the generic forward.
     plan = self.__dict__.get(RECOMPUTE_ATTR)
     with recompute.saved_tensor_scope(plan is not None and plan.norm_output):
         if self.q_lora_rank is None:

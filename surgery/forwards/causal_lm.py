@@ -1,5 +1,5 @@
 """The one generic causal-LM forward every architecture shares (the lm_head forward that takes the
-loss arguments is ``surgery.head``'s).
+loss arguments is ``surgery.forwards.head``'s).
 
 The causal-LM forward runs the base model (``self.model``), then either the fused loss or logits:
 
@@ -21,10 +21,10 @@ It returns the causal LM's own output class (``causal_lm_output_class``: Gemma 4
 (``router_logits``, ``shared_kv_states``, ...), as transformers' causal LMs copy them. The one
 difference: ``logits`` is None where the loss is fused.
 
-A multimodal wrapper holding lm_head (``surgery.multimodal``) runs the same forward: ``self.model``
-is its multimodal model (the wrapper's own arguments, pixel values and the like, go to it as
-given), its ``config.text_config`` says what the text model does, and the output is the wrapper's
-class. One whose language model is the causal LM (Llama 4) runs ``delegating_forward``.
+A multimodal wrapper holding lm_head (``surgery.forwards.multimodal``) runs the same forward:
+``self.model`` is its multimodal model (the wrapper's own arguments, pixel values and the like, go
+to it as given), its ``config.text_config`` says what the text model does, and the output is the
+wrapper's class. One whose language model is the causal LM (Llama 4) runs ``delegating_forward``.
 """
 
 from __future__ import annotations
@@ -38,28 +38,33 @@ from typing import NamedTuple
 import torch
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
+from surgery.attention.chunked import packed_chunk_size
+from surgery.attention.forward import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
+from surgery.attention.linear import DOCUMENTS_KWARG, documents_of, fla_kernels
+from surgery.attention.unpadding import UNPADDED_KWARG, unpadded_layout
+from surgery.compiling import graph_break_allowed, host_read
+from surgery.forwards.head import (
+    fuse_replaced_head,
+    fused_head,
+    head_logits,
+    head_takes_loss,
+    warn_unfused,
+)
+from surgery.forwards.multimodal import packed_bidirectional_masks
+from surgery.integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
+from surgery.integrations.trl import FusedHeadRequest, fused_head_output
 from surgery.kernels import cross_entropy
 from surgery.kernels.reduction import every_token_mask, host_cu_seqlens
 from surgery.models import ArchitectureSpec, MultimodalWrapper
-from surgery.multimodal import packed_bidirectional_masks
-
-from .attention import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
-from .chunked_attention import packed_chunk_size
-from .compiling import graph_break_allowed, host_read
-from .head import fuse_replaced_head, fused_head, head_logits, head_takes_loss, warn_unfused
-from .integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
-from .integrations.trl import FusedHeadRequest, fused_head_output
-from .linear_attention import DOCUMENTS_KWARG, documents_of, fla_kernels
-from .options import PatchOptions
-from .outputs import (
+from surgery.options import PatchOptions
+from surgery.outputs import (
     COMPUTED_FIELDS,
     CausalLMOutputWithZLoss,
     MoeCausalLMOutputWithZLoss,
     causal_lm_output_class,
     with_z_loss,
 )
-from .signature import CACHE, cache_argument
-from .unpadding import UNPADDED_KWARG, unpadded_layout
+from surgery.patching.signature import CACHE, cache_argument
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -95,11 +100,11 @@ class PatchState:
     spec: ArchitectureSpec
     options: PatchOptions
     wrapper: MultimodalWrapper | None = None
-    """The multimodal wrapper whose forward this is (``surgery.multimodal``), or None: the causal
-    LM's (or, on a text model patched on its own, no forward's)."""
+    """The multimodal wrapper whose forward this is (``surgery.forwards.multimodal``), or None: the
+    causal LM's (or, on a text model patched on its own, no forward's)."""
     padding_free: bool = False
     """A right-padded training batch may run its real tokens only (``PatchOptions.padding_free``,
-    ``surgery.unpadding``): the option is on and every layer of the model allows it."""
+    ``surgery.attention.unpadding``): the option is on and every layer of the model allows it."""
     output: type = dataclasses.field(init=False, compare=False, repr=False)
     """The class the forward returns: the causal LM's own (``causal_lm_output_class``) plus
     ``z_loss``. Found once, when the state is made (at patch time)."""
@@ -357,7 +362,7 @@ def _router_logits(state, config, output_router_logits, trl_request):
 
 def _fla_step(state: PatchState, cache, use_cache, step: bool, tokens: torch.Tensor) -> bool:
     """Whether a hybrid's training or loss step (``step``) makes no KV cache from the config's
-    ``use_cache``: where fla runs its linear-attention layers (``surgery.linear_attention``),
+    ``use_cache``: where fla runs its linear-attention layers (``surgery.attention.linear``),
     as a packed or padding-free step makes none (with one, the layers would run transformers'
     forward). A ``use_cache=True`` passed is kept.
 
@@ -379,7 +384,7 @@ def _packed_step(self, state, config, text_positions, tokens, types, varlen, hos
     """A packed step's attention mask for the base model and the keyword arguments that give it
     the documents (``_packed_layout``). ``types``: a multimodal row's token types where its
     images attend both ways (else None): transformers' mask of such a packed row is not each
-    conversation's own (surgery.multimodal), so it is built from theirs, each conversation
+    conversation's own (surgery.forwards.multimodal), so it is built from theirs, each conversation
     alone (with host reads; without, the caller's mask, None)."""
     model_mask = None
     if types is not None and host_reads:
@@ -400,8 +405,9 @@ def _whole_rows(logits_to_keep) -> bool:
 
 def _unpad(unpadded, input_ids, inputs_embeds, targets: _Targets):
     """``PatchOptions.padding_free``: the real tokens as one row; each attention layer runs each
-    row's tokens alone or pads them again (surgery.unpadding). The loss takes each row's end as a
-    sequence boundary from the positions; the load-balancing loss counts every token left."""
+    row's tokens alone or pads them again (surgery.attention.unpadding). The loss takes each row's
+    end as a sequence boundary from the positions; the load-balancing loss counts every token
+    left."""
     if input_ids is not None:
         input_ids = unpadded.take(input_ids)
     else:

@@ -1,6 +1,7 @@
-"""Which experts modules ``surgery.experts`` fuses, choosing its implementation in transformers'
-``ExpertsInterface`` on ``patch`` and restoring the previous one on ``unpatch``, and what
-``surgery.describe`` says of them. The implementations themselves are in ``surgery.experts``.
+"""Which experts modules ``surgery.forwards.experts`` fuses, choosing its implementation in
+transformers' ``ExpertsInterface`` on ``patch`` and restoring the previous one on ``unpatch``, and
+what ``surgery.describe`` says of them. The implementations themselves are in
+``surgery.forwards.experts``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from . import experts
-from .experts import (
+from surgery.forwards import experts
+from surgery.forwards.experts import (
     ALL_EXPERTS_FUNCTIONS,
     EXPERTS_AUTO,
     EXPERTS_PLAN_ATTR,
@@ -25,8 +26,7 @@ from .experts import (
 
 if TYPE_CHECKING:
     from surgery.models import ArchitectureSpec
-
-    from .options import PatchOptions
+    from surgery.options import PatchOptions
 
 __all__ = [
     "batched_experts_left_alone",

@@ -11,12 +11,12 @@ as the documents alone:
 - chunks follow each document's own positions. transformers builds the chunked layers' mask from
   the token's index in its row, so that in a packed row a later document's chunks start where
   the earlier documents leave off (5.17; 5.23 remaps its packed mask to the position ids). On a
-  packed batch the base-model forward (``surgery.base_model``) builds that mask itself
+  packed batch the base-model forward (``surgery.forwards.base_model``) builds that mask itself
   (``packed_chunked_mask``: causal within the document and within the chunk of the query's
   position), once per forward, and the chunked layers take it in place of transformers'.
   In bf16/fp16 the chunked layers of such a batch run flash attention's varlen kernel over the
-  documents' chunks instead (``surgery.varlen``: each chunk of a document is causal attention
-  over itself), and the mask serves the layers varlen cannot (fp32, dropout, ...).
+  documents' chunks instead (``surgery.attention.varlen``: each chunk of a document is causal
+  attention over itself), and the mask serves the layers varlen cannot (fp32, dropout, ...).
   Batches with an attention mask or a KV cache keep transformers' mask: a padded row's chunks
   start at its first real token there, as transformers counts them, and a cached step's keys are
   not in the position ids;
@@ -100,7 +100,7 @@ def packed_chunked_mask(
 def packed_chunk_size(config, spec: ArchitectureSpec) -> int | None:
     """The ``attention_chunk_size`` of a ``spec`` model whose text ``config`` has chunked layers,
     else None: on a packed batch the varlen attention splits the documents into its chunks
-    (``surgery.varlen.PackedSequences.chunks``), once per forward."""
+    (``surgery.attention.varlen.PackedSequences.chunks``), once per forward."""
     if not spec.chunked_attention or _CHUNKED not in (getattr(config, "layer_types", None) or ()):
         return None
     return config.attention_chunk_size
