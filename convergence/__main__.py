@@ -403,8 +403,8 @@ def _run_controls(args, size, device, dtypes, t0) -> int:
     """``--controls``: the table of planted bugs and what caught them, a json; the exit status."""
     import json
 
-    from .compare import environment
     from .controls import run_controls
+    from .report import environment
 
     print(f"negative controls | size {size} | dtype {', '.join(dtypes)}", flush=True)
     summary = run_controls(size=size, device=device, dtypes=tuple(dtypes),
@@ -429,7 +429,7 @@ def _run_controls(args, size, device, dtypes, t0) -> int:
 
 def _report(args, records, checks, stem, t0) -> int:
     """The table, the json and png, and the verdict; the exit status."""
-    from .compare import format_table, plot, write_json
+    from .report import format_table, plot, write_json
 
     print()
     print(format_table(records, checks))

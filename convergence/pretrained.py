@@ -218,8 +218,8 @@ def train_and_compare_pretrained(
     batches: tuple[list[list[Document]], list[Document]] | None = None,
 ) -> dict[str, Any]:
     """Run ``run`` and return a record of the shape ``train.train_and_compare`` returns (what
-    ``compare.evaluate``, ``format_table``, ``plot`` and ``write_json`` read), plus a
-    ``"pretrained"`` entry: the checkpoint, the yardstick used and why, each side's peak memory.
+    ``compare.evaluate`` and ``report``'s ``format_table``, ``plot`` and ``write_json`` read), plus
+    a ``"pretrained"`` entry: the checkpoint, the yardstick used and why, each side's peak memory.
 
     ``patch`` defaults to ``surgery.patch`` (``side.default_patch``), called as in ``train``.
     ``batches``: ``(train, eval)`` documents, by default ``load_batches(run)``; ``run.steps`` is

@@ -24,7 +24,7 @@ def test_cli_passes_and_writes_outputs(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert (tmp_path / "llama-fp32-tiny.png").stat().st_size > 0
     # The patched curves lie on the reference ones: the plot says so, or a reader sees one line.
-    from surgery.convergence.compare import OVERLAP_NOTE, figure
+    from surgery.convergence.report import OVERLAP_NOTE, figure
 
     assert OVERLAP_NOTE in figure(payload["runs"])._suptitle.get_text()
 
