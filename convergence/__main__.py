@@ -59,6 +59,32 @@ def _parser() -> argparse.ArgumentParser:
         choices=["fp32", "bf16", "all"],
         help="default fp32; bf16 with --pretrained (the model is loaded in it)",
     )
+    _add_training_arguments(p)
+    _add_pretrained_arguments(p)
+    p.add_argument(
+        "--lr", type=float, help="AdamW learning rate (default: per size; 1e-5 with --pretrained)"
+    )
+    p.add_argument(
+        "--controls",
+        action="store_true",
+        help="run the negative controls instead: every planted bug of surgery.convergence."
+        "controls must fail the checks, the bug-free imitation must pass (--dtype, --size, "
+        "--device apply)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out",
+        default="convergence_out",
+        type=Path,
+        help="folder the json and png go to (default: %(default)s, in the current directory)",
+    )
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-step progress")
+    return p
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """How each run trains: steps, layouts, the loss's options, device, size and data."""
     p.add_argument("--steps", type=int, default=32, help="AdamW steps (default 32)")
     layout = p.add_mutually_exclusive_group()
     layout.add_argument("--packed", action="store_true", help="only packed batches")
@@ -86,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
         help="synthetic data: mixed (default), lm or sft; with --pretrained also a .jsonl of "
         '{"text": ...} or {"messages": [...]} rows, or a .txt (paragraphs)',
     )
+
+
+def _add_pretrained_arguments(p: argparse.ArgumentParser) -> None:
+    """What applies with ``--pretrained``: the batch, the documents' length, the yardstick."""
     p.add_argument(
         "--batch-size",
         type=int,
@@ -106,26 +136,6 @@ def _parser() -> argparse.ArgumentParser:
         "weights only and take the drift budget from a same-dtype twin (init), or full when it "
         "fits (auto, default)",
     )
-    p.add_argument(
-        "--lr", type=float, help="AdamW learning rate (default: per size; 1e-5 with --pretrained)"
-    )
-    p.add_argument(
-        "--controls",
-        action="store_true",
-        help="run the negative controls instead: every planted bug of surgery.convergence."
-        "controls must fail the checks, the bug-free imitation must pass (--dtype, --size, "
-        "--device apply)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--out",
-        default="convergence_out",
-        type=Path,
-        help="folder the json and png go to (default: %(default)s, in the current directory)",
-    )
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("-q", "--quiet", action="store_true", help="no per-step progress")
-    return p
 
 
 def model_names(arg: str | None, known, default: str) -> list[str]:
