@@ -365,6 +365,15 @@ STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 """Per-token statistics of the (transformed) logits the forward can return besides the losses."""
 
 
+def statistics_mask(names, allowed=STATISTICS, what: str = "statistics") -> int:
+    """The bit mask of the ``STATISTICS`` among ``names`` (bit i for the i-th name), every name
+    checked to be one of ``allowed`` (a ``ValueError`` naming ``what`` otherwise)."""
+    unknown = set(names) - set(allowed)
+    if unknown:
+        raise ValueError(f"unknown {what} {sorted(unknown)}; expected names among {allowed}")
+    return sum(1 << i for i, name in enumerate(STATISTICS) if name in names)
+
+
 def cross_entropy_fwd(
     logits: torch.Tensor,
     targets: torch.Tensor,

@@ -38,6 +38,7 @@ from .cross_entropy import (
     cross_entropy_fwd,
     prepare_loss_inputs,
     reduce_losses,
+    statistics_mask,
     upstream_coefficients,
 )
 from .dispatch import cdiv, on_device, triton_available, use_triton
@@ -770,10 +771,7 @@ def linear_cross_entropy_statistics(
     Each costs a few operations per logit, none when not asked; the loss and its gradients are
     those of ``linear_cross_entropy`` exactly (the same autograd path).
     """
-    unknown = set(statistics) - set(STATISTICS)
-    if unknown:
-        raise ValueError(f"unknown statistics {sorted(unknown)}; expected names among {STATISTICS}")
-    stats = sum(1 << i for i, name in enumerate(STATISTICS) if name in statistics)
+    stats = statistics_mask(statistics)
     x, w, bias = prepare_head_inputs(hidden, weight, bias)
     check_options(reduction, label_smoothing, z_loss_scale, softcap)
     targets, weights = prepare_loss_inputs(

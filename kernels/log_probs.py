@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .cross_entropy import STATISTICS, check_options, prepare_loss_inputs
+from .cross_entropy import STATISTICS, check_options, prepare_loss_inputs, statistics_mask
 from .linear_cross_entropy import (
     DEFAULT_CHUNK_BYTES,
     LOW_MEMORY_CHUNK_BYTES,
@@ -111,13 +111,11 @@ def linear_log_probs(
 def check_log_probs_options(outputs, temperature: float, softcap: float | None) -> int:
     """The options of ``linear_log_probs`` checked; the bit mask of the ``STATISTICS`` that
     ``outputs`` asks for (bit i for the i-th name)."""
-    unknown = set(outputs) - set(OUTPUTS)
-    if unknown:
-        raise ValueError(f"unknown outputs {sorted(unknown)}; expected names among {OUTPUTS}")
+    stats = statistics_mask(outputs, OUTPUTS, "outputs")
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_options("none", 0.0, 0.0, softcap)
-    return sum(1 << i for i, name in enumerate(STATISTICS) if name in outputs)
+    return stats
 
 
 def token_log_probs(ce: torch.Tensor, statistics, outputs, shape) -> TokenLogProbs:

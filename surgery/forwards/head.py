@@ -140,7 +140,7 @@ def _log_probs(
     ``linear_cross_entropy_statistics``; ``cast_fp32``: of the head run in fp32 outside
     autocast (hidden states, weight and bias cast, differentiably, on entry)."""
     weight, bias = head.weight, head.bias
-    log_probs = linear_log_probs
+    per_token = linear_log_probs
     if "statistics" in options:
         if vocab_parallel:
             raise NotImplementedError(
@@ -148,16 +148,16 @@ def _log_probs(
                 "not available for a head whose vocabulary is sharded (tensor parallelism): use "
                 "trl.SFTTrainer, whose per-token head surgery serves under tensor parallelism"
             )
-        log_probs = linear_cross_entropy_statistics
+        per_token = linear_cross_entropy_statistics
     elif vocab_parallel:
         input, options = _whole(input), _vocab_parallel_options(options)
         options.pop("upstream", None)  # the backward always recomputes
-        log_probs = vocab_parallel_linear_log_probs
+        per_token = vocab_parallel_linear_log_probs
     if not cast_fp32:
-        return log_probs(input, weight, labels, bias=bias, **options)
+        return per_token(input, weight, labels, bias=bias, **options)
     input, weight, bias = (t if t is None else t.float() for t in (input, weight, bias))
     with torch.autocast(input.device.type, enabled=False):
-        return log_probs(input, weight, labels, bias=bias, **options)
+        return per_token(input, weight, labels, bias=bias, **options)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:

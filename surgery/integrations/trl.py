@@ -34,6 +34,7 @@ from torch import nn
 
 from surgery.forwards.head import fused_head, head_takes_loss
 from surgery.kernels import UpstreamHint
+from surgery.kernels.cross_entropy import STATISTICS
 from surgery.patching.swap import ORIGINAL_ATTR
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "FusedHeadRequest",
     "fused_head_output",
     "fused_head_request",
+    "loss_options_set",
     "serve_fused_head",
 ]
 
@@ -145,25 +147,25 @@ LOSS_OPTIONS = ("loss_reduction", "z_loss_scale", "label_smoothing")
 per-token log-probabilities, so under TRL none of them applies, except through
 ``surgery.integrations.trl_sft.SFTTrainer``."""
 
-WARNED_ATTR = "_surgery_trl_warned"
-"""Instance attribute of the patched causal LM: the loss options warning was given."""
 
-
-def _warn_loss_options(model: nn.Module) -> None:
-    from surgery.api import patch_options
+def loss_options_set(options) -> list[str]:
+    """The ``LOSS_OPTIONS`` of ``PatchOptions`` ``options`` (or None) that differ from ``patch``'s
+    defaults, as ``name=value``."""
     from surgery.options import OPTION
 
-    if model.__dict__.get(WARNED_ATTR):
-        return
-    model.__dict__[WARNED_ATTR] = True
-    options = patch_options(model)
     if options is None:
-        return
-    changed = [
+        return []
+    return [
         f"{name}={getattr(options, name)!r}"
         for name in LOSS_OPTIONS
         if getattr(options, name) != OPTION[name].default
     ]
+
+
+def _warn_loss_options(model: nn.Module) -> None:
+    from surgery.api import patch_options
+
+    changed = loss_options_set(patch_options(model))
     if changed:
         warnings.warn(
             f"surgery: {type(model).__name__} is patched with {', '.join(changed)}, but TRL's "
@@ -174,10 +176,14 @@ def _warn_loss_options(model: nn.Module) -> None:
         )
 
 
-def fused_head_request(model: nn.Module) -> FusedHeadRequest | None:
+def fused_head_request(
+    model: nn.Module, warn_loss_options: bool = False
+) -> FusedHeadRequest | None:
     """The request surgery serves for TRL's fused forward on ``model``, or None (TRL's head).
 
-    TRL's settings are read once per installed function; what can change after that is checked
+    TRL's settings are read once per installed function (then, with ``warn_loss_options``, a
+    warning names the patch's loss options TRL's own loss leaves out); what can change after that
+    is checked
     on every call: that the forward TRL hands the call to is this model's patched forward (not
     the original's, after ``copy.deepcopy``: the copy shares TRL's function and its closure), and
     that the head takes the loss (no adapter put on it since)."""
@@ -188,6 +194,8 @@ def fused_head_request(model: nn.Module) -> FusedHeadRequest | None:
     if cached is None or cached[0] is not fn:
         cached = (fn, *_read_request(model, fn))
         model.__dict__[REQUEST_ATTR] = cached
+        if warn_loss_options and cached[1] is not None:
+            _warn_loss_options(model)
     _, request, slot = cached
     if request is None:
         return None
@@ -205,15 +213,14 @@ def serve_fused_head(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     call is left as it is, at the cost of one dictionary lookup."""
     if not kwargs.get("fused_lm_head"):
         return None
-    request = fused_head_request(model)
+    surgery_loss = bool(kwargs.get(SFT_LOSS_KWARG))
+    request = fused_head_request(model, warn_loss_options=not surgery_loss)
     if request is None:
         return None
     kwargs = dict(kwargs)
     del kwargs["fused_lm_head"]
     if kwargs.pop(SFT_LOSS_KWARG, False):
         request = dataclasses.replace(request, surgery_loss=True)
-    else:
-        _warn_loss_options(model)
     kwargs[REQUEST_KWARG] = request
     return args, kwargs
 
@@ -247,15 +254,11 @@ def fused_head_output(
 
     shift = shift_labels is None
     targets = (labels if shift else shift_labels).to(hidden.device)
-
-    def trim(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t[:, :-1].contiguous() if shift and t is not None else t
-
     mask = (targets[:, 1:] if shift else targets) != -100
     if request.surgery_loss:
         return _surgery_loss_output(
-            model, request, hidden, targets, shift, mask, trim, head_options, loss_options,
-            softcap, aux_loss,
+            model, request, hidden, targets, shift, mask, head_options, loss_options, softcap,
+            aux_loss,
         )  # fmt: skip
     out = fused_head(model)(
         hidden,
@@ -270,7 +273,7 @@ def fused_head_output(
         **head_options,
     )
 
-    fields = {name: trim(getattr(out, name)) for name in out._fields}
+    fields = {name: _trim(getattr(out, name), shift) for name in out._fields}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / count
     if aux_loss is not None:
@@ -278,10 +281,14 @@ def fused_head_output(
     return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
 
 
+def _trim(t: torch.Tensor | None, shift: bool) -> torch.Tensor | None:
+    """A per-token field in TRL's shape: without a row's last token (it has no next label)."""
+    return t[:, :-1].contiguous() if shift and t is not None else t
+
+
 def _surgery_loss_output(
-    model, request, hidden, targets, shift, mask, trim, head_options, loss_options, softcap,
-    aux_loss,
-):  # fmt: skip
+    model, request, hidden, targets, shift, mask, head_options, loss_options, softcap, aux_loss
+):
     """``fused_head_output`` of a ``surgery_loss`` request (see there)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -301,8 +308,7 @@ def _surgery_loss_output(
         **loss_options,
         **head_options,
     )
-    fields = {name: trim(stats.get(name)) for name in ("entropy", "log_sum_sq_probs",
-                                                       "mean_logits", "is_top1")}  # fmt: skip
+    fields = {name: _trim(stats.get(name), shift) for name in STATISTICS}
     out = FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
     out["z_loss"] = z_loss.detach()
     return out

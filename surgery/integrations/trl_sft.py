@@ -32,21 +32,9 @@ from typing import Any
 import trl
 
 from surgery.api import _find_lm, patch_options
-from surgery.integrations.trl import LOSS_OPTIONS, SFT_LOSS_KWARG, fused_head_request
-from surgery.options import OPTION, PatchOptions
+from surgery.integrations.trl import SFT_LOSS_KWARG, fused_head_request, loss_options_set
 
 __all__ = ["SFTTrainer"]
-
-
-def _loss_options_set(options: PatchOptions | None) -> list[str]:
-    """The loss options of ``options`` that differ from ``patch``'s defaults, as ``name=value``."""
-    if options is None:
-        return []
-    return [
-        f"{name}={getattr(options, name)!r}"
-        for name in LOSS_OPTIONS
-        if getattr(options, name) != OPTION[name].default
-    ]
 
 
 class SFTTrainer(trl.SFTTrainer):
@@ -55,7 +43,7 @@ class SFTTrainer(trl.SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         options = patch_options(self.model)
-        changed = _loss_options_set(options)
+        changed = loss_options_set(options)
         if options is None or self._replaces_loss(changed) or not self._served(changed):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
