@@ -292,8 +292,12 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
         unpad = state.padding_free and _whole_rows(logits_to_keep) and trl_request is None
         right_padded, unpadded = unpadded_layout(attention_mask, given, targets.ignore_index,
                                                  unpad)  # fmt: skip
-    if right_padded:  # the attention layers without a sliding window drop the mask
-        kwargs[CAUSAL_KWARG] = True
+    # Without a mask, position ids or cache the batch is causal as it stands: said outright, as
+    # transformers does not say it while compiling (it builds a causal mask there before torch
+    # 2.14, which keeps sdpa off its flash kernel). No host read: fullgraph takes it too.
+    unmasked = attention_mask is None and position_ids is None and cache is None
+    if right_padded or (unmasked and causal and plain_sdpa):
+        kwargs[CAUSAL_KWARG] = True  # the attention layers without a sliding window: no mask
     if unpadded is not None:
         input_ids, inputs_embeds, targets = _unpad(unpadded, input_ids, inputs_embeds, targets)
         text_positions, model_mask, router_mask = unpadded.positions, None, None

@@ -274,6 +274,14 @@ class DynamoRecorder:
             if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
         ]
 
+    def sdpa_causal(self, graph: int) -> list[bool]:
+        """For each sdpa call of graph ``graph``: whether it is asked to be causal."""
+        return [
+            bool(node.kwargs.get("is_causal", False))
+            for node in self.graphs[graph].graph.nodes
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
+        ]
+
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])  # no sliding window: no mask at all
 def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch, monkeypatch):
@@ -298,6 +306,35 @@ def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch, mon
     layers = model.config.num_hidden_layers
     assert recorder.sdpa_masks(0) == [False] * layers * len(LENGTHS)
     assert recorder.sdpa_masks(1) == [True] * layers
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])  # gemma3_text: sliding-window layers
+def test_compile_runs_an_unmasked_batch_causal_as_eager_does(arch, fullgraph, monkeypatch):
+    """A batch without attention mask or position ids (pretraining's ``input_ids`` and
+    ``labels``; also with masked prompts), compiled with or without graph breaks: the attention
+    layers without a sliding window call sdpa causal and unmasked, as the uncompiled model does,
+    also where transformers builds a causal mask while compiling (before torch 2.14; imitated
+    here), which took sdpa off its flash kernel; the sliding-window layers keep their mask. No
+    graph break, one graph; each step equals the uncompiled one."""
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    model = surgery.patch(tiny_model(arch).train())
+    eager = twin(model)
+    ids = torch.stack(sequences([9, 9]))
+    labelled = ids.clone()  # labels aliasing input_ids would guard on it: a second graph
+    prompts = ids.clone()
+    prompts[:, :3] = -100
+    transformers_hooks_installed(model, {"input_ids": ids, "labels": labelled})
+    recorder = DynamoRecorder()
+    model.compile(backend=recorder, fullgraph=fullgraph)
+    for labels in (labelled, prompts):
+        got = loss_and_grads(model, input_ids=ids, labels=labels)
+        assert_same_step(got, loss_and_grads(eager, input_ids=ids, labels=labels))
+    assert len(recorder.graphs) == 1
+    sliding = [t == "sliding_attention" for t in getattr(model.config, "layer_types", None) or []]
+    sliding = sliding or [False] * model.config.num_hidden_layers
+    assert recorder.sdpa_masks(0) == sliding
+    assert recorder.sdpa_causal(0) == [not s for s in sliding]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
