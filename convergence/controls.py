@@ -183,30 +183,13 @@ def fake_patch(bug: str | None = None, onset: int = 0):
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=use_cache, **moe,
             )  # fmt: skip
-            hidden = base.last_hidden_state
-            weight = self.lm_head.weight
-            if on("lm_head_grad"):
-                weight = _ScaleGrad.apply(weight, 1.01)
-            logits = F.linear(hidden, weight)
-            cap = getattr(self.config, "final_logit_softcapping", None)
-            if cap is not None and not on("softcap_missing"):
-                logits = cap * torch.tanh(logits / cap)
+            logits = _planted_logits(self, base.last_hidden_state, on)
             if labels is None:
                 return CausalLMOutputWithPast(logits=logits)
-            if shift_labels is None or on("shift_labels_ignored"):
-                shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-            if on("shift_extra"):
-                shift_labels = F.pad(shift_labels[:, 1:], (0, 1), value=-100)
-            if on("shift_missing"):
-                shift_labels = labels
+            shift_labels, ls = _planted_targets(labels, shift_labels, label_smoothing, on)
             # Without position ids the loss sees one sequence per row: a document's last token
             # is trained on the next one's first label (packed labels do not mask it).
             pos = None if on("boundary_leak") else position_ids
-            ls = label_smoothing
-            if on("ls_dropped"):
-                ls = 0.0
-            if on("ls_unasked"):
-                ls = 0.05
             loss, z = causal_lm_loss(
                 logits, labels, shift_labels=shift_labels,
                 reduction="mean" if on("token_mean") else loss_reduction,
@@ -238,6 +221,35 @@ def fake_patch(bug: str | None = None, onset: int = 0):
         return model
 
     return patch
+
+
+def _planted_logits(model, hidden: torch.Tensor, on: Callable[[str], bool]) -> torch.Tensor:
+    """The head's logits of ``hidden`` (softcapped where the config says), with the planted bugs
+    of the head's weight gradient and of a dropped softcap."""
+    weight = model.lm_head.weight
+    if on("lm_head_grad"):
+        weight = _ScaleGrad.apply(weight, 1.01)
+    logits = F.linear(hidden, weight)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None and not on("softcap_missing"):
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def _planted_targets(labels, shift_labels, label_smoothing: float, on: Callable[[str], bool]):
+    """The loss's (shifted targets, label smoothing): the caller's ``shift_labels`` (else the
+    labels shifted by one), with the planted bugs of the shift and of the smoothing."""
+    if shift_labels is None or on("shift_labels_ignored"):
+        shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+    if on("shift_extra"):
+        shift_labels = F.pad(shift_labels[:, 1:], (0, 1), value=-100)
+    if on("shift_missing"):
+        shift_labels = labels
+    if on("ls_dropped"):
+        label_smoothing = 0.0
+    if on("ls_unasked"):
+        label_smoothing = 0.05
+    return shift_labels, label_smoothing
 
 
 def _tampered_loss(loss: torch.Tensor, z: torch.Tensor, on: Callable[[str], bool]):

@@ -18,6 +18,7 @@ from .reduction import host_cu_seqlens
 
 __all__ = [
     "cu_seqlens_reference",
+    "host_offsets",
     "packed_chunked_cu_seqlens",
     "packed_cu_seqlens",
     "split_at_chunks",
@@ -44,6 +45,19 @@ def split_at_chunks(
     return torch.cat([first, first.new_tensor([starts.numel()])])
 
 
+def host_offsets(
+    position_ids: torch.Tensor, shape: tuple[int, int], chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """On the host, from one device-to-host copy of the position ids: int64 ``host_cu_seqlens``
+    of a (batch, seq) batch's documents and, given ``chunk_size``, their chunks
+    (``split_at_chunks``; else None)."""
+    host_positions = position_ids.cpu()
+    cu_seqlens = host_cu_seqlens(host_positions, shape)
+    if chunk_size is None:
+        return cu_seqlens, None
+    return cu_seqlens, split_at_chunks(host_positions, shape, cu_seqlens, chunk_size)
+
+
 @torch.library.custom_op("surgery::packed_cu_seqlens", mutates_args=())
 def packed_cu_seqlens(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """int32 ``(documents + 1,)`` offsets of a (batch, seq) batch's documents (then the token
@@ -67,10 +81,8 @@ def packed_chunked_cu_seqlens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed_cu_seqlens`` and its chunks' (``split_at_chunks``) of a (batch, seq) batch, on the
     position ids' device, from one read of the position ids."""
-    host_positions = position_ids.cpu()
-    cu_seqlens = host_cu_seqlens(host_positions, (batch, seq))
-    chunked = split_at_chunks(host_positions, (batch, seq), cu_seqlens, chunk_size)
-    return tuple(x.to(device=position_ids.device, dtype=torch.int32) for x in (cu_seqlens, chunked))
+    offsets = host_offsets(position_ids, (batch, seq), chunk_size)
+    return tuple(x.to(device=position_ids.device, dtype=torch.int32) for x in offsets)
 
 
 @packed_chunked_cu_seqlens.register_fake

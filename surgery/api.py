@@ -72,6 +72,7 @@ from surgery.patching.experts_install import batched_experts_swaps, install_expe
 from surgery.patching.fallback import (
     FALLBACK_ATTR,
     FALLBACKS,
+    causal_lm_of,
     fallback_patched_lm,
     find_fallback_lm,
     plan_loss_fallback,
@@ -488,18 +489,10 @@ def _loss_fallback(
     return lm, functools.partial(plan_loss_fallback, lm, proof), loss_only_options(options)
 
 
-def _find_lm(model: nn.Module) -> nn.Module | None:
-    """The supported causal LM in ``model``, else the one the fallback patched, else None."""
-    try:
-        return find_causal_lm(model)[0]
-    except UnsupportedModelError:
-        return fallback_patched_lm(model)
-
-
 def unpatch(model: M) -> M:
     """Restore every forward that ``patch`` replaced (the original objects) and return ``model``.
     A model that is not patched is returned as it is."""
-    lm = _find_lm(model)
+    lm = causal_lm_of(model)
     if lm is not None:
         _unpatch_lm(lm)
     return model
@@ -507,14 +500,14 @@ def unpatch(model: M) -> M:
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` (or the causal LM inside it) is patched."""
-    lm = _find_lm(model)
+    lm = causal_lm_of(model)
     return lm is not None and STATE_ATTR in lm.__dict__
 
 
 def patch_options(model: nn.Module) -> PatchOptions | None:
     """The options ``model`` is patched with (after ``fallback="loss"``: those in force, see
     ``loss_only_options``), or None."""
-    lm = _find_lm(model)
+    lm = causal_lm_of(model)
     state = None if lm is None else lm.__dict__.get(STATE_ATTR)
     return None if state is None else state.options
 

@@ -32,8 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from surgery.compiling import host_read
-from surgery.kernels.packing import packed_chunked_cu_seqlens, packed_cu_seqlens, split_at_chunks
-from surgery.kernels.reduction import host_cu_seqlens
+from surgery.kernels.packing import (
+    host_offsets,
+    packed_chunked_cu_seqlens,
+    packed_cu_seqlens,
+    split_at_chunks,
+)
 
 __all__ = [
     "PACKED_KWARG",
@@ -119,14 +123,14 @@ def packed_sequences(
         if chunked is not None:
             chunks = PackedSequences(chunked, min(chunk_size, shape[1]), kernel)
         return PackedSequences(cu_seqlens, shape[1], kernel, chunks)
-    host_positions = position_ids.cpu() if chunk_size is not None else position_ids
     if cu_seqlens is None:
-        cu_seqlens = host_cu_seqlens(host_positions, shape)
+        cu_seqlens, chunked = host_offsets(position_ids, shape, chunk_size)
+    elif chunk_size is not None:
+        chunked = split_at_chunks(position_ids.cpu(), shape, cu_seqlens, chunk_size)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
     chunks = None
     if chunk_size is not None:
-        chunked = split_at_chunks(host_positions, shape, cu_seqlens, chunk_size)
         chunks = PackedSequences(
             chunked.to(device=device, dtype=torch.int32), int(chunked.diff().max()), kernel
         )
@@ -145,17 +149,14 @@ def _read_cu_seqlens(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     # Eager inside a compiled forward; the counts of documents and chunks are marked dynamic, so
     # that batches with other counts reuse the graph compiled after this read.
-    host_positions = position_ids.cpu()
-    cu_seqlens = host_cu_seqlens(host_positions, shape)
+    cu_seqlens, chunked = host_offsets(position_ids, shape, chunk_size)
     if cu_seqlens.numel() == shape[0] + 1:
         return None
-    chunked = None
-    if chunk_size is not None:
-        chunked = split_at_chunks(host_positions, shape, cu_seqlens, chunk_size)
-        chunked = chunked.to(device=device, dtype=torch.int32)
-        torch._dynamo.maybe_mark_dynamic(chunked, 0)
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
     torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    if chunked is not None:
+        chunked = chunked.to(device=device, dtype=torch.int32)
+        torch._dynamo.maybe_mark_dynamic(chunked, 0)
     return cu_seqlens, chunked
 
 

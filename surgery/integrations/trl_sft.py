@@ -31,8 +31,9 @@ from typing import Any
 
 import trl
 
-from surgery.api import _find_lm, patch_options
+from surgery.api import patch_options
 from surgery.integrations.trl import SFT_LOSS_KWARG, fused_head_request, loss_options_set
+from surgery.patching.fallback import causal_lm_of
 
 __all__ = ["SFTTrainer"]
 
@@ -74,7 +75,7 @@ class SFTTrainer(trl.SFTTrainer):
     def _served(self, changed: list[str]) -> bool:
         """Whether surgery serves TRL's fused head on this model now (``fused_head_request``);
         raises if not while loss options are set (``changed``)."""
-        lm = _find_lm(self.model)
+        lm = causal_lm_of(self.model)
         if lm is not None and fused_head_request(lm) is not None:
             return True
         if changed:

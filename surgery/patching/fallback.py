@@ -54,7 +54,7 @@ from surgery.forwards.head import LM_HEAD_ATTR, head_linears, lm_head_forward
 from surgery.models import ArchitectureSpec
 from surgery.options import PatchOptions, loss_only_options
 from surgery.patching.foreign import ForeignForwardError, foreign_kernel_modules
-from surgery.patching.registry import UnsupportedModelError
+from surgery.patching.registry import UnsupportedModelError, find_causal_lm
 from surgery.patching.signature import CACHE
 from surgery.patching.swap import Swap, check_signature, plan_swap
 
@@ -64,6 +64,7 @@ __all__ = [
     "SOFTCAP_ATTRS",
     "FallbackRefusedError",
     "LossFallback",
+    "causal_lm_of",
     "fallback_patched_lm",
     "find_fallback_lm",
     "loss_only_options",
@@ -121,6 +122,15 @@ def fallback_patched_lm(model: nn.Module) -> nn.Module | None:
         if FALLBACK_ATTR in module.__dict__:
             return module
     return None
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module | None:
+    """The causal LM that ``patch`` patches in ``model`` (patched or not): the supported one
+    (``find_causal_lm``), else the one the fallback patched, else None."""
+    try:
+        return find_causal_lm(model)[0]
+    except UnsupportedModelError:
+        return fallback_patched_lm(model)
 
 
 def _forward_class(lm: nn.Module) -> type:
