@@ -23,7 +23,12 @@ computes TRL's loss over its outputs:
 Contenders: ``trl`` (the model as transformers builds it); ``trl_liger`` (Liger's layer kernels,
 ``_apply_liger_kernel_to_instance`` without its fused loss, as ``SFTTrainer(use_liger_kernel=
 True)`` applies them: TRL refuses Liger's fused loss); ``trl_surgery`` (``surgery.patch`` before
-the head is installed: surgery serves TRL's head, ``surgery.integrations.trl``). Tokens/s =
+the head is installed: surgery serves TRL's head, ``surgery.integrations.trl``);
+``trl_surgery_options`` (SFT only: ``surgery.patch(model, loss_reduction="sequence",
+z_loss_scale=1e-4)`` and the step ``surgery.integrations.trl_sft.SFTTrainer`` makes: TRL's fused
+call asking for surgery's loss, ``SFT_LOSS_KWARG``, whose per-document mean plus z-loss, from the
+same sweep over the logits as TRL's statistics, is the loss, plus the router's aux loss as
+above: what surgery's loss options cost under TRL). Tokens/s =
 batch x seq / median step time of 10 timed steps after 3 warm-up steps; peak GiB =
 ``torch.cuda.max_memory_allocated()`` over the timed steps.
 """
@@ -51,7 +56,9 @@ from common import (
     write_json,
 )
 
-CONTENDERS = ["trl", "trl_liger", "trl_surgery"]
+CONTENDERS = ["trl", "trl_liger", "trl_surgery", "trl_surgery_options"]
+OPTIONS = {"loss_reduction": "sequence", "z_loss_scale": 1e-4}
+"""The loss options of ``trl_surgery_options``."""
 MODELS = ["llama", "qwen3_moe"]
 SCENARIOS = [("sft", "padded"), ("sft", "packed"), ("grpo", "padded")]
 BATCH, SEQ, PROMPT = 2, 4096, 1024
@@ -61,6 +68,8 @@ WARMUP, TIMED = 3, 10
 def prepare(model, contender):
     if contender == "trl_surgery":
         import_surgery().patch(model)
+    elif contender == "trl_surgery_options":
+        import_surgery().patch(model, **OPTIONS)
     elif contender == "trl_liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -68,7 +77,7 @@ def prepare(model, contender):
                                         cross_entropy=False)  # fmt: skip
 
 
-def step_fn(model, objective, batch):
+def step_fn(model, objective, batch, contender):
     import torch
 
     labels = batch.pop("labels")
@@ -77,14 +86,24 @@ def step_fn(model, objective, batch):
     coef = getattr(config, "router_aux_loss_coef", 0.0) if routed else 0.0
     if objective == "grpo":
         labels = labels.clone()
-        labels[:, :PROMPT] = -100
+        labels[:, : min(PROMPT, labels.shape[1] // 4)] = -100  # a quarter of a smoke row
         g = torch.Generator().manual_seed(1)
         advantage = torch.randn(labels.shape[0], 1, generator=g).to(labels.device)
 
+    own_loss = contender == "trl_surgery_options"
+    extra = {}
+    if own_loss:
+        import_surgery()
+        from surgery.integrations.trl import SFT_LOSS_KWARG
+
+        extra[SFT_LOSS_KWARG] = True
+
     def run():
-        out = model(**batch, labels=labels, fused_lm_head=True)
+        out = model(**batch, labels=labels, fused_lm_head=True, **extra)
         count = out.label_mask.sum().clamp(min=1)
-        if objective == "grpo":
+        if own_loss:
+            loss = out.loss
+        elif objective == "grpo":
             loss = -(advantage * out.log_probs).sum() / count
         else:
             loss = -out.log_probs.sum() / count
@@ -112,7 +131,7 @@ def worker(job):
         add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     seq = 64 if smoke else SEQ
     batch, _ = make_batch(kind, BATCH, seq, model.config.vocab_size, device, seed=0)
-    run = step_fn(model, objective, batch)
+    run = step_fn(model, objective, batch, job["contender"])
     optimizer = None
     if objective == "sft":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -245,6 +264,8 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for objective, kind in (pair.split(":") for pair in args.scenarios.split(",")):
             for contender in args.contenders.split(","):
+                if contender == "trl_surgery_options" and objective != "sft":
+                    continue  # surgery's loss options are SFT's (trl_sft.SFTTrainer)
                 job = dict(model=model, contender=contender, objective=objective, kind=kind,
                            smoke=args.smoke)  # fmt: skip
                 rows.append(run_job(job, args.timeout))
