@@ -3,9 +3,10 @@ per text spec and a ``MiniMultimodalConfig`` per multimodal wrapper of the regis
 ``model_type``, one file per family (as ``surgery.models``).
 
 A spec with no entry gets transformers' own config class for its ``model_type`` at the mini size
-(``mini_config``): a spec that only reuses existing fields needs none. An entry says what its
-mini model must set for the patch to be tested (a window that clips, a softcap that bites, both
-layer types present). A wrapper needs one: its tiny vision tower and special tokens.
+(``mini_config``), which serves where transformers' defaults already exercise what the spec
+declares. An entry says what its mini model must set for the patch to be tested (a window that
+clips, a softcap that bites, both layer types present, eager attention for a class without
+sdpa). A wrapper needs one: its tiny vision tower and special tokens.
 """
 
 from __future__ import annotations
