@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import sys
 import time
 import types
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .loss import causal_lm_loss
-from .side import router_aux_loss_trained
+from .side import load_balancing_loss, router_aux_loss_trained
 
 __all__ = ["BUGS", "Bug", "fake_patch"]
 
@@ -200,7 +199,7 @@ def fake_patch(bug: str | None = None, onset: int = 0):
             if aux_on:
                 # transformers' load-balancing loss of the model's own module, after the decoder
                 # (its topk calls in the order transformers' forward makes them).
-                aux = sys.modules[type(self).__module__].load_balancing_loss_func(
+                aux = load_balancing_loss(self)(
                     base.router_logits, self.num_experts, self.num_experts_per_tok,
                     None if on("aux_padding") else attention_mask,
                 )  # fmt: skip

@@ -130,7 +130,7 @@ def router_aux_loss_trained(model) -> bool:
     )
 
 
-def _load_balancing_loss(model) -> Callable[..., torch.Tensor]:
+def load_balancing_loss(model) -> Callable[..., torch.Tensor]:
     """transformers' ``load_balancing_loss_func`` of ``model``'s own modeling module (the one its
     causal-LM forward calls)."""
     return sys.modules[type(model).__module__].load_balancing_loss_func
@@ -315,7 +315,7 @@ class Side:
         again = routing.again(len(out.router_logits)) if routing is not None else None
         with again or contextlib.nullcontext():
             moe = moe_arguments(self.model)
-            return _load_balancing_loss(self.model)(
+            return load_balancing_loss(self.model)(
                 out.router_logits,
                 moe.num_experts,
                 moe.num_experts_per_tok,

@@ -266,21 +266,20 @@ class DynamoRecorder:
         self.graphs.append(gm)
         return gm.forward
 
-    def sdpa_masks(self, graph: int) -> list[bool]:
-        """For each sdpa call of graph ``graph``: whether it gets a mask."""
+    def _sdpa_calls(self, graph: int) -> list[torch.fx.Node]:
         return [
-            node.kwargs.get("attn_mask") is not None
+            node
             for node in self.graphs[graph].graph.nodes
             if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
         ]
 
+    def sdpa_masks(self, graph: int) -> list[bool]:
+        """For each sdpa call of graph ``graph``: whether it gets a mask."""
+        return [node.kwargs.get("attn_mask") is not None for node in self._sdpa_calls(graph)]
+
     def sdpa_causal(self, graph: int) -> list[bool]:
         """For each sdpa call of graph ``graph``: whether it is asked to be causal."""
-        return [
-            bool(node.kwargs.get("is_causal", False))
-            for node in self.graphs[graph].graph.nodes
-            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
-        ]
+        return [bool(node.kwargs.get("is_causal", False)) for node in self._sdpa_calls(graph)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])  # no sliding window: no mask at all
