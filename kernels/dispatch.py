@@ -16,6 +16,7 @@ __all__ = [
     "next_power_of_2",
     "off_current_device",
     "on_device",
+    "runs_as_op",
     "triton_available",
     "use_triton",
 ]
@@ -58,6 +59,17 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s CUDA device the current one for a Triton launch (a no-op context when it is
     already, see ``off_current_device``)."""
     return torch.cuda.device(t.device) if off_current_device(t) else _SAME_DEVICE
+
+
+def runs_as_op(*tensors: torch.Tensor) -> bool:
+    """Whether a public kernel function on ``tensors`` calls its torch.library op, whose registered
+    autograd is the kernel's one backward, rather than the host launcher the op wraps: under
+    torch.compile (the graph holds the op) and whenever autograd records the call (grad mode on
+    and an input requiring grad). Otherwise nothing is differentiated and the launcher alone
+    computes the same values, without the op's Python dispatch."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # Launch arithmetic in plain Python: ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr

@@ -35,6 +35,7 @@ from .dispatch import (
     cdiv,
     interpreter_enabled,
     next_power_of_2,
+    runs_as_op,
     triton_available,
     use_triton,
 )
@@ -371,6 +372,7 @@ def rms_norm_bwd(
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops: opaque to torch.compile, so a model using rms_norm traces with fullgraph=True.
+# The forward op's registered autograd is rms_norm's one backward, eager and compiled alike.
 
 
 @torch.library.custom_op("surgery::rms_norm_fwd", mutates_args=())
@@ -417,34 +419,13 @@ def _fwd_op_backward(ctx, dy, _drstd):
     x2d, weight, rstd = ctx.saved_tensors
     offset, casting = ctx.norm_args
     compute_dw = ctx.needs_input_grad[1]
-    dx, dw = _rms_norm_bwd_op(dy.contiguous(), x2d, weight, rstd, offset, casting, compute_dw)
+    if dy.stride(-1) != 1:  # the launchers take any row stride
+        dy = dy.contiguous()
+    dx, dw = _rms_norm_bwd_op(dy, x2d, weight, rstd, offset, casting, compute_dw)
     return dx, dw if compute_dw else None, None, None, None
 
 
 _rms_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_save_fwd)
-
-
-class _RmsNormFunction(torch.autograd.Function):
-    """Eager autograd over the launchers, the same map as the op above. The op carries the autograd
-    torch.compile sees; in eager mode its Python dispatch costs several times this Function's host
-    time, which shows next to a kernel of tens of microseconds."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, eps, offset, casting):
-        y, rstd = rms_norm_fwd(x2d, weight, eps, offset, casting)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.norm_args = (offset, casting)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        offset, casting = ctx.norm_args
-        compute_dw = ctx.needs_input_grad[1]
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, offset, casting, compute_dw)
-        return dx, dw, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,10 +483,12 @@ def rms_norm(
 
     Differentiable in x and weight: the forward saves x and one fp32 rstd per row; the backward
     recomputes the normalised rows, and sums the weight gradient in fp32 over every row (skipped
-    when the weight does not require grad, e.g. under LoRA). Under ``torch.compile(fullgraph=True)``
-    it runs as the op ``torch.ops.surgery.rms_norm_fwd`` (fake tensors and autograd registered).
-    CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; other CPU
-    tensors a PyTorch path with the same fp32 math.
+    when the weight does not require grad, e.g. under LoRA). It runs as the op
+    ``torch.ops.surgery.rms_norm_fwd``, whose registered autograd is the one backward, eager and
+    under ``torch.compile(fullgraph=True)`` alike (fake tensors registered too); an eager call with
+    nothing to differentiate (grad mode off, or neither x nor weight requiring grad) runs the
+    launcher ``rms_norm_fwd`` alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
+    run the Triton kernels; other CPU tensors a PyTorch path with the same fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): transformers' norms are
@@ -521,10 +504,10 @@ def rms_norm(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     eps, offset = float(eps), float(offset)
-    if torch.compiler.is_compiling():
+    if runs_as_op(x2d, weight):
         y, _ = _rms_norm_fwd_op(x2d, weight, eps, offset, casting)
     else:
-        y = _RmsNormFunction.apply(x2d, weight, eps, offset, casting)
+        y, _ = rms_norm_fwd(x2d, weight, eps, offset, casting)
     return y.view(x.shape)
 
 

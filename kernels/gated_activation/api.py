@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .launch import ACTIVATIONS
-from .ops import GatedActivationFunction, _gated_fwd_op, _merged_fwd_op
+from ..dispatch import runs_as_op
+from .launch import ACTIVATIONS, gated_activation_fwd
+from .ops import _gated_fwd_op, _merged_fwd_op
 
 __all__ = ["gated_activation", "gated_activation_merged"]
 
@@ -60,10 +61,12 @@ def gated_activation(
         A new contiguous tensor of gate's shape and dtype, computed in fp32 and rounded once.
         Inputs are never written.
 
-    Differentiable in gate and up; the forward saves only gate and up. Under
-    ``torch.compile(fullgraph=True)`` it runs as ``torch.ops.surgery.gated_activation_fwd``. CUDA
-    tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels, other CPU
-    tensors a PyTorch path with the same fp32 math.
+    Differentiable in gate and up; the forward saves only gate and up. It runs as the op
+    ``torch.ops.surgery.gated_activation_fwd``, whose registered autograd is the one backward,
+    eager and under ``torch.compile(fullgraph=True)`` alike; an eager call with nothing to
+    differentiate (grad mode off, or neither gate nor up requiring grad) runs the launcher
+    ``gated_activation_fwd`` alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
+    run the Triton kernels, other CPU tensors a PyTorch path with the same fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): ``act(gate) * up`` is
@@ -77,9 +80,9 @@ def gated_activation(
         dtype = torch.promote_types(gate.dtype, up.dtype)
         gate, up = gate.to(dtype), up.to(dtype)
     gate, up = gate.contiguous(), up.contiguous()
-    if torch.compiler.is_compiling():
+    if runs_as_op(gate, up):
         return _gated_fwd_op(gate, up, activation)
-    return GatedActivationFunction.apply(gate, up, activation)
+    return gated_activation_fwd(gate, up, activation)
 
 
 def gated_activation_merged(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Autograd of the gated activation: torch.library ops (what torch.compile sees) and, for the split
-layout, the eager ``torch.autograd.Function`` over the same launchers.
+"""Autograd of the gated activation: torch.library ops over the launchers, whose registered
+autograd is each layout's one backward, eager and under torch.compile alike.
 
 Each forward op saves only its inputs (gate and up, or gate_up: the tensors themselves, no copy)
 and its backward is the matching ``*_bwd`` op, which recomputes act(gate). The op names
@@ -17,11 +17,12 @@ from .launch import (
     gated_activation_merged_fwd,
 )
 
-__all__ = ["GatedActivationFunction"]
+__all__: list[str] = []  # the ops are reached through torch.ops.surgery and ``api``
 
 
 # ---------------------------------------------------------------------------------------------
-# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True.
+# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True; this
+# op alone carries its autograd (one path, eager and compiled alike).
 
 
 @torch.library.custom_op("surgery::gated_activation_fwd", mutates_args=())
@@ -60,23 +61,6 @@ def _fwd_op_backward(ctx, dout):
 
 
 _gated_fwd_op.register_autograd(_fwd_op_backward, setup_context=_save_fwd)
-
-
-class GatedActivationFunction(torch.autograd.Function):
-    """Eager autograd over the launchers, the same map as the op above (lower host overhead in
-    eager mode; the op carries the autograd torch.compile sees)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        ctx.save_for_backward(gate, up)
-        ctx.activation = activation
-        return gated_activation_fwd(gate, up, activation)
-
-    @staticmethod
-    def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
-        dg, du = gated_activation_bwd(dout.contiguous(), gate, up, ctx.activation)
-        return dg, du, None
 
 
 # ---------------------------------------------------------------------------------------------

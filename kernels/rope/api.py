@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..dispatch import runs_as_op
 from .launch import LAYOUTS, RopeLayout, _rope, _rope_cos_sin
-from .ops import RopeCosSinFunction, RopeFunction, _rope_cos_sin_fwd_op, _rope_fwd_op
+from .ops import _rope_cos_sin_fwd_op, _rope_fwd_op
 from .reference import rotate_half
 
 __all__ = ["apply_rope", "apply_rotary_pos_emb"]
@@ -183,12 +184,14 @@ def apply_rope(
         Mistral 4's), which round cos, sin and each product to bf16; Llama 4's complex path
         computes in fp32 and rounds once too.
 
-    Differentiable in q and k (the backward is the inverse rotation, also out of place);
-    ``position_ids`` and ``inv_freq`` get no gradient. Under ``torch.compile(fullgraph=True)`` it
-    runs as the op ``torch.ops.surgery.rope_fwd`` (fake tensors and autograd registered). CUDA
-    tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; other CPU
-    tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices are checked before
-    anything runs.
+    Differentiable in q and k (the backward is the inverse rotation, also out of place, and is
+    differentiable in turn); ``position_ids`` and ``inv_freq`` get no gradient. It runs as the op
+    ``torch.ops.surgery.rope_fwd``, whose registered autograd is the one backward, eager and under
+    ``torch.compile(fullgraph=True)`` alike (fake tensors registered too); an eager call with
+    nothing to differentiate (grad mode off, or neither q nor k requiring grad) runs the launcher
+    alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel;
+    other CPU tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices are
+    checked before anything runs.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): the rotation is elementwise,
@@ -205,17 +208,13 @@ def apply_rope(
     )
     scaling = float(attention_scaling)
     interleaved = bool(mrope_interleaved)  # False without sections (checked)
-    if torch.compiler.is_compiling():
-        if section is None:  # the op's schema as before multimodal positions existed
-            return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout)
-        return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout, list(section),
-                            interleaved)  # fmt: skip
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        # Nothing to differentiate: the launcher alone, without the Function's host time.
+    if not runs_as_op(q, k):
         return _rope(q, k, position_ids, inv_freq, scaling, rd, layout, False, None, None, section,
                      interleaved)  # fmt: skip
-    return RopeFunction.apply(q, k, position_ids, inv_freq, scaling, rd, layout, False, section,
-                              interleaved)  # fmt: skip
+    if section is None:  # the op's schema as before multimodal positions existed
+        return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout)
+    return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout, list(section),
+                        interleaved)  # fmt: skip
 
 
 def _cos_sin_eager(q, k, cos, sin):
@@ -250,8 +249,10 @@ def apply_rotary_pos_emb(
     Returns:
         ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` computed in fp32 and
         rounded once to q's dtype; new tensors laid out like q and k (inputs are never written).
-        Differentiable in q and k through the Triton kernel; if cos or sin require grad, the
-        eager formula runs instead so that they get theirs.
+        Differentiable in q and k through the op ``torch.ops.surgery.rope_cos_sin_fwd``, whose
+        registered autograd is the one backward, eager and compiled alike (without anything to
+        differentiate, eagerly, the launcher alone runs); if cos or sin require grad, the eager
+        formula runs instead so that they get theirs.
 
     Autocast: as ``apply_rope`` (nothing is cast, the outputs keep q's and k's dtype, where
     transformers' formula promotes them with fp32 cos/sin).
@@ -290,12 +291,10 @@ def apply_rotary_pos_emb(
         raise ValueError(f"apply_rotary_pos_emb: cos/sin are on {cos.device}, q on {q.device}")
     if cos.requires_grad or sin.requires_grad:
         oq, ok = _cos_sin_eager(q, k, cos, sin)
-    elif torch.compiler.is_compiling():
+    elif runs_as_op(q, k):
         oq, ok = _rope_cos_sin_fwd_op(q, k, cos, sin)
-    elif not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        oq, ok = _rope_cos_sin(q, k, cos, sin, False, None, None)
     else:
-        oq, ok = RopeCosSinFunction.apply(q, k, cos, sin, False)
+        oq, ok = _rope_cos_sin(q, k, cos, sin, False, None, None)
     if ud == 2:
         oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
     return oq, ok

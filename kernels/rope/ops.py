@@ -1,5 +1,5 @@
-"""Autograd of the rotary maps: torch.library ops (what torch.compile sees) and the eager
-``torch.autograd.Function``s over the same launchers.
+"""Autograd of the rotary maps: torch.library ops over the launchers, whose registered autograd
+is each map's one backward, eager and under torch.compile alike.
 
 Both maps are linear in q and k, and each one's transpose is its partner: ``rope_fwd`` and
 ``rope_bwd`` (same layout), ``rope_cos_sin_fwd`` and ``rope_cos_sin_bwd``. So each op's backward is
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .launch import _rope, _rope_cos_sin, rope_bwd, rope_cos_sin_bwd, rope_cos_sin_fwd, rope_fwd
+from .launch import rope_bwd, rope_cos_sin_bwd, rope_cos_sin_fwd, rope_fwd
 
-__all__ = ["RopeCosSinFunction", "RopeFunction"]
+__all__: list[str] = []  # the ops are reached through torch.ops.surgery and ``api``
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,53 +111,3 @@ _rope_cos_sin_fwd_op.register_autograd(
 _rope_cos_sin_bwd_op.register_autograd(
     _partner_backward(_rope_cos_sin_fwd_op, 2), setup_context=_save_cos_sin
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Eager autograd.
-
-
-class RopeFunction(torch.autograd.Function):
-    """Eager autograd over the launchers, for the same maps as the ops above. The ops carry the
-    autograd torch.compile sees; in eager mode their Python dispatch costs several times this
-    Function's host time, which shows when the GPU work is a tenth of a millisecond."""
-
-    @staticmethod
-    def forward(ctx, q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse,
-                mrope_section=None, mrope_interleaved=False):  # fmt: skip
-        ctx.save_for_backward(position_ids, inv_freq)
-        ctx.rope_args = (attention_scaling, rotary_dim, layout, inverse, mrope_section,
-                         mrope_interleaved)  # fmt: skip
-        return _rope(q, k, position_ids, inv_freq, attention_scaling, rotary_dim, layout, inverse,
-                     None, None, mrope_section, mrope_interleaved)  # fmt: skip
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        scaling, rotary_dim, layout, inverse, section, interleaved = ctx.rope_args
-        args = (grad_q, grad_k, *ctx.saved_tensors, scaling, rotary_dim, layout, not inverse)
-        # Only a double backward (create_graph=True) needs this backward to be differentiable;
-        # otherwise the launcher runs directly, without a second Function's host cost.
-        if torch.is_grad_enabled():
-            dq, dk = RopeFunction.apply(*args, section, interleaved)
-        else:
-            dq, dk = _rope(*args, None, None, section, interleaved)
-        return dq, dk, None, None, None, None, None, None, None, None
-
-
-class RopeCosSinFunction(torch.autograd.Function):
-    """Eager autograd of the cos/sin map (see ``RopeFunction``)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, transpose):
-        ctx.save_for_backward(cos, sin)
-        ctx.transpose = transpose
-        return _rope_cos_sin(q, k, cos, sin, transpose, None, None)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        cos, sin = ctx.saved_tensors
-        if torch.is_grad_enabled():  # double backward
-            dq, dk = RopeCosSinFunction.apply(grad_q, grad_k, cos, sin, not ctx.transpose)
-        else:
-            dq, dk = _rope_cos_sin(grad_q, grad_k, cos, sin, not ctx.transpose, None, None)
-        return dq, dk, None, None, None
