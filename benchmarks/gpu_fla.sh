@@ -16,6 +16,11 @@
 # Then the first call (carry .fla1) runs `source benchmarks/gpu_fla.sh 1`, and the next one
 # (carry .fla2) `source benchmarks/gpu_fla.sh 2`, which installs everything into /tmp/site2;
 # every later call of that machine only `source benchmarks/gpu_fla.sh` to use it.
+#
+# TileLang compiles fla's backward kernels on first use (the fp32 ones several minutes each), and
+# its cache lives in /tmp, lost with the machine. `fla_save_cache` (after the fla tests) writes it
+# to $OUT/tilelang_cache.tar.gz when it fits what comes back (16 MiB); put that file into .fla2/
+# here, and the next machine's `source benchmarks/gpu_fla.sh 2` unpacks it before anything runs.
 TILELANG=tilelang-0.1.15-cp39-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
 if [ "$1" = 1 ]; then
     mkdir -p /tmp/fla_wheels && cp .fla1/* /tmp/fla_wheels/ || return 1
@@ -24,6 +29,9 @@ elif [ "$1" = 2 ]; then
         && rm /tmp/fla_wheels/tilelang.part.aa && cp .fla2/*.whl /tmp/fla_wheels/ \
         && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --target /tmp/site2 /tmp/fla_wheels/*.whl || return 1
+    if [ -f .fla2/tilelang_cache.tar.gz ]; then
+        tar xzf .fla2/tilelang_cache.tar.gz -C /tmp && echo "TileLang cache unpacked"
+    fi
 fi
 if [ "$1" != 1 ]; then
     export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site2"
@@ -32,3 +40,14 @@ if [ "$1" != 1 ]; then
     # TileLang builds each backward kernel shape once (minutes in fp32), and later calls reuse it.
     export TILELANG_CACHE_DIR=/tmp/tilelang_cache TRITON_CACHE_DIR=/tmp/triton_cache
 fi
+
+fla_save_cache() {
+    # TileLang's compiled kernels into $OUT, if the archive is small enough to come back.
+    [ -d /tmp/tilelang_cache ] || return 0
+    tar czf /tmp/tilelang_cache.tar.gz -C /tmp tilelang_cache || return 0
+    if [ "$(stat -c %s /tmp/tilelang_cache.tar.gz)" -lt 16000000 ]; then
+        cp /tmp/tilelang_cache.tar.gz "$OUT/"
+    else
+        echo "TileLang cache: $(du -h /tmp/tilelang_cache.tar.gz | cut -f1), too large to come back"
+    fi
+}
