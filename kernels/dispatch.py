@@ -7,16 +7,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
 __all__ = [
     "cdiv",
+    "eager_function",
     "interpreter_enabled",
+    "kernel_path",
     "next_power_of_2",
     "off_current_device",
     "on_device",
-    "runs_as_op",
     "triton_available",
     "use_triton",
 ]
@@ -61,15 +64,41 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if off_current_device(t) else _SAME_DEVICE
 
 
-def runs_as_op(*tensors: torch.Tensor) -> bool:
-    """Whether a public kernel function on ``tensors`` calls its torch.library op, whose registered
-    autograd is the kernel's one backward, rather than the host launcher the op wraps: under
-    torch.compile (the graph holds the op) and whenever autograd records the call (grad mode on
-    and an input requiring grad). Otherwise nothing is differentiated and the launcher alone
-    computes the same values, without the op's Python dispatch."""
+def kernel_path(*tensors: torch.Tensor) -> Literal["op", "function", "launcher"]:
+    """How a public kernel function on ``tensors`` runs. ``"op"`` under torch.compile: the graph
+    holds the torch.library op and its registered autograd. ``"function"`` when autograd records an
+    eager call (grad mode on and an input requiring grad): the kernel's eager
+    ``autograd.Function`` (``eager_function``), the same setup and backward over the launchers,
+    without the op's Python dispatch, which costs more host time than the launches themselves
+    (benchmarks/eager_overhead.py). ``"launcher"`` otherwise: nothing is differentiated and the
+    host launcher alone computes the same values."""
     if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return "op"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "function"
+    return "launcher"
+
+
+def eager_function(
+    name: str, launcher: Callable, setup_context: Callable, backward: Callable
+) -> type[torch.autograd.Function]:
+    """The eager form of an op's registered autograd: an ``autograd.Function`` whose forward runs
+    ``launcher(*inputs)`` and then ``setup_context(ctx, inputs, output)``, and whose backward is
+    ``backward`` itself. The op registers the same ``setup_context`` and a ``backward`` built by
+    the same code (its calls on the op rather than on the launcher), so each kernel's autograd
+    formula is written once and serves compiled and eager calls alike.
+
+    The forward takes its inputs positionally and in full, as the op's schema lists them (the
+    ctx-style ``forward`` binds nothing by signature: a ``setup_context``-style Function's
+    ``apply`` does, on every call, at a cost close to the op's)."""
+
+    def forward(ctx, *inputs):
+        output = launcher(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), attrs)
 
 
 # Launch arithmetic in plain Python: ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr

@@ -1,8 +1,9 @@
 """RMSNorm over the last dimension, with transformers' cast points, in one read and one write.
 
 Order: Triton kernels -> host launchers (``rms_norm_fwd``, ``rms_norm_bwd``) ->
-torch.library ops with their autograd -> ``rms_norm``, with the reference ``rms_norm_reference``
-last.
+torch.library ops and the one autograd formula (registered on the op for torch.compile, and the
+eager ``RmsNormFunction`` over the launchers) -> ``rms_norm``, with the reference
+``rms_norm_reference`` last.
 
 Per row x of N elements, in fp32 whatever the storage dtype (o = ``offset``, w = weight):
 
@@ -30,12 +31,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .dispatch import (
     cdiv,
+    eager_function,
     interpreter_enabled,
+    kernel_path,
     next_power_of_2,
-    runs_as_op,
     triton_available,
     use_triton,
 )
@@ -50,6 +53,7 @@ else:  # pragma: no cover - CPU installs without triton use the PyTorch path
 
 __all__ = [
     "CASTING_MODES",
+    "RmsNormFunction",
     "RmsNormLaunch",
     "rms_norm",
     "rms_norm_bwd",
@@ -372,7 +376,8 @@ def rms_norm_bwd(
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops: opaque to torch.compile, so a model using rms_norm traces with fullgraph=True.
-# The forward op's registered autograd is rms_norm's one backward, eager and compiled alike.
+# One autograd formula (``_save_fwd``, ``_backward``) is the forward op's registered autograd and,
+# over the launchers, the eager ``RmsNormFunction``.
 
 
 @torch.library.custom_op("surgery::rms_norm_fwd", mutates_args=())
@@ -415,17 +420,24 @@ def _save_fwd(ctx, inputs, output):
     ctx.norm_args = (offset, casting)
 
 
-def _fwd_op_backward(ctx, dy, _drstd):
-    x2d, weight, rstd = ctx.saved_tensors
-    offset, casting = ctx.norm_args
-    compute_dw = ctx.needs_input_grad[1]
-    if dy.stride(-1) != 1:  # the launchers take any row stride
-        dy = dy.contiguous()
-    dx, dw = _rms_norm_bwd_op(dy, x2d, weight, rstd, offset, casting, compute_dw)
-    return dx, dw if compute_dw else None, None, None, None
+def _backward(bwd):
+    # ``bwd``: the backward op (its dw empty when not asked for) or launcher (None then).
+    def backward(ctx, dy, _drstd):
+        x2d, weight, rstd = ctx.saved_tensors
+        offset, casting = ctx.norm_args
+        compute_dw = ctx.needs_input_grad[1]
+        if dy.stride(-1) != 1:  # the launchers take any row stride
+            dy = dy.contiguous()
+        dx, dw = bwd(dy, x2d, weight, rstd, offset, casting, compute_dw)
+        return dx, dw if compute_dw else None, None, None, None
+
+    return backward
 
 
-_rms_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_save_fwd)
+_rms_norm_fwd_op.register_autograd(_backward(_rms_norm_bwd_op), setup_context=_save_fwd)
+RmsNormFunction = eager_function(
+    "RmsNormFunction", rms_norm_fwd, _save_fwd, once_differentiable(_backward(rms_norm_bwd))
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,13 +493,14 @@ def rms_norm(
     Returns:
         A new tensor of x's shape in the casting's output dtype. x is never written.
 
-    Differentiable in x and weight: the forward saves x and one fp32 rstd per row; the backward
-    recomputes the normalised rows, and sums the weight gradient in fp32 over every row (skipped
-    when the weight does not require grad, e.g. under LoRA). It runs as the op
-    ``torch.ops.surgery.rms_norm_fwd``, whose registered autograd is the one backward, eager and
-    under ``torch.compile(fullgraph=True)`` alike (fake tensors registered too); an eager call with
-    nothing to differentiate (grad mode off, or neither x nor weight requiring grad) runs the
-    launcher ``rms_norm_fwd`` alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
+    Differentiable in x and weight (once: a double backward raises): the forward saves x and one
+    fp32 rstd per row; the backward recomputes the normalised rows, and sums the weight gradient in
+    fp32 over every row (skipped when the weight does not require grad, e.g. under LoRA). Under
+    ``torch.compile(fullgraph=True)`` it is the op ``torch.ops.surgery.rms_norm_fwd`` with its
+    registered autograd (fake tensors registered too); an eager call that autograd records runs the
+    same setup and backward as ``RmsNormFunction`` over the launchers; one with nothing to
+    differentiate (grad mode off, or neither x nor weight requiring grad) the launcher
+    ``rms_norm_fwd`` alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
     run the Triton kernels; other CPU tensors a PyTorch path with the same fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
@@ -504,8 +517,11 @@ def rms_norm(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     eps, offset = float(eps), float(offset)
-    if runs_as_op(x2d, weight):
+    path = kernel_path(x2d, weight)
+    if path == "op":
         y, _ = _rms_norm_fwd_op(x2d, weight, eps, offset, casting)
+    elif path == "function":
+        y, _ = RmsNormFunction.apply(x2d, weight, eps, offset, casting)
     else:
         y, _ = rms_norm_fwd(x2d, weight, eps, offset, casting)
     return y.view(x.shape)

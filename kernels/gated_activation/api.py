@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import runs_as_op
-from .launch import ACTIVATIONS, gated_activation_fwd
-from .ops import _gated_fwd_op, _merged_fwd_op
+from ..dispatch import kernel_path
+from .launch import ACTIVATIONS, gated_activation_fwd, gated_activation_merged_fwd
+from .ops import (
+    GatedActivationFunction,
+    GatedActivationMergedFunction,
+    _gated_fwd_op,
+    _merged_fwd_op,
+)
 
 __all__ = ["gated_activation", "gated_activation_merged"]
 
@@ -61,12 +66,14 @@ def gated_activation(
         A new contiguous tensor of gate's shape and dtype, computed in fp32 and rounded once.
         Inputs are never written.
 
-    Differentiable in gate and up; the forward saves only gate and up. It runs as the op
-    ``torch.ops.surgery.gated_activation_fwd``, whose registered autograd is the one backward,
-    eager and under ``torch.compile(fullgraph=True)`` alike; an eager call with nothing to
-    differentiate (grad mode off, or neither gate nor up requiring grad) runs the launcher
-    ``gated_activation_fwd`` alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
-    run the Triton kernels, other CPU tensors a PyTorch path with the same fp32 math.
+    Differentiable in gate and up (once: a double backward raises); the forward saves only gate
+    and up. Under ``torch.compile(fullgraph=True)`` it is the op
+    ``torch.ops.surgery.gated_activation_fwd`` with its registered autograd; an eager call that
+    autograd records runs the same setup and backward as ``GatedActivationFunction`` over the
+    launchers; one with nothing to differentiate (grad mode off, or neither gate nor up requiring
+    grad) the launcher ``gated_activation_fwd`` alone. CUDA tensors (and CPU tensors under
+    ``TRITON_INTERPRET=1``) run the Triton kernels, other CPU tensors a PyTorch path with the same
+    fp32 math.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): ``act(gate) * up`` is
@@ -80,8 +87,11 @@ def gated_activation(
         dtype = torch.promote_types(gate.dtype, up.dtype)
         gate, up = gate.to(dtype), up.to(dtype)
     gate, up = gate.contiguous(), up.contiguous()
-    if runs_as_op(gate, up):
+    path = kernel_path(gate, up)
+    if path == "op":
         return _gated_fwd_op(gate, up, activation)
+    if path == "function":
+        return GatedActivationFunction.apply(gate, up, activation)
     return gated_activation_fwd(gate, up, activation)
 
 
@@ -102,7 +112,8 @@ def gated_activation_merged(gate_up: torch.Tensor, activation: str = "silu") -> 
 
     Differentiable in gate_up; the forward saves gate_up alone (the tensor itself, no copy), the
     backward recomputes act(gate) and writes dgate and dup into one (..., 2 I) tensor. Runs as
-    ``torch.ops.surgery.gated_activation_merged_fwd`` eager and under ``torch.compile`` alike;
+    ``torch.ops.surgery.gated_activation_merged_fwd`` under ``torch.compile``, and eagerly as
+    ``GatedActivationMergedFunction`` (the same autograd) or the launcher, as ``gated_activation``;
     dispatch (Triton on CUDA and under ``TRITON_INTERPRET=1``, else a PyTorch path) and autocast as
     ``gated_activation``: elementwise, nothing is cast.
     """
@@ -115,4 +126,10 @@ def gated_activation_merged(gate_up: torch.Tensor, activation: str = "silu") -> 
             f"gated_activation_merged: gate_up {tuple(gate_up.shape)} must have an even last "
             "dimension (gate then up)"
         )
-    return _merged_fwd_op(gate_up.contiguous(), activation)
+    gate_up = gate_up.contiguous()
+    path = kernel_path(gate_up)
+    if path == "op":
+        return _merged_fwd_op(gate_up, activation)
+    if path == "function":
+        return GatedActivationMergedFunction.apply(gate_up, activation)
+    return gated_activation_merged_fwd(gate_up, activation)

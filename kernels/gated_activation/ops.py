@@ -1,5 +1,8 @@
-"""Autograd of the gated activation: torch.library ops over the launchers, whose registered
-autograd is each layout's one backward, eager and under torch.compile alike.
+"""Autograd of the gated activation: torch.library ops over the launchers, and each layout's one
+autograd formula (a setup and a backward, written once) used two ways (``kernels.dispatch``):
+registered on the forward op, which torch.compile graphs hold, and as the eager
+``autograd.Function`` over the launchers (``GatedActivationFunction``,
+``GatedActivationMergedFunction``), whose backward calls the backward launcher instead of the op.
 
 Each forward op saves only its inputs (gate and up, or gate_up: the tensors themselves, no copy)
 and its backward is the matching ``*_bwd`` op, which recomputes act(gate). The op names
@@ -9,7 +12,9 @@ and its backward is the matching ``*_bwd`` op, which recomputes act(gate). The o
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from ..dispatch import eager_function
 from .launch import (
     gated_activation_bwd,
     gated_activation_fwd,
@@ -17,12 +22,11 @@ from .launch import (
     gated_activation_merged_fwd,
 )
 
-__all__: list[str] = []  # the ops are reached through torch.ops.surgery and ``api``
+__all__ = ["GatedActivationFunction", "GatedActivationMergedFunction"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True; this
-# op alone carries its autograd (one path, eager and compiled alike).
+# Split layout: opaque to torch.compile, so a model using them traces with fullgraph=True.
 
 
 @torch.library.custom_op("surgery::gated_activation_fwd", mutates_args=())
@@ -54,17 +58,26 @@ def _save_fwd(ctx, inputs, output):
     ctx.activation = activation
 
 
-def _fwd_op_backward(ctx, dout):
-    gate, up = ctx.saved_tensors
-    dg, du = _gated_bwd_op(dout.contiguous(), gate, up, ctx.activation)
-    return dg, du, None
+def _backward(bwd):
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dg, du = bwd(dout.contiguous(), gate, up, ctx.activation)
+        return dg, du, None
+
+    return backward
 
 
-_gated_fwd_op.register_autograd(_fwd_op_backward, setup_context=_save_fwd)
+_gated_fwd_op.register_autograd(_backward(_gated_bwd_op), setup_context=_save_fwd)
+GatedActivationFunction = eager_function(
+    "GatedActivationFunction",
+    gated_activation_fwd,
+    _save_fwd,
+    once_differentiable(_backward(gated_activation_bwd)),
+)
 
 
 # ---------------------------------------------------------------------------------------------
-# Merged layout: this op alone carries its autograd (one path, eager and compiled alike).
+# Merged layout.
 
 
 @torch.library.custom_op("surgery::gated_activation_merged_fwd", mutates_args=())
@@ -93,9 +106,18 @@ def _save_merged(ctx, inputs, output):
     ctx.activation = activation
 
 
-def _merged_op_backward(ctx, dout):
-    (gate_up,) = ctx.saved_tensors
-    return _merged_bwd_op(dout.contiguous(), gate_up, ctx.activation), None
+def _merged_backward(bwd):
+    def backward(ctx, dout):
+        (gate_up,) = ctx.saved_tensors
+        return bwd(dout.contiguous(), gate_up, ctx.activation), None
+
+    return backward
 
 
-_merged_fwd_op.register_autograd(_merged_op_backward, setup_context=_save_merged)
+_merged_fwd_op.register_autograd(_merged_backward(_merged_bwd_op), setup_context=_save_merged)
+GatedActivationMergedFunction = eager_function(
+    "GatedActivationMergedFunction",
+    gated_activation_merged_fwd,
+    _save_merged,
+    once_differentiable(_merged_backward(gated_activation_merged_bwd)),
+)

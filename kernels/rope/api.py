@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..dispatch import runs_as_op
+from ..dispatch import kernel_path
 from .launch import LAYOUTS, RopeLayout, _rope, _rope_cos_sin
-from .ops import _rope_cos_sin_fwd_op, _rope_fwd_op
+from .ops import FUNCTIONS, OPS
 from .reference import rotate_half
 
 __all__ = ["apply_rope", "apply_rotary_pos_emb"]
@@ -185,13 +185,14 @@ def apply_rope(
         computes in fp32 and rounds once too.
 
     Differentiable in q and k (the backward is the inverse rotation, also out of place, and is
-    differentiable in turn); ``position_ids`` and ``inv_freq`` get no gradient. It runs as the op
-    ``torch.ops.surgery.rope_fwd``, whose registered autograd is the one backward, eager and under
-    ``torch.compile(fullgraph=True)`` alike (fake tensors registered too); an eager call with
-    nothing to differentiate (grad mode off, or neither q nor k requiring grad) runs the launcher
-    alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel;
-    other CPU tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices are
-    checked before anything runs.
+    differentiable in turn); ``position_ids`` and ``inv_freq`` get no gradient. Under
+    ``torch.compile(fullgraph=True)`` it is the op ``torch.ops.surgery.rope_fwd`` with its
+    registered autograd (fake tensors registered too); an eager call that autograd records runs
+    the same formula as the Function ``kernels.rope.ops.FUNCTIONS["rope_fwd"]`` over the launcher;
+    one with nothing to differentiate (grad mode off, or neither q nor k requiring grad) the
+    launcher alone. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton
+    kernel; other CPU tensors a PyTorch path with the same fp32 math. Shapes, dtypes and devices
+    are checked before anything runs.
 
     Autocast (the rule of every kernel here: inputs are cast on entry where the unpatched module's
     ops would cast them, and nothing after that depends on autocast): the rotation is elementwise,
@@ -208,13 +209,17 @@ def apply_rope(
     )
     scaling = float(attention_scaling)
     interleaved = bool(mrope_interleaved)  # False without sections (checked)
-    if not runs_as_op(q, k):
+    path = kernel_path(q, k)
+    if path == "launcher":
         return _rope(q, k, position_ids, inv_freq, scaling, rd, layout, False, None, None, section,
                      interleaved)  # fmt: skip
+    if path == "function":
+        return FUNCTIONS["rope_fwd"].apply(q, k, position_ids, inv_freq, scaling, rd, layout,
+                                           section, interleaved)  # fmt: skip
     if section is None:  # the op's schema as before multimodal positions existed
-        return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout)
-    return _rope_fwd_op(q, k, position_ids, inv_freq, scaling, rd, layout, list(section),
-                        interleaved)  # fmt: skip
+        return OPS["rope_fwd"](q, k, position_ids, inv_freq, scaling, rd, layout)
+    return OPS["rope_fwd"](q, k, position_ids, inv_freq, scaling, rd, layout, list(section),
+                           interleaved)  # fmt: skip
 
 
 def _cos_sin_eager(q, k, cos, sin):
@@ -249,10 +254,10 @@ def apply_rotary_pos_emb(
     Returns:
         ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` computed in fp32 and
         rounded once to q's dtype; new tensors laid out like q and k (inputs are never written).
-        Differentiable in q and k through the op ``torch.ops.surgery.rope_cos_sin_fwd``, whose
-        registered autograd is the one backward, eager and compiled alike (without anything to
-        differentiate, eagerly, the launcher alone runs); if cos or sin require grad, the eager
-        formula runs instead so that they get theirs.
+        Differentiable in q and k: compiled through the op ``torch.ops.surgery.rope_cos_sin_fwd``
+        and its registered autograd, eagerly through the same formula as a Function over the
+        launcher (without anything to differentiate, the launcher alone); if cos or sin require
+        grad, the eager formula runs instead so that they get theirs.
 
     Autocast: as ``apply_rope`` (nothing is cast, the outputs keep q's and k's dtype, where
     transformers' formula promotes them with fp32 cos/sin).
@@ -291,10 +296,14 @@ def apply_rotary_pos_emb(
         raise ValueError(f"apply_rotary_pos_emb: cos/sin are on {cos.device}, q on {q.device}")
     if cos.requires_grad or sin.requires_grad:
         oq, ok = _cos_sin_eager(q, k, cos, sin)
-    elif runs_as_op(q, k):
-        oq, ok = _rope_cos_sin_fwd_op(q, k, cos, sin)
     else:
-        oq, ok = _rope_cos_sin(q, k, cos, sin, False, None, None)
+        path = kernel_path(q, k)
+        if path == "op":
+            oq, ok = OPS["rope_cos_sin_fwd"](q, k, cos, sin)
+        elif path == "function":
+            oq, ok = FUNCTIONS["rope_cos_sin_fwd"].apply(q, k, cos, sin)
+        else:
+            oq, ok = _rope_cos_sin(q, k, cos, sin, False, None, None)
     if ud == 2:
         oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
     return oq, ok
