@@ -33,20 +33,20 @@ import torch.distributed as dist
 
 from .cross_entropy import (
     STATISTICS,
-    _transformed_torch,
     check_options,
     prepare_loss_inputs,
     reduce_losses,
     upstream_coefficients,
 )
+from .cross_entropy.launch import _transformed_torch
 from .linear_cross_entropy import (
     DEFAULT_CHUNK_BYTES,
-    _logits,
     input_needs,
     lce_bwd_recompute,
     lce_fwd,
     prepare_head_inputs,
 )
+from .linear_cross_entropy.ops import _logits
 from .log_probs import check_log_probs_options, token_log_probs
 from .reference import LossOutput, TokenLogProbs
 

@@ -24,8 +24,8 @@ V = 37  # odd, and small enough that labels hit every class, ignore_index's incl
 B, T = 3, 9  # (B, T) labels: each row is one sequence for reduction="sequence"
 REDUCTIONS = ["mean", "sum", "none", "sequence"]
 # The modules, not the functions of the same name that surgery.kernels exports.
-ce_mod = importlib.import_module("surgery.kernels.cross_entropy")
-lce_mod = importlib.import_module("surgery.kernels.linear_cross_entropy")
+ce_mod = importlib.import_module("surgery.kernels.cross_entropy.launch")
+lce_mod = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
 
 IGNORE_INDICES = {
     "ii0": 0,

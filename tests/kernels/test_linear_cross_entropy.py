@@ -90,7 +90,7 @@ CASES = {
 def small_chunks(monkeypatch):
     """Shrink the chunk floors so that small inputs run the multi-chunk paths, and count the
     row-kernel launches to prove they did."""
-    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     for name in ("_ALIGN", "MIN_CHUNK_ROWS", "MIN_SLICE_COLS"):
         monkeypatch.setattr(lce, name, 8)
     calls = {"fwd": 0, "bwd": 0}
@@ -171,7 +171,7 @@ SKIP_CASES = {
 @pytest.fixture
 def product_rows(monkeypatch):
     """The row counts of the logits products of every call (forward and backward)."""
-    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     rows, logits = [], lce._logits
 
     def counted(x, w, bias):
@@ -562,7 +562,7 @@ def test_scale_by_upstream_in_place_and_out_of_place(kernel, scale, monkeypatch)
     kernel and without it; the product of the fp32 scale, rounded once (exact for a power of two;
     within one bf16 step for 3, as the interpreter rounds bf16 its own way), and the op never
     writes its input."""
-    lce_mod = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    lce_mod = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     if not kernel:
         monkeypatch.setattr(lce_mod, "scale_by_upstream_kernel", None)
     g = torch.Generator().manual_seed(0)

@@ -171,7 +171,7 @@ def test_no_grad_and_statistics_off_launch_no_backward(monkeypatch):
     statistics buffer (the constexpr branches are off)."""
     import importlib
 
-    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     seen = []
     fwd = lce.cross_entropy_fwd
 
@@ -219,7 +219,7 @@ def test_uniform_upstream_hint_takes_three_products_and_stays_exact(monkeypatch)
     uniform (an RL advantage) recomputes. Every step's gradients equal the plain path's."""
     import importlib
 
-    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     recomputed = []
     bwd = lce.cross_entropy_bwd
 

@@ -81,7 +81,7 @@ def test_loss_skip_ignored_trains_as_transformers_on_the_labelled_tokens_only(ar
     """``loss_skip_ignored`` (the default): a padded SFT batch whose prompts are masked gives
     transformers' loss and every gradient (fp32), and the loss's logits products run over the
     labelled tokens only (those whose next-token label is not -100)."""
-    lce = importlib.import_module("surgery.kernels.linear_cross_entropy")
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     rows, logits = [], lce._logits
     monkeypatch.setattr(lce, "_logits", lambda x, w, b: rows.append(x.shape[0]) or logits(x, w, b))
     batch = padded_batch(sequences(LENGTHS))

@@ -1,0 +1,66 @@
+"""Fused linear cross entropy: the loss of ``hidden @ weight.T (+ bias)`` without ever holding the
+full (tokens x vocab) logits.
+
+Two schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matrix products):
+
+* eager (default, any reduction but "none", when gradients are needed): tokens in chunks; for each
+  chunk the logits are computed once, the row kernel turns them into the loss AND, in place, into
+  the logit gradient for the known per-token weights, and the two gradient products follow at
+  once. Three matrix products in all, the practical floor. The backward only scales the stored
+  gradients by the upstream scalar. The weight gradient is accumulated in fp32 across chunks.
+* recompute (reduction "none", ``low_memory=True``, or a gradient reaching ``z_loss`` on its own):
+  the forward keeps only the per-token logsumexp; the backward recomputes the logits one vocabulary
+  slice at a time, so each slice of the weight gradient is complete after one product and no
+  fp32 copy of the weight gradient exists. Four matrix products.
+
+Extra memory is bounded by ``chunk_bytes`` (logits of one chunk, in the input dtype) plus, in the
+eager schedule with several chunks, one fp32 weight-sized accumulator; it does not grow with the
+number of tokens. Under ``torch.no_grad()`` only the loss is computed.
+
+Under ``torch.autocast`` the public function casts hidden, weight and bias to the autocast dtype on
+entry, as ``F.linear`` (transformers' ``lm_head``) casts them, and the ops run with autocast
+disabled: their products are then the products of the unpatched head, and nothing inside them is
+cast again (autocast is thread-local state that a custom op would otherwise inherit, forward and
+backward, and ``torch.mm(..., out=...)`` rejects the dtype autocast would pick).
+
+Modules, in reading order: ``ops`` (the upstream-scaling kernel, the chunk plan, and the two
+torch.library ops ``lce_fwd`` and ``lce_bwd_recompute`` that run the schedules) -> ``api`` (the
+one autograd.Function over them, the argument checks, ``linear_cross_entropy`` and
+``linear_cross_entropy_statistics``).
+"""
+
+from __future__ import annotations
+
+from .api import (
+    LinearCrossEntropyFunction,
+    UpstreamHint,
+    input_needs,
+    linear_cross_entropy,
+    linear_cross_entropy_statistics,
+    prepare_head_inputs,
+)
+from .ops import (
+    DEFAULT_CHUNK_BYTES,
+    LOW_MEMORY_CHUNK_BYTES,
+    lce_bwd_recompute,
+    lce_fwd,
+    plan_token_chunk,
+    scale_by_upstream_,
+    scaled_by_upstream,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LOW_MEMORY_CHUNK_BYTES",
+    "LinearCrossEntropyFunction",
+    "UpstreamHint",
+    "input_needs",
+    "lce_bwd_recompute",
+    "lce_fwd",
+    "linear_cross_entropy",
+    "linear_cross_entropy_statistics",
+    "plan_token_chunk",
+    "prepare_head_inputs",
+    "scale_by_upstream_",
+    "scaled_by_upstream",
+]

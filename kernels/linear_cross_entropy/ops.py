@@ -1,0 +1,421 @@
+"""The fused head's host side below autograd: the in-place upstream scaling (a Triton kernel and
+its op), the token-chunk plan, and the two torch.library ops that run the schedules (the package
+docstring): ``lce_fwd`` (loss, statistics and, in the eager schedule, the gradients) and
+``lce_bwd_recompute`` (the recompute schedule's backward)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..cross_entropy import (
+    STATISTICS,
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+)
+from ..dispatch import cdiv, on_device, triton_available, use_triton
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LOW_MEMORY_CHUNK_BYTES",
+    "lce_bwd_recompute",
+    "lce_fwd",
+    "plan_token_chunk",
+    "scale_by_upstream_",
+    "scaled_by_upstream",
+]
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    scale_by_upstream_kernel = None
+
+DEFAULT_CHUNK_BYTES = 1 << 30  # logits of one token chunk (eager schedule)
+LOW_MEMORY_CHUNK_BYTES = 64 << 20  # logits of one slice (recompute schedule, low_memory=True)
+_ALIGN = 128
+
+
+SCALE_BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def scale_by_upstream_kernel(x_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr,
+                                 IN_PLACE: tl.constexpr):  # fmt: skip
+        """out = x * g, g read from device memory (fp32 product, rounded once). IN_PLACE (out is
+        x): the upstream gradient of a training loss is almost always exactly 1, and then every
+        program returns at once: the weight-gradient pass (V x D, read and written) costs
+        nothing, with no host synchronisation to find out."""
+        g = tl.load(g_ptr).to(tl.float32)
+        if not IN_PLACE or g != 1.0:
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            tl.store(out_ptr + offs, (x * g).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_launch(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> bool:
+    """``out = t * g`` through ``scale_by_upstream_kernel`` (in place where ``out`` is ``t``);
+    False (nothing done) where the kernel does not apply."""
+    if scale_by_upstream_kernel is None or not use_triton(t) or not t.is_contiguous():
+        return False
+    g32 = g.detach().reshape(1).to(torch.float32)
+    n = t.numel()
+    with on_device(t):
+        scale_by_upstream_kernel[(cdiv(n, SCALE_BLOCK),)](
+            t, out, g32, n, BLOCK=SCALE_BLOCK, IN_PLACE=out is t
+        )
+    return True
+
+
+@torch.library.custom_op("surgery::scaled_by_upstream", mutates_args=())
+def scaled_by_upstream(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``t * g`` in a new tensor (``g`` 0-dim): ``scale_by_upstream_`` under ``torch.compile``,
+    through the same kernel, out of place: one vectorised pass, where PyTorch's multiply by a
+    0-dim tensor took twice a copy's time over an lm_head gradient."""
+    out = torch.empty_like(t)
+    if not _scale_launch(t, out, g):
+        torch.mul(t, g.to(t.dtype), out=out)
+    return out
+
+
+@scaled_by_upstream.register_fake
+def _(t, g):
+    return torch.empty_like(t)
+
+
+def scale_by_upstream_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``t`` scaled by a 0-dim upstream gradient ``g``: in place eagerly (a no-op on the device if
+    g == 1). Under ``torch.compile`` a new tensor from one opaque op: the saved gradient is a
+    buffer the compiled backward may reuse for a multiply written in the graph, and a gradient
+    returned in such a buffer is copied again by autograd before it is accumulated (a second
+    lm_head gradient alive to the end of the compiled backward: ``benchmarks/results/
+    memory_qwen3_moe_surgery_compiled_padded-before-lm-head-grad-fix.txt``); a new tensor is
+    taken as it is, and the saved one is freed at once."""
+    if t.numel() == 0:
+        return t
+    if torch.compiler.is_compiling():
+        return scaled_by_upstream(t, g)
+    if not _scale_launch(t, t, g):
+        t.mul_(g.to(t.dtype))
+    return t
+
+
+# Smallest chunk (rows of the token chunk, columns of the vocabulary slice) worth a matrix
+# product: below this the products run far under peak and, in the recompute schedule, re-reading
+# the fp32 hidden-gradient accumulator per slice (N x D x 8 bytes) costs more than the product.
+MIN_CHUNK_ROWS = 1024
+MIN_SLICE_COLS = 4096
+
+
+def _rows_for(budget: int, row_bytes: int, total: int, minimum: int = _ALIGN) -> int:
+    rows = max(minimum, (budget // max(row_bytes, 1)) // _ALIGN * _ALIGN)
+    return min(rows, max(total, 1))
+
+
+def plan_token_chunk(n: int, v: int, d: int, elem: int, accumulate_fp32: bool, budget: int) -> int:
+    """Tokens per chunk for the eager schedule. Several chunks need an fp32 weight-gradient
+    accumulator (when ``accumulate_fp32``) that is read and written once per chunk (V x D x 8
+    bytes: 4.7 GB per chunk for Gemma 2's head), so one chunk is taken unless several would hold
+    less than half of its memory."""
+    if n * v * elem <= 2 * (budget + (v * d * 4 if accumulate_fp32 else 0)):
+        return max(n, 1)
+    return _rows_for(budget, v * elem, n, MIN_CHUNK_ROWS)
+
+
+@functools.cache
+def _addmm_out_dtype_works(device_type: str) -> bool:
+    # torch.addmm(..., out_dtype=float32) accumulates a bf16/fp16 product into fp32 in cuBLAS; not
+    # every build/backend has it, so it is probed once.
+    if device_type != "cuda":
+        return False
+    try:
+        acc = torch.zeros(2, 2, device="cuda")
+        a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool(acc[0, 0].item() == 2.0)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slice_rows: int) -> None:
+    """acc (fp32) += a @ b for low-precision a, b without an fp32 copy of either."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _addmm_out_dtype_works(acc.device.type):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # bounded temporary: slices of the output rows
+        for r0 in range(0, acc.shape[0], slice_rows):
+            acc[r0 : r0 + slice_rows] += a[r0 : r0 + slice_rows] @ b
+
+
+def _logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+
+
+def _autocast_disabled(fn):
+    """``fn(x, ...)`` run with autocast off on x's device: the body's products run in the dtype
+    of their inputs whatever autocast the caller, or the thread running the backward, has on."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _kept_rows(keep: torch.Tensor) -> torch.Tensor | None:
+    """The indices of the rows ``keep`` marks, or None to compute every row: when none is
+    dropped, or while a CUDA graph is captured (the count is a host read, which capture
+    forbids)."""
+    if keep.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    rows = keep.nonzero().flatten()  # the host read
+    return None if rows.numel() == keep.numel() else rows
+
+
+def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The (n, ...) tensor holding ``part``'s rows at ``rows`` and zeros elsewhere."""
+    return part.new_zeros(n, *part.shape[1:]).index_copy_(0, rows, part)
+
+
+@torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
+@_autocast_disabled
+def lce_fwd(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    skip_ignored: bool = False,
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    stats: int = 0,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+]:  # fmt: skip
+    """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
+
+    Returns (ce, z, lse, dx, dw, db, *statistics): per-token fp32 losses and logsumexp, the
+    gradients for unit upstream gradient on ``sum(weights * (ce + z))``, and the per-token
+    ``STATISTICS`` whose bit is set in ``stats`` (bit i for the i-th name); empty tensors where
+    not requested.
+
+    ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
+    their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
+    gradient is 0.
+    """
+    n_all, rows = x.shape[0], None
+    if skip_ignored:
+        rows = _kept_rows((targets >= 0) & (True if weights is None else weights != 0))
+    if rows is not None:  # the kept rows only, scattered back at the end
+        x, targets = x[rows], targets[rows]
+        weights = None if weights is None else weights[rows]
+    n, d = x.shape
+    v = w.shape[0]
+    dev = x.device
+    grads = weights is not None and (need_dx or need_dw or need_db)
+    need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
+    accumulate_fp32 = need_dw and w.dtype != torch.float32
+    chunk = plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
+    single = chunk >= n
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    ce = torch.empty(n, dtype=torch.float32, device=dev)
+    zl = torch.empty(n, dtype=torch.float32, device=dev)
+    # Outputs of a custom op may not alias each other: distinct empties where not requested.
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    if need_dw and n == 0:  # no row to accumulate (every one skipped)
+        dw = torch.zeros_like(w)
+    elif need_dw:
+        dw = torch.empty_like(w) if single else torch.zeros(v, d, dtype=torch.float32, device=dev)
+    else:
+        dw = x.new_empty(0)
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    statistics = _statistics_buffers(stats, n, dev)
+    slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
+    for n0 in range(0, n, chunk):
+        n1 = min(n0 + chunk, n)
+        xc = x[n0:n1]
+        logits = _logits(xc, w, bias)
+        rl, rc, rz = cross_entropy_fwd(
+            logits,
+            targets[n0:n1],
+            softcap=softcap,
+            label_smoothing=eps,
+            z_loss_scale=z_scale,
+            coef_ce=weights[n0:n1] if grads else None,
+            coef_z=weights[n0:n1] if grads else None,
+            grad_out=logits if grads else None,  # our own buffer: overwritten in place
+            logit_scale=logit_scale,
+            inv_temperature=inv_temperature,
+            stats={k: t[n0:n1] for k, t in statistics.items()},
+        )
+        lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
+        if not grads:
+            continue
+        if need_dx:
+            torch.mm(logits, w, out=dx[n0:n1])
+        if need_dw:
+            if single:
+                torch.mm(logits.t(), xc, out=dw)
+            else:
+                _accumulate_mm(dw, logits.t(), xc, slice_rows)
+        if need_db:
+            db += logits.sum(0, dtype=torch.float32)
+    if need_dw and dw.dtype != w.dtype:
+        dw = dw.to(w.dtype)
+    if need_db:
+        db = db.to(bias.dtype)
+    if rows is not None:
+        ce, zl, lse = (_scatter_rows(t, rows, n_all) for t in (ce, zl, lse))
+        statistics = {k: _scatter_rows(t, rows, n_all) for k, t in statistics.items()}
+        if need_dx:
+            dx = _scatter_rows(dx, rows, n_all)
+    return ce, zl, lse, dx, dw, db, *_statistics_outputs(statistics, x)
+
+
+def _statistics_buffers(stats: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A buffer of ``n`` rows for each statistic whose bit is set in ``stats``."""
+    return {
+        name: torch.empty(
+            n, dtype=torch.bool if name == "is_top1" else torch.float32, device=device
+        )
+        for i, name in enumerate(STATISTICS)
+        if stats >> i & 1
+    }
+
+
+def _statistics_outputs(statistics: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
+    """One tensor per name of ``STATISTICS``: the buffer, or an empty tensor (distinct ones: the
+    outputs of a custom op may not alias each other)."""
+    return tuple(statistics.get(name, x.new_empty(0)) for name in STATISTICS)
+
+
+@torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
+@_autocast_disabled
+def lce_bwd_recompute(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    chunk_bytes: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    skip_ignored: bool = False,
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
+    coef_entropy: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
+    one product; the hidden gradient is accumulated in fp32. ``coef_entropy``: the upstream
+    gradient of the per-token ``entropy`` too. ``skip_ignored``: rows without a target or with
+    every coefficient 0 (they contribute nothing) take no part in the products.
+
+    ``vocab_start`` / ``vocab_total`` (0: ``w``'s rows are the whole vocabulary): ``w`` holds rows
+    ``[vocab_start, vocab_start + V)`` of a head of ``vocab_total`` rows (vocabulary-parallel);
+    ``targets`` and ``lse`` are then the whole vocabulary's, and the hidden gradient is this
+    slice's part of it."""
+    n_all, rows = x.shape[0], None
+    if skip_ignored:
+        live = (coef_ce != 0) | (coef_z != 0)
+        if coef_entropy is not None:
+            live = live | (coef_entropy != 0)
+        rows = _kept_rows((targets >= 0) & live)
+    if rows is not None:  # the kept rows only, the hidden gradient scattered back at the end
+        x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
+        if coef_entropy is not None:
+            entropy, coef_entropy = entropy[rows], coef_entropy[rows]
+    n, d = x.shape
+    v = w.shape[0]
+    dev = x.device
+    if n == 0:  # every row skipped: nothing reaches the hidden states, the weight or the bias
+        dx = x.new_zeros(n_all, d) if need_dx else x.new_empty(0)
+        dw = torch.zeros_like(w) if need_dw else x.new_empty(0)
+        db = torch.zeros_like(bias) if need_db else x.new_empty(0)
+        return dx, dw, db
+    cols = _rows_for(chunk_bytes, n * x.element_size(), v, MIN_SLICE_COLS)
+    dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else x.new_empty(0)
+    db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    for v0 in range(0, v, cols):
+        v1 = min(v0 + cols, v)
+        wc = w[v0:v1]
+        logits = _logits(x, wc, None if bias is None else bias[v0:v1])
+        cross_entropy_bwd(
+            logits,
+            targets,
+            lse,
+            coef_ce,
+            coef_z,
+            logits,
+            col_offset=vocab_start + v0,
+            vocab_size=vocab_total or v,
+            softcap=softcap,
+            label_smoothing=eps,
+            z_loss_scale=z_scale,
+            logit_scale=logit_scale,
+            inv_temperature=inv_temperature,
+            entropy=entropy,
+            coef_entropy=coef_entropy,
+        )
+        if need_dw:
+            torch.mm(logits.t(), x, out=dw[v0:v1])
+        if need_dx:
+            _accumulate_mm(dx_acc, logits, wc, max(_ALIGN, n // 8))
+        if need_db:
+            db[v0:v1] = logits.sum(0, dtype=torch.float32)
+    dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
+    if need_db:
+        db = db.to(bias.dtype)
+    if rows is not None and need_dx:
+        dx = _scatter_rows(dx, rows, n_all)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@lce_fwd.register_fake
+def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
+      skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0):  # fmt: skip
+    n = x.shape[0]
+    grads = weights is not None
+    per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
+    dx = torch.empty_like(x) if grads and need_dx else x.new_empty(0)
+    dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
+    statistics = _statistics_outputs(_statistics_buffers(stats, n, x.device), x)
+    return (*per_tok, dx, dw, db, *statistics)
+
+
+@lce_bwd_recompute.register_fake
+def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
+      need_dw, need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
+      coef_entropy=None, vocab_start=0, vocab_total=0):  # fmt: skip
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(w) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
+    return dx, dw, db
