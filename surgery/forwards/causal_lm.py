@@ -33,16 +33,23 @@ import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
-from surgery.attention.chunked import packed_chunk_size
-from surgery.attention.forward import CAUSAL_KWARG, PACKED_KWARG, packed_sequences
-from surgery.attention.linear import DOCUMENTS_KWARG, documents_of, fla_kernels
+from surgery.attention.forward import CAUSAL_KWARG
+from surgery.attention.linear import fla_kernels
 from surgery.attention.unpadding import UNPADDED_KWARG, unpadded_layout
-from surgery.compiling import graph_break_allowed, host_read
+from surgery.compiling import graph_break_allowed
+from surgery.forwards.batch_layout import (
+    Targets,
+    bidirectional,
+    document_positions,
+    packed_inputs,
+    right_padding_applies,
+    unpadded_inputs,
+    whole_rows,
+)
 from surgery.forwards.head import (
     fuse_replaced_head,
     fused_head,
@@ -50,11 +57,10 @@ from surgery.forwards.head import (
     head_takes_loss,
     warn_unfused,
 )
-from surgery.forwards.multimodal import packed_bidirectional_masks
 from surgery.integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
 from surgery.integrations.trl import FusedHeadRequest, fused_head_output
 from surgery.kernels import cross_entropy
-from surgery.kernels.reduction import every_token_mask, host_cu_seqlens
+from surgery.kernels.reduction import every_token_mask
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 from surgery.options import PatchOptions
 from surgery.outputs import (
@@ -129,59 +135,6 @@ class PatchState:
         base = tuple(f.name for f in dataclasses.fields(output) if f.name not in COMPUTED_FIELDS)
         object.__setattr__(self, "output", output)
         object.__setattr__(self, "base_fields", base)
-
-
-_packed_bidirectional_masks = host_read(packed_bidirectional_masks)
-
-
-@host_read
-def _read_packed_layout(
-    position_ids: torch.Tensor,
-    shape: tuple[int, int],
-    device: torch.device,
-    varlen: bool,
-    chunk_size: int | None,
-) -> dict:
-    # One device-to-host copy of the position ids for both: the linear-attention layers'
-    # documents (None: every row is one document) and, with varlen, the attention's.
-    position_ids = position_ids.cpu()
-    cu_seqlens = host_cu_seqlens(position_ids, shape)
-    layout = {DOCUMENTS_KWARG: documents_of(cu_seqlens, shape, device)}
-    if varlen:
-        packed = packed_sequences(
-            position_ids, shape, device, cu_seqlens=cu_seqlens, chunk_size=chunk_size
-        )
-        if packed is not None:
-            layout[PACKED_KWARG] = packed
-    return layout
-
-
-def _packed_layout(
-    spec: ArchitectureSpec,
-    position_ids: torch.Tensor,
-    tokens: torch.Tensor,
-    varlen: bool,
-    host_reads: bool,
-    chunk_size: int | None = None,
-) -> dict:
-    """The keyword arguments that give the base model a packed step's documents: for the varlen
-    attention (``varlen``, see ``PatchOptions.varlen_attention``) and a hybrid model's
-    linear-attention layers, both from one read of the position ids on the host. Under
-    ``torch.compile`` without graph breaks (``host_reads`` False) the varlen attention reads them
-    from an op at run time, and a hybrid's base model finds its documents itself (where
-    ``fullgraph=True`` refuses the read). ``chunk_size``: the chunked-attention layers', if any
-    (``packed_chunk_size``): their chunks come from the same read."""
-    shape, device = tuple(tokens.shape[:2]), tokens.device
-    if spec.linear_attention is not None and position_ids.dim() <= 2 and host_reads:
-        # Each layout of documents compiles anew anyway: under torch.compile the read is one
-        # graph break, and the varlen attention's lengths may be exact.
-        return _read_packed_layout(position_ids, shape, device, varlen, chunk_size)
-    packed = (
-        packed_sequences(position_ids, shape, device, host_reads, chunk_size=chunk_size)
-        if varlen
-        else None
-    )
-    return {} if packed is None else {PACKED_KWARG: packed}
 
 
 def _load_balancing_loss(spec: ArchitectureSpec):
@@ -269,15 +222,15 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     host_reads = not torch.compiler.is_compiling() or graph_break_allowed()
     # Tokens that transformers lets attend both ways (Gemma 3's images) rule out the causal
     # shortcuts: the attention then runs the mask the multimodal model built.
-    causal = wrapper is None or not _bidirectional(wrapper, kwargs, host_reads, config)
+    causal = wrapper is None or not bidirectional(wrapper, kwargs, host_reads, config)
     # The load-balancing loss counts the tokens of the caller's mask, also when the attention
     # runs without it (causal_right_padding).
     model_mask = router_mask = attention_mask
     if packed_step:
         varlen = options.varlen_attention and options.rope and plain_sdpa and causal
         types = None if causal else kwargs[wrapper.bidirectional_tokens]
-        model_mask, layout = _packed_step(self, state, config, text_positions, tokens, types,
-                                          varlen, host_reads)  # fmt: skip
+        model_mask, layout = packed_inputs(self, state, config, text_positions, tokens, types,
+                                            varlen, host_reads)  # fmt: skip
         kwargs.update(layout)
     fused = labels is not None and self.training and options.fused_linear_cross_entropy
     fused = fused and not options.return_logits
@@ -285,11 +238,11 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     right_padded, unpadded = False, None
     if (
         head_fused and causal and host_reads and plain_sdpa and cache is None
-        and _right_padding_applies(options, config, kwargs, attention_mask, position_ids)
+        and right_padding_applies(options, config, kwargs, attention_mask, position_ids)
     ):  # fmt: skip
         given = labels if targets.shift_labels is None else targets.shift_labels
         # TRL's per-token outputs keep the batch's layout: the real tokens are not gathered.
-        unpad = state.padding_free and _whole_rows(logits_to_keep) and trl_request is None
+        unpad = state.padding_free and whole_rows(logits_to_keep) and trl_request is None
         right_padded, unpadded = unpadded_layout(attention_mask, given, targets.ignore_index,
                                                  unpad)  # fmt: skip
     # Without a mask, position ids or cache the batch is causal as it stands: said outright, as
@@ -299,7 +252,9 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     if right_padded or (unmasked and causal and plain_sdpa):
         kwargs[CAUSAL_KWARG] = True  # the attention layers without a sliding window: no mask
     if unpadded is not None:
-        input_ids, inputs_embeds, targets = _unpad(unpadded, input_ids, inputs_embeds, targets)
+        input_ids, inputs_embeds, targets = unpadded_inputs(
+            unpadded, input_ids, inputs_embeds, targets
+        )
         text_positions, model_mask, router_mask = unpadded.positions, None, None
         use_cache = False  # a cache of the one-row layout would be of no use to the caller
         kwargs[UNPADDED_KWARG] = unpadded
@@ -310,7 +265,7 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     if state.spec.router_aux_loss and output_router_logits:
         tokens = input_ids if input_ids is not None else inputs_embeds
         aux = _aux_loss(self, state, config, outputs, tokens, router_mask)
-    if _whole_rows(logits_to_keep):
+    if whole_rows(logits_to_keep):
         # Sequence boundaries: for "sequence", and so that the prediction of a sequence's first
         # token from the previous sequence's last token is never trained on packed rows.
         targets = targets._replace(position_ids=text_positions,
@@ -327,33 +282,18 @@ def _pop_requests(kwargs: dict, labels):
     """What the forward takes out of its keyword arguments before the base model sees them: a
     multimodal wrapper's ``LossRequest`` (its labels replace ``labels``), TRL's fused-head
     request (surgery.integrations.trl: per-token outputs in TRL's output class), and
-    transformers' loss kwargs, as ``_Targets`` (boundaries not yet known)."""
+    transformers' loss kwargs, as ``Targets`` (boundaries not yet known)."""
     request: LossRequest | None = kwargs.pop(LOSS_REQUEST_KWARG, None)
     if request is not None:  # the labels of a multimodal wrapper around this causal LM
         labels = request.labels
     trl_request: FusedHeadRequest | None = kwargs.pop(TRL_REQUEST_KWARG, None)
-    targets = _Targets(
+    targets = Targets(
         labels,
         kwargs.pop("shift_labels", None),
         kwargs.pop("ignore_index", -100),
         kwargs.pop("num_items_in_batch", None),
     )
     return request, trl_request, targets
-
-
-def _right_padding_applies(options, config, kwargs, attention_mask, position_ids) -> bool:
-    """Whether a fused, causal, plain-sdpa step without a cache may drop the attention mask of
-    a right-padded batch (``PatchOptions.causal_right_padding``; the mask itself is read after):
-    a mask given and no position ids, no hidden states asked for. Where it may, the attention
-    layers without a sliding window drop the mask (``CAUSAL_KWARG``); the base model still gets
-    it: a multimodal model may read it for more than the attention (Qwen2-VL's 3-D positions), a
-    hybrid's linear-attention layers their documents, the sliding-window layers their masks."""
-    return (
-        options.causal_right_padding
-        and attention_mask is not None
-        and position_ids is None
-        and not kwargs.get("output_hidden_states", config.output_hidden_states)
-    )
 
 
 def _router_logits(state, config, output_router_logits, trl_request):
@@ -382,59 +322,6 @@ def _fla_step(state: PatchState, cache, use_cache, step: bool, tokens: torch.Ten
         and step
         and fla_kernels(tokens.device) is not None
     )
-
-
-def _packed_step(self, state, config, text_positions, tokens, types, varlen, host_reads):
-    """A packed step's attention mask for the base model and the keyword arguments that give it
-    the documents (``_packed_layout``). ``types``: a multimodal row's token types where its
-    images attend both ways (else None): transformers' mask of such a packed row is not each
-    conversation's own (surgery.forwards.multimodal), so it is built from theirs, each conversation
-    alone (with host reads; without, the caller's mask, None)."""
-    model_mask = None
-    if types is not None and host_reads:
-        dtype = (
-            tokens.dtype if tokens.is_floating_point() else self.get_input_embeddings().weight.dtype
-        )
-        model_mask = _packed_bidirectional_masks(self.model, text_positions, types, dtype)
-    # A local, so that nothing is on the stack at the host read's graph break (a bound
-    # ``kwargs.update`` there is guarded on, and the guard fails every step).
-    chunk_size = packed_chunk_size(config, state.spec)
-    layout = _packed_layout(state.spec, text_positions, tokens, varlen, host_reads, chunk_size)
-    return model_mask, layout
-
-
-def _whole_rows(logits_to_keep) -> bool:
-    return isinstance(logits_to_keep, int) and logits_to_keep == 0
-
-
-def _unpad(unpadded, input_ids, inputs_embeds, targets: _Targets):
-    """``PatchOptions.padding_free``: the real tokens as one row; each attention layer runs each
-    row's tokens alone or pads them again (surgery.attention.unpadding). The loss takes each row's
-    end as a sequence boundary from the positions; the load-balancing loss counts every token
-    left."""
-    if input_ids is not None:
-        input_ids = unpadded.take(input_ids)
-    else:
-        inputs_embeds = unpadded.take(inputs_embeds)
-    device = unpadded.index.device
-    if targets.shift_labels is not None:
-        targets = targets._replace(shift_labels=unpadded.take(targets.shift_labels.to(device)))
-    else:
-        targets = targets._replace(labels=unpadded.take(targets.labels.to(device)))
-    return input_ids, inputs_embeds, targets
-
-
-class _Targets(NamedTuple):
-    """What the loss reads besides the hidden states: transformers' labels or shift_labels and
-    loss kwargs, and the documents' boundaries of whole rows (None where ``logits_to_keep``
-    keeps part of them)."""
-
-    labels: torch.Tensor | None
-    shift_labels: torch.Tensor | None
-    ignore_index: int
-    num_items_in_batch: torch.Tensor | int | None
-    position_ids: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
 
 
 def _head_output(self, state, config, outputs, hidden, targets, fused, head_fused, aux,
@@ -514,38 +401,6 @@ def _aux_loss(self, state, config, outputs, tokens, router_mask):
         router_mask,
     )
     return aux_loss, moe_args.router_aux_loss_coef
-
-
-def document_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """The position ids whose restarts mark the documents of a packed row (for the attention,
-    a hybrid's linear attention and the loss's sequence boundaries): (batch, seq) ones as they
-    are; of multimodal (4, batch, seq) ones (Qwen2-VL and later, packed), the first row, the text
-    positions, as transformers builds its packed mask from it: the three rotary rows do not
-    count tokens (the temporal row stands still over an image, height and width jump), so the
-    restart rule would cut a document inside every image. (3, batch, seq) ones carry no text row:
-    None, each row one document, as transformers takes them."""
-    if position_ids is None or position_ids.dim() <= 2:
-        return position_ids
-    return position_ids[0] if position_ids.shape[0] == 4 else None
-
-
-@host_read
-def _any_nonzero(ids: torch.Tensor) -> bool:
-    return bool(ids.ne(0).any())
-
-
-def _bidirectional(wrapper: MultimodalWrapper, kwargs: dict, host_reads: bool, config) -> bool:
-    """Whether the batch has tokens that may attend both ways (``bidirectional_tokens``, where
-    the text config lets them: ``bidirectional_when``). Without host reads
-    (``torch.compile(fullgraph=True)``), whenever the token types are given."""
-    if wrapper.bidirectional_tokens is None:
-        return False
-    if wrapper.bidirectional_when is not None:
-        attribute, value = wrapper.bidirectional_when
-        if getattr(config, attribute, None) != value:
-            return False
-    ids = kwargs.get(wrapper.bidirectional_tokens)
-    return ids is not None and (not host_reads or _any_nonzero(ids))
 
 
 @dataclass

@@ -18,7 +18,7 @@ from surgery.convergence.configs import condition_attention
 from surgery.convergence.minis import mini_config, mini_multimodal_config
 from surgery.convergence.multimodal import image_inputs as one_image
 from surgery.convergence.multimodal import image_recipe
-from surgery.forwards import causal_lm as surgery_forward
+from surgery.forwards import batch_layout as surgery_batch_layout
 from surgery.forwards.multimodal import language_model
 from surgery.models import MULTIMODAL_ONLY_SPECS
 from surgery.patching.swap import ORIGINAL_ATTR
@@ -212,13 +212,13 @@ def test_images_attending_both_ways_take_no_causal_shortcut(monkeypatch):
     assert_same_step(step(model, batch), step(reference, batch))
 
     varlen = []
-    layout = surgery_forward._packed_layout
+    layout = surgery_batch_layout.packed_layout
 
     def spy(spec, position_ids, tokens, wants_varlen, *args):
         varlen.append(wants_varlen)
         return layout(spec, position_ids, tokens, wants_varlen, *args)
 
-    monkeypatch.setattr(surgery_forward, "_packed_layout", spy)
+    monkeypatch.setattr(surgery_batch_layout, "packed_layout", spy)
     packed = {k: v for k, v in batch.items() if k != "attention_mask"}
     packed["position_ids"] = torch.arange(SEQ).remainder(8).expand(2, -1)
     model(**packed)
