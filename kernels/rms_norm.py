@@ -418,6 +418,9 @@ def _save_fwd(ctx, inputs, output):
     x2d, weight, _, offset, casting = inputs
     ctx.save_for_backward(x2d, weight, output[1])
     ctx.norm_args = (offset, casting)
+    # rstd is for the backward alone: no gradient reaches it, and none is made of zeros for it.
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
 def _backward(bwd):
