@@ -184,7 +184,7 @@ OPTIONS: tuple[Option, ...] = (
            "With `causal_right_padding` and `rope`, such a right-padded batch runs its real tokens "
            "only: the causal-LM forward hands the base model the real tokens as one row, and each "
            "attention layer runs sdpa's causal kernel on each row's real tokens alone, one call a "
-           "row."),
+           "row. A left-padded batch runs each row rolled (real tokens first) without a mask."),
     Option("eager_attention_recompute", True, BOOL, _MEMORY, False,
            'With `rope` and `attn_implementation="eager"` (Gemma 2\'s default), the fp32 '
            "attention probabilities are not kept for the backward, which recomputes them from the "

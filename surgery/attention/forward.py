@@ -29,7 +29,13 @@ from surgery.attention.chunked import (
 from surgery.attention.eager import lean_eager_attention
 from surgery.attention.linear import DOCUMENTS_KWARG
 from surgery.attention.shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
-from surgery.attention.unpadding import UNPADDED_KWARG, Unpadded, pad_heads
+from surgery.attention.unpadding import (
+    ROLLED_KWARG,
+    UNPADDED_KWARG,
+    Rolled,
+    Unpadded,
+    pad_heads,
+)
 from surgery.attention.varlen import (
     PACKED_KWARG,
     PackedSequences,
@@ -226,6 +232,11 @@ def attention_forward(
     unpadded: Unpadded | None = kwargs.pop(UNPADDED_KWARG, None)
     if unpadded is not None:
         position_ids = unpadded.positions
+    # A left-padded step run rolled (surgery.attention.unpadding.Rolled): each token at the
+    # position of its column in the caller's batch.
+    rolled: Rolled | None = kwargs.pop(ROLLED_KWARG, None)
+    if rolled is not None:
+        position_ids = rolled.positions
     rope_positions = kwargs.pop(MROPE_POSITIONS_KWARG, None)
     query, key, per_row = _rotated(self, binding, query, key, position_ids, rope_positions,
                                    unpadded, position_embeddings, kv_shared, plan)  # fmt: skip
@@ -268,6 +279,8 @@ def attention_forward(
     output = self.o_proj(attn_output)
     if shared is not None:
         output = zero_unattended_rows(output, shared.unattended, self.o_proj)
+    elif rolled is not None:  # the padding's queries, which the caller's mask gives no key
+        output = zero_unattended_rows(output, rolled.unattended, self.o_proj)
     return output, attn_weights
 
 

@@ -27,10 +27,18 @@ a sequence boundary (no token predicts the next row's first). The padded layout'
 padding keys no real query sees (causal attention over right padding) and padding queries whose
 outputs are dropped: their gradients are zero.
 
+A left-padded batch cannot leave its padding out: transformers trains each row's first real
+token from the last padding position (whose attention sees no key), so those positions' outputs
+are part of the loss. It runs rolled instead (``Rolled``): each row turned so that its real tokens
+come first and its padding after them, at the positions the padded batch gives them, causal and
+unmasked (sdpa's flash kernel), the padding positions' attention outputs set to what an
+attention that sees no key gives them (``zero_unattended_rows``), and each token trained on its
+own target (the labels shifted first, then rolled).
+
 Models whose layers read more of the layout than the attention does keep the padded batch (the
-patch decides, ``surgery.api``): sliding-window or chunked layers (their masks follow positions in
-the row), linear attention (a recurrent state along the row), shared key/value layers, multimodal
-positions, latent attention, a multimodal wrapper.
+patch decides, ``surgery.patching.plan``): sliding-window or chunked layers (their masks follow
+positions in the row), linear attention (a recurrent state along the row), shared key/value
+layers, multimodal positions, latent attention, a multimodal wrapper.
 """
 
 from __future__ import annotations
@@ -43,11 +51,15 @@ from surgery.compiling import host_read
 from surgery.kernels.rows import padded_rows, real_rows
 
 __all__ = [
+    "ROLLED_KWARG",
     "ROW_CALLS_MAX",
     "UNPADDED_KWARG",
+    "Rolled",
     "Unpadded",
+    "left_padding",
     "pad_heads",
     "right_padding",
+    "rolled_layout",
     "unpadded_layout",
 ]
 
@@ -148,3 +160,62 @@ def right_padding(
 
 
 unpadded_layout = host_read(right_padding)
+
+
+ROLLED_KWARG = "surgery_rolled"
+"""The keyword argument that carries ``Rolled`` from the causal-LM forward to the attention."""
+
+
+@dataclass(frozen=True)
+class Rolled:
+    """A left-padded (batch, seq) batch with each row rolled so that its real tokens come first
+    and its padding after them: then causal attention without a mask is the padded batch's masked
+    attention for every real token (no real token sees a padding key), and the padding queries,
+    which see no key there, get the output of an attention that sees none (``unattended``)."""
+
+    order: torch.Tensor
+    """int64 (batch, seq): the rolled row's j-th token is the caller's row's ``order[b, j]``-th.
+    Also each token's RoPE position: transformers gives a batch without position ids the
+    positions 0..seq-1 of its columns, padding included."""
+    unattended: torch.Tensor
+    """bool (batch, seq, 1): the padding positions of the rolled rows."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.order
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """A (batch, seq, ...) tensor of the caller's layout, rolled."""
+        return _gather_columns(x, self.order)
+
+    def restore(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor of the rolled tokens, (batch, seq, ...) or flattened (batch * seq, ...) as a
+        MoE layer's router logits, in the caller's order."""
+        batch, seq = self.order.shape
+        rows = x if x.shape[:2] == (batch, seq) else x.view(batch, seq, *x.shape[1:])
+        return _gather_columns(rows, torch.argsort(self.order, dim=1)).view(x.shape)
+
+
+def _gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    index = order.view(*order.shape, *([1] * (x.dim() - 2))).expand(*order.shape, *x.shape[2:])
+    return torch.gather(x, 1, index.to(x.device))
+
+
+def left_padding(attention_mask: torch.Tensor) -> Rolled | None:
+    """The ``Rolled`` layout of a (batch, seq) ``attention_mask`` that is left padding only (each
+    row: zeros, then ones) with some padding, else None. One device-to-host read (the verdict)."""
+    if attention_mask.dim() != 2:
+        return None
+    real = attention_mask != 0
+    pads = (~real).sum(1)
+    left = (real[:, 1:] >= real[:, :-1]).all()
+    if not bool(left & pads.any()):
+        return None
+    seq = real.shape[1]
+    columns = torch.arange(seq, device=real.device)
+    order = (columns[None] + pads[:, None]) % seq
+    unattended = (columns[None] >= (seq - pads)[:, None])[..., None]
+    return Rolled(order, unattended)
+
+
+rolled_layout = host_read(left_padding)

@@ -14,6 +14,14 @@ import torch
 from surgery.attention.chunked import packed_chunk_size
 from surgery.attention.forward import PACKED_KWARG, packed_sequences
 from surgery.attention.linear import DOCUMENTS_KWARG, documents_of
+from surgery.attention.unpadding import (
+    ROLLED_KWARG,
+    UNPADDED_KWARG,
+    Rolled,
+    Unpadded,
+    rolled_layout,
+    unpadded_layout,
+)
 from surgery.compiling import host_read
 from surgery.forwards.multimodal import packed_bidirectional_masks
 from surgery.kernels.reduction import host_cu_seqlens
@@ -23,8 +31,10 @@ __all__ = [
     "Targets",
     "bidirectional",
     "document_positions",
+    "laid_out_inputs",
     "packed_inputs",
     "packed_layout",
+    "padding_layout",
     "right_padding_applies",
     "unpadded_inputs",
     "whole_rows",
@@ -150,6 +160,44 @@ class Targets(NamedTuple):
     num_items_in_batch: torch.Tensor | int | None
     position_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+
+
+def padding_layout(attention_mask, targets: Targets, tokens, unpad: bool):
+    """Whether a padded step's mask is right padding that a causal attention may drop
+    (``surgery.attention.unpadding.right_padding``), and, with ``unpad``, the layout it runs in:
+    its real tokens alone (right padding: ``Unpadded``), or its rows rolled (left padding:
+    ``Rolled``), else None. Device-to-host reads (``host_read``)."""
+    given = targets.labels if targets.shift_labels is None else targets.shift_labels
+    right, layout = unpadded_layout(attention_mask, given, targets.ignore_index, unpad)
+    if not right and unpad:
+        layout = rolled_layout(attention_mask.to(tokens.device))
+    return right, layout
+
+
+def laid_out_inputs(layout: Unpadded | Rolled, input_ids, inputs_embeds, targets: Targets):
+    """The inputs and targets in ``layout``, and the keyword argument that carries the layout to
+    the attention layers."""
+    if isinstance(layout, Rolled):
+        return (*_rolled_inputs(layout, input_ids, inputs_embeds, targets), ROLLED_KWARG)
+    return (*unpadded_inputs(layout, input_ids, inputs_embeds, targets), UNPADDED_KWARG)
+
+
+def _rolled_inputs(rolled, input_ids, inputs_embeds, targets: Targets):
+    """A left-padded step run rolled (``surgery.attention.unpadding.Rolled``): the inputs rolled,
+    and each token's target (the labels shifted first, as the loss would shift them in the
+    caller's layout, or the caller's ``shift_labels``) rolled with it, so that the last padding
+    position still predicts its row's first real token, as transformers trains it."""
+    if input_ids is not None:
+        input_ids = rolled.take(input_ids)
+    else:
+        inputs_embeds = rolled.take(inputs_embeds)
+    shift_labels = targets.shift_labels
+    if shift_labels is None:
+        labels = targets.labels
+        last = labels.new_full((labels.shape[0], 1), targets.ignore_index)
+        shift_labels = torch.cat((labels[:, 1:], last), dim=1)
+    shift_labels = rolled.take(shift_labels.to(rolled.order.device))
+    return input_ids, inputs_embeds, targets._replace(shift_labels=shift_labels)
 
 
 def document_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:

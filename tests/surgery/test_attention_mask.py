@@ -244,7 +244,8 @@ def _with_position_ids():
 
 
 KEEPS_MASK = {
-    "left-padding": (_left_padded, {}, {}, True),
+    # Left padding runs rolled and unmasked where the padding-free layout may run (below).
+    "left-padding-option-off": (_left_padded, {"padding_free": False}, {}, True),
     "labels-on-padding": (_labelled_padding, {}, {}, True),
     "position-ids": (_with_position_ids, {}, {}, True),
     "eval": (lambda: batch_of("padded"), {}, {}, False),
@@ -304,7 +305,8 @@ def test_left_padding_same_loss_and_grads_as_transformers(arch, attn):
 
 def test_left_padding_keeps_one_mask_and_nothing_per_layer():
     """The unattended rows cost one (batch, seq) bool tensor per forward, nothing per layer: the
-    shared mask keeps one additive mask where sdpa keeps its own copy in every layer."""
+    shared mask keeps one additive mask where sdpa keeps its own copy in every layer (the masked
+    path: with ``padding_free`` the batch runs rolled, without a mask)."""
     config = tiny_config("llama")
     config.num_hidden_layers = 4
     batch = left_padded()
@@ -313,9 +315,62 @@ def test_left_padding_keeps_one_mask_and_nothing_per_layer():
     for share in (False, True):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
-        kept[share] = kept_bytes(surgery.patch(model, share_attention_mask=share), batch)
+        patched = surgery.patch(model, share_attention_mask=share, padding_free=False)
+        kept[share] = kept_bytes(patched, batch)
     mask_bytes = B * T * T * 4  # (B, 1, T, T) fp32
     assert kept[False] - kept[True] == (config.num_hidden_layers - 1) * mask_bytes - B * T
+
+
+def test_left_padding_layout_rolls_each_row_real_tokens_first():
+    from surgery.attention.unpadding import left_padding
+
+    left = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    rolled = left_padding(left)
+    assert rolled.order.tolist() == [[2, 3, 0, 1], [1, 2, 3, 0], [0, 1, 2, 3]]
+    assert rolled.positions is rolled.order  # the columns: transformers' positions
+    assert rolled.unattended[..., 0].tolist() == [
+        [False, False, True, True],
+        [False, False, False, True],
+        [False, False, False, False],
+    ]
+    x = torch.arange(12).view(3, 4)
+    assert rolled.take(x).tolist() == [[2, 3, 0, 1], [5, 6, 7, 4], [8, 9, 10, 11]]
+    assert torch.equal(rolled.restore(rolled.take(x)), x)
+    assert torch.equal(rolled.restore(rolled.take(x).reshape(12, 1)), x.reshape(12, 1))
+    assert left_padding(left.flip(1)) is None  # right padding
+    assert left_padding(torch.ones(2, 4)) is None  # no padding
+    assert left_padding(torch.tensor([[0, 1, 0, 1]])) is None  # a hole
+    assert left_padding(torch.ones(2, 1, 4, 4)) is None  # a 4-D mask
+
+
+# The tiny Qwen3s have sliding-window layers, which keep the padded layout: here without them.
+FULL_ATTENTION = {"use_sliding_window": False, "sliding_window": None, "layer_types": None}
+ROLLED_CASES = {"llama": {}, "gemma": {}, "qwen3": FULL_ATTENTION, "qwen3_moe": FULL_ATTENTION}
+
+
+@pytest.mark.parametrize("arch", list(ROLLED_CASES))
+def test_left_padding_runs_rolled_unmasked_as_transformers_trains_it(arch, sdpa_masks):
+    """A left-padded training step (every option at its default) runs each row rolled, its real
+    tokens first, through sdpa without a mask in every layer, and gives transformers' loss, every
+    gradient (fp32) and, for a MoE, its router logits in the caller's order: the padding's
+    queries, which see no key under the caller's mask, and the last padding position's trained
+    prediction of its row's first real token included."""
+    model = tiny_model(arch, **ROLLED_CASES[arch]).train()
+    reference = twin(model)
+    surgery.patch(model)
+    batch = left_padded()
+    router = {"output_router_logits": True} if SPECS[arch].router_aux_loss else {}
+    out = model(**batch, **router)
+    out.loss.backward()
+    assert sdpa_masks and all(m is None for m in sdpa_masks)
+    want = reference(**batch, **router)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, **FP32_CLOSE)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **FP32_CLOSE, msg=name)
+    if router:
+        for got, ref in zip(out.router_logits, want.router_logits, strict=True):
+            torch.testing.assert_close(got, ref, **FP32_CLOSE)
 
 
 def _attention_layer(bias: bool, share: bool, device="cpu", dtype=torch.float32):

@@ -288,8 +288,8 @@ def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch, mon
     trained runs unmasked causal attention, as the uncompiled patched model does (one graph break
     before the model reads the mask; padding-free, one call per row and layer), also where
     transformers builds a causal mask while compiling (it does before torch 2.14; imitated here);
-    a left-padded one keeps its mask in a second graph; more batches of either kind compile
-    nothing new. Each step equals the uncompiled one."""
+    a left-padded one runs rolled, unmasked too, in a second graph (one sdpa call a layer); more
+    batches of either kind compile nothing new. Each step equals the uncompiled one."""
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
     model = surgery.patch(tiny_model(arch).train())
     eager = twin(model)
@@ -304,7 +304,7 @@ def test_default_compile_drops_the_mask_of_right_padding_as_eager_does(arch, mon
     assert len(recorder.graphs) == 2
     layers = model.config.num_hidden_layers
     assert recorder.sdpa_masks(0) == [False] * layers * len(LENGTHS)
-    assert recorder.sdpa_masks(1) == [True] * layers
+    assert recorder.sdpa_masks(1) == [False] * layers
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])
