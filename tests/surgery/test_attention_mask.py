@@ -373,6 +373,45 @@ def test_left_padding_runs_rolled_unmasked_as_transformers_trains_it(arch, sdpa_
             torch.testing.assert_close(got, ref, **FP32_CLOSE)
 
 
+def _rolled_variant(kind: str, batch: dict, model) -> dict:
+    if kind == "inputs_embeds":
+        ids = batch.pop("input_ids")
+        batch = {**batch, "inputs_embeds": model.get_input_embeddings()(ids)}
+    elif kind == "shift_labels":  # pre-shifted, as TRL passes them under context parallelism
+        labels = batch.pop("labels")
+        shift = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), dim=1)
+        batch = {**batch, "labels": labels, "shift_labels": shift}
+    return batch
+
+
+ROLLED_VARIANTS = {
+    "inputs_embeds": {},
+    "shift_labels": {},
+    "sequence_mean_and_z_loss": {"loss_reduction": "sequence", "z_loss_scale": 1e-3},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROLLED_VARIANTS))
+def test_left_padding_rolled_equals_the_masked_path(kind, sdpa_masks):
+    """The rolled step against the same model on the masked path (``padding_free=False``, itself
+    held to transformers above): embeddings given instead of ids, pre-shifted labels, and
+    surgery's own loss options (a per-sequence mean, z-loss trained and returned)."""
+    options = ROLLED_VARIANTS[kind]
+    model = surgery.patch(tiny_model("llama").train(), **options)
+    masked = surgery.patch(twin(model), padding_free=False, **options)
+    batch = _rolled_variant(kind, left_padded(), model)
+    out = model(**batch)
+    out.loss.backward()
+    assert sdpa_masks and all(m is None for m in sdpa_masks)
+    want = masked(**_rolled_variant(kind, left_padded(), masked))
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, **FP32_CLOSE)
+    if options.get("z_loss_scale"):
+        torch.testing.assert_close(out.z_loss, want.z_loss, **FP32_CLOSE)
+    for (name, p), q in zip(model.named_parameters(), masked.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **FP32_CLOSE, msg=name)
+
+
 def _attention_layer(bias: bool, share: bool, device="cpu", dtype=torch.float32):
     config = tiny_config("llama")
     config.attention_bias = bias  # q, k, v and o_proj biases
