@@ -169,7 +169,7 @@ def padding_layout(attention_mask, targets: Targets, tokens, unpad: bool):
     ``Rolled``), else None. Device-to-host reads (``host_read``)."""
     given = targets.labels if targets.shift_labels is None else targets.shift_labels
     right, layout = unpadded_layout(attention_mask, given, targets.ignore_index, unpad)
-    if not right and unpad:
+    if not right and unpad and given.shape == attention_mask.shape:
         layout = rolled_layout(attention_mask.to(tokens.device))
     return right, layout
 
