@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 __all__ = [
+    "call_kernel",
     "cdiv",
     "eager_function",
     "interpreter_enabled",
@@ -77,6 +78,18 @@ def kernel_path(*tensors: torch.Tensor) -> Literal["op", "function", "launcher"]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "function"
     return "launcher"
+
+
+def call_kernel(op, function, launcher, inputs: tuple, *differentiable: torch.Tensor):
+    """``op(*inputs)``, ``function.apply(*inputs)`` or ``launcher(*inputs)``: the path
+    ``kernel_path(*differentiable)`` names, for a kernel whose op, eager Function and launcher take
+    the same inputs."""
+    path = kernel_path(*differentiable)
+    if path == "op":
+        return op(*inputs)
+    if path == "function":
+        return function.apply(*inputs)
+    return launcher(*inputs)
 
 
 def eager_function(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import kernel_path
+from ..dispatch import call_kernel
 from .launch import ACTIVATIONS, gated_activation_fwd, gated_activation_merged_fwd
 from .ops import (
     GatedActivationFunction,
@@ -87,12 +87,8 @@ def gated_activation(
         dtype = torch.promote_types(gate.dtype, up.dtype)
         gate, up = gate.to(dtype), up.to(dtype)
     gate, up = gate.contiguous(), up.contiguous()
-    path = kernel_path(gate, up)
-    if path == "op":
-        return _gated_fwd_op(gate, up, activation)
-    if path == "function":
-        return GatedActivationFunction.apply(gate, up, activation)
-    return gated_activation_fwd(gate, up, activation)
+    functions = (_gated_fwd_op, GatedActivationFunction, gated_activation_fwd)
+    return call_kernel(*functions, (gate, up, activation), gate, up)
 
 
 def gated_activation_merged(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -127,9 +123,5 @@ def gated_activation_merged(gate_up: torch.Tensor, activation: str = "silu") -> 
             "dimension (gate then up)"
         )
     gate_up = gate_up.contiguous()
-    path = kernel_path(gate_up)
-    if path == "op":
-        return _merged_fwd_op(gate_up, activation)
-    if path == "function":
-        return GatedActivationMergedFunction.apply(gate_up, activation)
-    return gated_activation_merged_fwd(gate_up, activation)
+    functions = (_merged_fwd_op, GatedActivationMergedFunction, gated_activation_merged_fwd)
+    return call_kernel(*functions, (gate_up, activation), gate_up)

@@ -9,11 +9,7 @@ import functools
 
 import torch
 
-from ..cross_entropy import (
-    STATISTICS,
-    cross_entropy_bwd,
-    cross_entropy_fwd,
-)
+from ..cross_entropy import STATISTICS, cross_entropy_bwd, cross_entropy_fwd
 from ..dispatch import cdiv, on_device, triton_available, use_triton
 
 __all__ = [

@@ -6,9 +6,7 @@ from typing import Literal
 
 import torch
 
-from ..dispatch import (
-    kernel_path,
-)
+from ..dispatch import call_kernel
 from .launch import _FLOAT_DTYPES, CASTING_MODES, MAX_HIDDEN, _out_dtype, rms_norm_fwd
 from .ops import RmsNormFunction, _rms_norm_fwd_op
 
@@ -91,13 +89,8 @@ def rms_norm(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     eps, offset = float(eps), float(offset)
-    path = kernel_path(x2d, weight)
-    if path == "op":
-        y, _ = _rms_norm_fwd_op(x2d, weight, eps, offset, casting)
-    elif path == "function":
-        y, _ = RmsNormFunction.apply(x2d, weight, eps, offset, casting)
-    else:
-        y, _ = rms_norm_fwd(x2d, weight, eps, offset, casting)
+    inputs = (x2d, weight, eps, offset, casting)
+    y, _ = call_kernel(_rms_norm_fwd_op, RmsNormFunction, rms_norm_fwd, inputs, x2d, weight)
     return y.view(x.shape)
 
 

@@ -8,12 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import (
-    cdiv,
-    interpreter_enabled,
-    next_power_of_2,
-    use_triton,
-)
+from ..dispatch import cdiv, interpreter_enabled, next_power_of_2, use_triton
 from ..launch import launch as launch_kernel
 from .kernel import dw_partial_sum_kernel, rms_norm_bwd_kernel, rms_norm_fwd_kernel
 

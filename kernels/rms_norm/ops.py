@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..dispatch import (
-    eager_function,
-)
+from ..dispatch import eager_function
 from .launch import _out_dtype, rms_norm_bwd, rms_norm_fwd
 
 __all__ = ["RmsNormFunction"]

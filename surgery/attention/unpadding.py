@@ -188,12 +188,16 @@ class Rolled:
         """A (batch, seq, ...) tensor of the caller's layout, rolled."""
         return _gather_columns(x, self.order)
 
-    def restore(self, x: torch.Tensor) -> torch.Tensor:
-        """A tensor of the rolled tokens, (batch, seq, ...) or flattened (batch * seq, ...) as a
-        MoE layer's router logits, in the caller's order."""
+    def restore(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Tensors of the rolled tokens, each (batch, seq, ...) or flattened (batch * seq, ...) as
+        a MoE layer's router logits, in the caller's order."""
         batch, seq = self.order.shape
-        rows = x if x.shape[:2] == (batch, seq) else x.view(batch, seq, *x.shape[1:])
-        return _gather_columns(rows, torch.argsort(self.order, dim=1)).view(x.shape)
+        inverse = torch.argsort(self.order, dim=1)
+        return tuple(
+            _gather_columns(x if x.shape[:2] == (batch, seq) else x.view(batch, seq, *x.shape[1:]),
+                            inverse).view(x.shape)
+            for x in tensors
+        )  # fmt: skip
 
 
 def _gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

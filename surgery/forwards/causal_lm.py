@@ -236,32 +236,32 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     fused = labels is not None and self.training and options.fused_linear_cross_entropy
     fused = fused and not options.return_logits
     head_fused = fused and (head_takes_loss(self.lm_head) or fuse_replaced_head(self))
-    right_padded, layout = False, None
+    right_padded, padded_layout = False, None
     if (
         head_fused and causal and host_reads and plain_sdpa and cache is None
         and right_padding_applies(options, config, kwargs, attention_mask, position_ids)
     ):  # fmt: skip
         # TRL's per-token outputs keep the batch's layout: the real tokens are not gathered.
         unpad = state.padding_free and whole_rows(logits_to_keep) and trl_request is None
-        right_padded, layout = padding_layout(attention_mask, targets, tokens, unpad)
+        right_padded, padded_layout = padding_layout(attention_mask, targets, tokens, unpad)
     # Without a mask, position ids or cache the batch is causal as it stands: said outright, as
     # transformers does not say it while compiling (it builds a causal mask there before torch
     # 2.14, which keeps sdpa off its flash kernel). No host read: fullgraph takes it too.
     unmasked = attention_mask is None and position_ids is None and cache is None
-    if right_padded or layout is not None or (unmasked and causal and plain_sdpa):
+    if right_padded or padded_layout is not None or (unmasked and causal and plain_sdpa):
         kwargs[CAUSAL_KWARG] = True  # the attention layers without a sliding window: no mask
-    if layout is not None:  # the real tokens alone, or the rows rolled
-        laid_out = laid_out_inputs(layout, input_ids, inputs_embeds, targets)
+    if padded_layout is not None:  # the real tokens alone, or the rows rolled
+        laid_out = laid_out_inputs(padded_layout, input_ids, inputs_embeds, targets)
         input_ids, inputs_embeds, targets, name = laid_out
         # A cache of the step's own layout would mislead the caller: none.
-        kwargs[name], model_mask, use_cache = layout, None, False
-        if isinstance(layout, Unpadded):
-            text_positions, router_mask = layout.positions, None
+        kwargs[name], model_mask, use_cache = padded_layout, None, False
+        if isinstance(padded_layout, Unpadded):
+            text_positions, router_mask = padded_layout.positions, None
     outputs = self.model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE: cache},
                          **kwargs)  # fmt: skip
-    if isinstance(layout, Rolled) and getattr(outputs, "router_logits", None) is not None:
-        outputs.router_logits = tuple(layout.restore(r) for r in outputs.router_logits)
+    if isinstance(padded_layout, Rolled) and getattr(outputs, "router_logits", None) is not None:
+        outputs.router_logits = padded_layout.restore(outputs.router_logits)
     aux = None
     if state.spec.router_aux_loss and output_router_logits:
         tokens = input_ids if input_ids is not None else inputs_embeds

@@ -335,8 +335,8 @@ def test_left_padding_layout_rolls_each_row_real_tokens_first():
     ]
     x = torch.arange(12).view(3, 4)
     assert rolled.take(x).tolist() == [[2, 3, 0, 1], [5, 6, 7, 4], [8, 9, 10, 11]]
-    assert torch.equal(rolled.restore(rolled.take(x)), x)
-    assert torch.equal(rolled.restore(rolled.take(x).reshape(12, 1)), x.reshape(12, 1))
+    assert torch.equal(rolled.restore((rolled.take(x),))[0], x)
+    assert torch.equal(rolled.restore((rolled.take(x).reshape(12, 1),))[0], x.reshape(12, 1))
     assert left_padding(left.flip(1)) is None  # right padding
     assert left_padding(torch.ones(2, 4)) is None  # no padding
     assert left_padding(torch.tensor([[0, 1, 0, 1]])) is None  # a hole
