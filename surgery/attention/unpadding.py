@@ -56,11 +56,9 @@ __all__ = [
     "UNPADDED_KWARG",
     "Rolled",
     "Unpadded",
-    "left_padding",
+    "batch_layout",
     "pad_heads",
-    "right_padding",
-    "rolled_layout",
-    "unpadded_layout",
+    "padded_layout",
 ]
 
 ROW_CALLS_MAX = 8
@@ -128,40 +126,6 @@ def pad_heads(
     return full.view(batch, seq, heads, dim).transpose(1, 2)
 
 
-def right_padding(
-    attention_mask: torch.Tensor, targets: torch.Tensor, ignore_index: int, unpad: bool
-) -> tuple[bool, Unpadded | None]:
-    """Whether a (batch, seq) ``attention_mask`` is right padding only (each row: ones, then
-    zeros) and every padding position's target is ``ignore_index`` (then, under causal attention,
-    nothing a loss reads depends on a padding position and the mask can be dropped); and, with
-    ``unpad`` where it is and some padding exists, the ``Unpadded`` layout of the real tokens.
-    Device-to-host reads: the verdict, then (``unpad``) each row's count of real tokens; the
-    positions of the real and padding tokens are found at those known sizes, without a read."""
-    if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
-        return False, None
-    real = attention_mask.to(targets.device) != 0
-    right = (real[:, 1:] <= real[:, :-1]).all()
-    if not bool(right & (real | (targets == ignore_index)).all()):
-        return False, None
-    if not unpad:
-        return True, None
-    batch, seq = real.shape
-    counts = real.sum(1).tolist()
-    tokens = sum(counts)
-    if tokens in (batch * seq, 0):  # nothing to leave out
-        return True, None
-    flat = real.reshape(-1)
-    index = torch.nonzero_static(flat, size=tokens).squeeze(1)
-    gather = torch.zeros(batch * seq, dtype=torch.long, device=index.device)
-    gather[index] = torch.arange(tokens, device=index.device)
-    padding = torch.nonzero_static(~flat, size=batch * seq - tokens).squeeze(1)
-    lengths = tuple(n for n in counts if n)
-    return True, Unpadded(index, gather, padding, (index % seq)[None], batch, seq, lengths)
-
-
-unpadded_layout = host_read(right_padding)
-
-
 ROLLED_KWARG = "surgery_rolled"
 """The keyword argument that carries ``Rolled`` from the causal-LM forward to the attention."""
 
@@ -205,21 +169,60 @@ def _gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.to(x.device))
 
 
-def left_padding(attention_mask: torch.Tensor) -> Rolled | None:
-    """The ``Rolled`` layout of a (batch, seq) ``attention_mask`` that is left padding only (each
-    row: zeros, then ones) with some padding, else None. One device-to-host read (the verdict)."""
-    if attention_mask.dim() != 2:
-        return None
-    real = attention_mask != 0
-    pads = (~real).sum(1)
+def padded_layout(
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    unpad: bool,
+    device: torch.device | None = None,
+) -> tuple[bool, Unpadded | Rolled | None]:
+    """Whether a (batch, seq) ``attention_mask`` is right padding only (each row: ones, then
+    zeros) and every padding position's target is ``ignore_index`` (then, under causal attention,
+    nothing a loss reads depends on a padding position and the mask can be dropped); and, with
+    ``unpad`` where some padding exists, the layout the batch runs in: right padding's real tokens
+    alone (``Unpadded``), or, for a mask that is left padding only (each row: zeros, then ones),
+    its rows rolled (``Rolled``; whatever the padding's targets); else None. ``targets`` (the
+    labels, or pre-shifted ones) must have the mask's shape, or the verdict is no. The layout's
+    tensors live on ``device`` (default: the targets').
+    One device-to-host read: both verdicts with each row's count of real tokens; the positions of
+    the real and padding tokens are then found at those known sizes, without another."""
+    if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
+        return False, None
+    device = targets.device if device is None else device
+    real, targets = attention_mask.to(device) != 0, targets.to(device)
+    counts = real.sum(1)
+    right = (real[:, 1:] <= real[:, :-1]).all() & (real | (targets == ignore_index)).all()
     left = (real[:, 1:] >= real[:, :-1]).all()
-    if not bool(left & pads.any()):
-        return None
-    seq = real.shape[1]
-    columns = torch.arange(seq, device=real.device)
+    is_right, is_left, *counts_read = torch.cat((torch.stack((right, left)), counts)).tolist()
+    batch, seq = real.shape
+    tokens = sum(counts_read)
+    if not unpad or tokens in (batch * seq, 0):  # nothing to leave out or roll
+        return bool(is_right), None
+    if is_right:
+        return True, _unpadded(real, counts_read)
+    if is_left:
+        return False, _rolled(seq - counts, seq)
+    return False, None
+
+
+def _unpadded(real: torch.Tensor, counts: list[int]) -> Unpadded:
+    batch, seq = real.shape
+    tokens = sum(counts)
+    flat = real.reshape(-1)
+    index = torch.nonzero_static(flat, size=tokens).squeeze(1)
+    gather = torch.zeros(batch * seq, dtype=torch.long, device=index.device)
+    gather[index] = torch.arange(tokens, device=index.device)
+    padding = torch.nonzero_static(~flat, size=batch * seq - tokens).squeeze(1)
+    lengths = tuple(n for n in counts if n)
+    return Unpadded(index, gather, padding, (index % seq)[None], batch, seq, lengths)
+
+
+def _rolled(pads: torch.Tensor, seq: int) -> Rolled:
+    """The ``Rolled`` layout of rows whose first ``pads[b]`` positions are padding."""
+    columns = torch.arange(seq, device=pads.device)
     order = (columns[None] + pads[:, None]) % seq
     unattended = (columns[None] >= (seq - pads)[:, None])[..., None]
     return Rolled(order, unattended)
 
 
-rolled_layout = host_read(left_padding)
+batch_layout = host_read(padded_layout)

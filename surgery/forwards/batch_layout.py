@@ -19,8 +19,7 @@ from surgery.attention.unpadding import (
     UNPADDED_KWARG,
     Rolled,
     Unpadded,
-    rolled_layout,
-    unpadded_layout,
+    batch_layout,
 )
 from surgery.compiling import host_read
 from surgery.forwards.multimodal import packed_bidirectional_masks
@@ -163,15 +162,13 @@ class Targets(NamedTuple):
 
 
 def padding_layout(attention_mask, targets: Targets, tokens, unpad: bool):
-    """Whether a padded step's mask is right padding that a causal attention may drop
-    (``surgery.attention.unpadding.right_padding``), and, with ``unpad``, the layout it runs in:
-    its real tokens alone (right padding: ``Unpadded``), or its rows rolled (left padding:
-    ``Rolled``), else None. Device-to-host reads (``host_read``)."""
+    """Whether a padded step's mask is right padding that a causal attention may drop, and, with
+    ``unpad``, the layout it runs in: its real tokens alone (right padding: ``Unpadded``), or its
+    rows rolled (left padding: ``Rolled``), else None
+    (``surgery.attention.unpadding.padded_layout``, on the tokens' device). One device-to-host
+    read (``host_read``)."""
     given = targets.labels if targets.shift_labels is None else targets.shift_labels
-    right, layout = unpadded_layout(attention_mask, given, targets.ignore_index, unpad)
-    if not right and unpad and given.shape == attention_mask.shape:
-        layout = rolled_layout(attention_mask.to(tokens.device))
-    return right, layout
+    return batch_layout(attention_mask, given, targets.ignore_index, unpad, tokens.device)
 
 
 def laid_out_inputs(layout: Unpadded | Rolled, input_ids, inputs_embeds, targets: Targets):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.library import opcheck
 
-from surgery.attention.unpadding import right_padding
+from surgery.attention.unpadding import padded_layout
 from surgery.kernels.grouped_mm import grouped_weight_grad_loop, grouped_weight_grad_reference
 from surgery.kernels.rows import (
     padded_rows,
@@ -22,7 +22,7 @@ from surgery.kernels.rows import (
 def test_padded_and_real_rows_are_each_others_backward():
     """``surgery::padded_rows`` and ``surgery::real_rows``: each the other's backward (gathers)."""
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    _, layout = right_padding(mask, (mask - 1) * 100, -100, unpad=True)  # padding ignored
+    _, layout = padded_layout(mask, (mask - 1) * 100, -100, unpad=True)  # padding ignored
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     full = padded_rows(x, *layout.layout)
     assert torch.equal(full, padded_rows_reference(x, *layout.layout))

@@ -172,10 +172,10 @@ def test_option_is_validated():
 
 
 def test_right_padding_verdict_and_layout():
-    from surgery.attention.unpadding import right_padding
+    from surgery.attention.unpadding import Rolled, padded_layout
 
     def verdict(mask, labels, ignore_index=-100):
-        return right_padding(mask, labels, ignore_index, unpad=False)[0]
+        return padded_layout(mask, labels, ignore_index, unpad=False)[0]
 
     labels = torch.tensor([[5, 6, 7, -100], [5, 6, -100, -100]])
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -190,13 +190,16 @@ def test_right_padding_verdict_and_layout():
     assert not verdict(right[:, :3], labels)  # shapes differ
     assert not verdict(torch.ones(2, 1, 4, 4), labels)  # a 4-D mask
 
-    ok, layout = right_padding(right, labels, -100, unpad=True)
+    ok, layout = padded_layout(right, labels, -100, unpad=True)
     assert ok and layout.batch == 2 and layout.seq == 4
     assert layout.index.tolist() == [0, 1, 2, 4, 5]
     assert layout.positions.tolist() == [[0, 1, 2, 0, 1]]
     assert layout.take(labels).tolist() == [[5, 6, 7, 5, 6]]
-    assert right_padding(torch.ones(2, 4), labels, -100, unpad=True) == (True, None)
-    assert right_padding(right.flip(1), labels.flip(1), -100, unpad=True) == (False, None)
+    assert padded_layout(torch.ones(2, 4), labels, -100, unpad=True) == (True, None)
+    ok, rolled = padded_layout(right.flip(1), labels.flip(1), -100, unpad=True)
+    assert not ok and isinstance(rolled, Rolled)  # left padding runs rolled
+    assert padded_layout(right.flip(1), labels.flip(1), -100, unpad=False) == (False, None)
+    assert padded_layout(holes, labels, -100, unpad=True) == (False, None)
     # pad puts (1, H, T, D) rows back at their places, zeros elsewhere; take takes them again
     rows = torch.arange(1.0, 6.0).view(1, 1, 5, 1)
     padded = layout.pad(rows)
@@ -322,7 +325,13 @@ def test_left_padding_keeps_one_mask_and_nothing_per_layer():
 
 
 def test_left_padding_layout_rolls_each_row_real_tokens_first():
-    from surgery.attention.unpadding import left_padding
+    from surgery.attention.unpadding import padded_layout
+
+    def left_padding(mask):
+        labels = torch.zeros(mask.shape[0], mask.shape[-1], dtype=torch.long)  # every one trained
+        ok, layout = padded_layout(mask, labels, -100, unpad=True)
+        assert not ok
+        return layout
 
     left = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
     rolled = left_padding(left)
@@ -337,10 +346,31 @@ def test_left_padding_layout_rolls_each_row_real_tokens_first():
     assert rolled.take(x).tolist() == [[2, 3, 0, 1], [5, 6, 7, 4], [8, 9, 10, 11]]
     assert torch.equal(rolled.restore((rolled.take(x),))[0], x)
     assert torch.equal(rolled.restore((rolled.take(x).reshape(12, 1),))[0], x.reshape(12, 1))
-    assert left_padding(left.flip(1)) is None  # right padding
-    assert left_padding(torch.ones(2, 4)) is None  # no padding
+    assert left_padding(left.flip(1)) is None  # right padding (its padding trained)
+    assert padded_layout(torch.ones(2, 4), torch.zeros(2, 4), -100, unpad=True) == (True, None)
     assert left_padding(torch.tensor([[0, 1, 0, 1]])) is None  # a hole
     assert left_padding(torch.ones(2, 1, 4, 4)) is None  # a 4-D mask
+
+
+@pytest.mark.gpu
+def test_gpu_padded_layout_reads_the_host_once():
+    """A right-padded (padding untrained) or left-padded batch's layout costs one device-to-host
+    read on the GPU (CUDA's sync debug mode counts them): the verdicts and the row counts
+    together, not a read per verdict."""
+    from surgery.attention.unpadding import Rolled, Unpadded, padded_layout
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], device="cuda")
+    labels = torch.tensor([[5, 6, 7, -100], [5, 6, -100, -100]], device="cuda")
+    for mask, targets, kind in ((right, labels, Unpadded), (right.flip(1), labels, Rolled)):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with pytest.warns(UserWarning, match="synchroniz") as caught:
+                _, layout = padded_layout(mask, targets, -100, unpad=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert isinstance(layout, kind)
+        assert sum("synchroniz" in str(w.message) for w in caught) == 1
 
 
 # The tiny Qwen3s have sliding-window layers, which keep the padded layout: here without them.
