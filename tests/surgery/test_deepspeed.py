@@ -282,6 +282,21 @@ def _direct_weight(model) -> dict:
     return result
 
 
+def zero3_on_cpu(world: int) -> None:
+    """This process set up for DeepSpeed on CPU, as rank ``RANK`` of ``world`` (the environment
+    torchrun would set, completed), with nothing compiled."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    import deepspeed.ops
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    # Also on a GPU machine: these tests are about CPU tensors and gloo.
+    set_accelerator(CPU_Accelerator())
+    # The shared-memory all-reduce op serves DeepSpeed's inference all-reduce only; marked
+    # incompatible, the CPU backend uses gloo for everything instead of compiling it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
     torch.set_num_threads(1)  # two processes on a shared small machine
     # The kernels take their PyTorch path (fast): what is under test is ZeRO-3 around them.
@@ -292,18 +307,8 @@ def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
     )
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.accelerator import set_accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-    # Also on a GPU machine: these tests are about CPU tensors and gloo.
-    set_accelerator(CPU_Accelerator())
-    # The shared-memory all-reduce op serves DeepSpeed's inference all-reduce only; marked
-    # incompatible, the CPU backend uses gloo for everything instead of compiling it.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    zero3_on_cpu(WORLD)
     # a forked child: the parent keeps the originals
     spy = KernelSpy()
     surgery_head.linear_cross_entropy = spy

@@ -21,11 +21,9 @@ ZeRO-3 keeps nothing whole (tests/surgery/test_deepspeed.py's settings), its eng
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import importlib.util
 import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +32,7 @@ import surgery
 import surgery.forwards.head as head_module
 from tests.models.tiny import tiny_model, twin
 from tests.surgery.test_trl import ALL_OUTPUTS, PER_TOKEN, _batch, _with_top1_targets
-from tests.utils import run_ranks
+from tests.utils import gloo_rank, run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
@@ -45,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from tests.surgery.test_deepspeed import ZERO3  # noqa: E402
+from tests.surgery.test_deepspeed import ZERO3, zero3_on_cpu  # noqa: E402
 from tests.surgery.test_fsdp import _shard  # noqa: E402
 
 WORLD = 2
@@ -71,84 +69,60 @@ def _inputs(case: dict, rank: int):
     return {k: v[rows] for k, v in inputs.items()}, labels[rows], g
 
 
-def _step(model, case: dict, rank: int) -> tuple[dict, dict]:
-    """TRL's fused call on ``rank``'s rows and its backward: the outputs and the gradients."""
+def _step(model, case: dict, rank: int, backward=torch.Tensor.backward, full_grad=None):
+    """TRL's fused call on ``rank``'s rows and its backward: the outputs and each parameter's
+    whole gradient (``full_grad(p)``; by default ``p.grad``, a ``DTensor`` made whole)."""
     inputs, labels, g = _inputs(case, rank)
-    model.zero_grad(set_to_none=True)
     out = model(**inputs, labels=labels, fused_lm_head=True)
     width = out.log_probs.shape[1]
-    (
-        out.loss + (out.log_probs * g[0, :width]).sum() + (out.entropy * g[1, :width]).sum()
-    ).backward()
+    backward(out.loss + (out.log_probs * g[0, :width]).sum() + (out.entropy * g[1, :width]).sum())
     outputs = {f: getattr(out, f).detach() for f in (*PER_TOKEN, "is_top1", "loss")}
-    grads = {}
-    for n, p in model.named_parameters():
-        grad = p.grad
-        grads[n] = grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
+    module = getattr(model, "module", model)  # a DeepSpeed engine's module
+    grads = {n: (full_grad or _whole_grad)(p).clone() for n, p in module.named_parameters()}
     return outputs, grads
+
+
+def _whole_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
 
 
 def _install(model, case: dict) -> None:
     add_fused_lm_head(model, outputs=ALL_OUTPUTS, temperature=case["temperature"])
 
 
-def _sharded(case: dict, mesh, rank: int) -> dict:
-    calls = []
+@contextlib.contextmanager
+def _served():
+    """The calls of surgery's per-token kernel while inside (each its requested outputs)."""
+    calls: list = []
     original = head_module.linear_log_probs
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("outputs"))
         return original(*args, **kwargs)
 
-    head_module.linear_log_probs = spy  # a forked child: the parent keeps the original
+    head_module.linear_log_probs = spy
     try:
-        model = surgery.patch(tiny_model(case["arch"]))  # the same seed on every rank
-        _install(model, case)  # as TRL's trainers do, before accelerate shards the model
-        _shard(model, case["layout"], mesh)
-        head = model.lm_head.weight
-        outputs, grads = _step(model, case, rank)
+        yield calls
     finally:
         head_module.linear_log_probs = original
-    return {
-        "outputs": outputs,
-        "grads": grads,
-        "served": calls,
-        "head_sharded": isinstance(head, DTensor) and head.to_local().shape[0] < head.shape[0],
-    }
 
 
-def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
-    torch.set_num_threads(1)  # two processes on a shared small machine
-    os.environ.pop("TRITON_INTERPRET", None)  # the kernels' PyTorch path: the sharding is tested
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))  # fmt: skip
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        results = {name: _sharded(CASES[name], mesh, rank) for name in names}
-        gathered: list = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            torch.save(gathered, Path(out) / "results.pt")
-    except Exception:
-        print(f"rank {rank}:\n{traceback.format_exc()}", flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
+def _fsdp2(case: dict, rank: int) -> dict:
+    with _served() as calls:
+        model = surgery.patch(tiny_model(case["arch"]))  # the same seed on every rank
+        _install(model, case)  # as TRL's trainers do, before accelerate shards the model
+        _shard(model, case["layout"], init_device_mesh("cpu", (WORLD,)))
+        head = model.lm_head.weight
+        outputs, grads = _step(model, case, rank)
+    sharded = isinstance(head, DTensor) and head.to_local().shape[0] < head.shape[0]
+    return {"outputs": outputs, "grads": grads, "served": calls, "head_sharded": sharded}
 
 
 def _zero3(case: dict, rank: int) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    calls = []
-    original = head_module.linear_log_probs
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("outputs"))
-        return original(*args, **kwargs)
-
-    head_module.linear_log_probs = spy  # a forked child: the parent keeps the original
-    try:
+    with _served() as calls:
         model = surgery.patch(tiny_model(case["arch"]))
         _install(model, case)
         config = {
@@ -159,55 +133,35 @@ def _zero3(case: dict, rank: int) -> dict:
         }
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=optimizer)
-        inputs, labels, g = _inputs(case, rank)
-        out = engine(**inputs, labels=labels, fused_lm_head=True)
-        width = out.log_probs.shape[1]
-        total = out.loss + (out.log_probs * g[0, :width]).sum() + (out.entropy * g[1, :width]).sum()
-        engine.backward(total)
-        grads = {n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()}
-        outputs = {f: getattr(out, f).detach() for f in (*PER_TOKEN, "is_top1", "loss")}
-        head_outside = tuple(model.lm_head.weight.shape)
-    finally:
-        head_module.linear_log_probs = original
-    return {"outputs": outputs, "grads": grads, "served": calls,
-            "head_sharded": head_outside != tuple(model.lm_head.weight.ds_shape)}  # fmt: skip
+        outputs, grads = _step(engine, case, rank, engine.backward, safe_get_full_grad)
+    head = model.lm_head.weight  # outside the call: the empty placeholder
+    sharded = tuple(head.shape) != tuple(head.ds_shape)
+    return {"outputs": outputs, "grads": grads, "served": calls, "head_sharded": sharded}
+
+
+def _fsdp2_worker(rank: int, port: int, out: str, names: list[str]) -> None:
+    # The kernels' PyTorch path (a forked child: the parent keeps its environment): the sharding
+    # around them is what is tested.
+    os.environ.pop("TRITON_INTERPRET", None)
+    gloo_rank(rank, port, WORLD, out, lambda: {n: _fsdp2(CASES[n], rank) for n in names})
 
 
 def _zero3_worker(rank: int, port: int, out: str, names: list[str]) -> None:
-    torch.set_num_threads(1)
     os.environ.pop("TRITON_INTERPRET", None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.accelerator import set_accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    set_accelerator(CPU_Accelerator())
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # nothing compiled
-    try:
-        deepspeed.init_distributed(dist_backend="gloo")
-        results = {name: _zero3(CASES[name], rank) for name in names}
-        gathered: list = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            torch.save(gathered, Path(out) / "results.pt")
-    except Exception:
-        print(f"rank {rank}:\n{traceback.format_exc()}", flush=True)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def compute():
+        zero3_on_cpu(WORLD)
+        return {n: _zero3(CASES[n], rank) for n in names}
+
+    gloo_rank(rank, port, WORLD, out, compute)
 
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory) -> dict:
-    runs = {"fsdp2": run_ranks(_worker, WORLD, tmp_path_factory.mktemp("fsdp"), list(CASES))}
+    cases = list(CASES)
+    runs = {"fsdp2": run_ranks(_fsdp2_worker, WORLD, tmp_path_factory.mktemp("fsdp"), cases)}
     if importlib.util.find_spec("deepspeed") is not None:
-        runs["zero3"] = run_ranks(
-            _zero3_worker, WORLD, tmp_path_factory.mktemp("zero3"), list(CASES)
-        )
+        runs["zero3"] = run_ranks(_zero3_worker, WORLD, tmp_path_factory.mktemp("zero3"), cases)
     return runs
 
 
@@ -219,7 +173,10 @@ def test_sharded_served_head_equals_trls_own_unsharded(sharded_runs, engine, nam
     case = CASES[name]
     reference = twin(tiny_model(case["arch"]))
     _install(reference, case)
-    want = [_step(reference, case, rank) for rank in range(WORLD)]
+    want = []
+    for rank in range(WORLD):
+        reference.zero_grad(set_to_none=True)
+        want.append(_step(reference, case, rank))
     mean_grads = {n: sum(w[1][n] for w in want) / WORLD for n in want[0][1]}
     for rank in range(WORLD):
         got = sharded_runs[engine][rank][name]
