@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
 import os
 import sys
 import time
@@ -82,6 +83,11 @@ CONTENDERS = ("unpatched", "liger", "surgery", "surgery_noac")
 ENGINES = ("fsdp2", "accelerate", "tp")
 LR = 1e-4
 SEED = 0
+
+
+def modeling_module(name: str) -> str:
+    model_type = MODELS[name]["model_type"]
+    return f"transformers.models.{model_type}.modeling_{model_type}"
 
 
 def build_model(name: str, tiny: bool, device: torch.device):
@@ -217,6 +223,21 @@ class Runner:
         return loss, fused, time.perf_counter() - t0
 
     def run(self, name: str, engine: str, contender: str) -> dict[str, Any]:
+        if contender != "liger":
+            return self._run(name, engine, contender)
+        # Liger's instance patch also replaces the module classes of transformers' modeling file
+        # (RMSNorm, MLP, ...) for the whole process: every model built after it would carry them.
+        module = importlib.import_module(modeling_module(name))
+        saved = dict(vars(module))
+        try:
+            return self._run(name, engine, contender)
+        finally:
+            for key in set(vars(module)) - set(saved):
+                delattr(module, key)
+            for key, value in saved.items():
+                setattr(module, key, value)
+
+    def _run(self, name: str, engine: str, contender: str) -> dict[str, Any]:
         self._clean()
         model, opt, backward, dp_rank, dp_size = self.sharded(name, engine, contender)
         vocab = model.config.vocab_size

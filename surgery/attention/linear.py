@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surgery.attention.layout import BatchLayout
 from surgery.integrations import fla
 from surgery.kernels.reduction import host_cu_seqlens
 from surgery.patching.signature import cache_argument
@@ -79,11 +80,13 @@ _SILU = ("silu", "swish")
 
 
 @dataclass(frozen=True)
-class Documents:
+class Documents(BatchLayout):
     """The documents of a (batch, seq) batch: as one row of tokens for fla (``tokens``,
     ``cu_seqlens``) and, for a packed batch, as the rows of a right-padded batch for transformers'
     forward (``gather``, ``scatter``, ``mask``). Every tensor on the batch's device but
     ``cu_seqlens_cpu``."""
+
+    HOST_FIELDS = ("cu_seqlens_cpu",)
 
     cu_seqlens: torch.Tensor
     """int64 (documents + 1,): where each document starts in the row of ``tokens``, then their

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.attention.layout import BatchLayout
 from surgery.compiling import host_read
 from surgery.kernels.rows import padded_rows, real_rows
 
@@ -72,7 +73,7 @@ and its decoder layers to the attention."""
 
 
 @dataclass(frozen=True)
-class Unpadded:
+class Unpadded(BatchLayout):
     """Where the real tokens of a right-padded (batch, seq) batch sit."""
 
     index: torch.Tensor
@@ -131,7 +132,7 @@ ROLLED_KWARG = "surgery_rolled"
 
 
 @dataclass(frozen=True)
-class Rolled:
+class Rolled(BatchLayout):
     """A left-padded (batch, seq) batch with each row rolled so that its real tokens come first
     and its padding after them: then causal attention without a mask is the padded batch's masked
     attention for every real token (no real token sees a padding key), and the padding queries,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from surgery.attention.layout import BatchLayout
 from surgery.compiling import host_read
 from surgery.kernels.packing import (
     host_offsets,
@@ -56,7 +57,7 @@ base model and its decoder layers (which pass their keyword arguments on) to the
 
 
 @dataclass(frozen=True)
-class PackedSequences:
+class PackedSequences(BatchLayout):
     """The documents of a packed batch, over its flattened (batch * seq) tokens."""
 
     cu_seqlens: torch.Tensor

@@ -33,3 +33,31 @@ def test_scale_benchmark_runs_fsdp2_and_tensor_parallel_on_cpu(tmp_path):
             for got, want in zip(by[contender]["losses"], by["unpatched"]["losses"], strict=True):
                 assert abs(got - want) <= 1e-3 * want, (engine, contender, got, want)
         assert all(r["tokens_per_s_per_gpu"] > 0 and r["max_seq"] >= 32 for r in by.values())
+
+
+def test_a_liger_run_leaves_transformers_modeling_module_as_it_was(monkeypatch):
+    """Liger's instance patch swaps the classes of transformers' modeling file for the whole
+    process: the runner puts them back after a Liger run, so the contenders after it build
+    transformers' own modules (surgery refuses a model built with Liger's, and an unpatched
+    run would time Liger)."""
+    import importlib
+
+    import pytest
+    import torch
+
+    liger = pytest.importorskip("liger_kernel.transformers")
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    scale = importlib.import_module("scale")
+    module = importlib.import_module(scale.modeling_module("llama3_8b"))
+    before = dict(vars(module))
+
+    def run(self, name, engine, contender):
+        model = scale.build_model(name, True, torch.device("cpu"))
+        liger._apply_liger_kernel_to_instance(model=model)
+        assert dict(vars(module)) != before  # the premise: Liger changed the module
+        return {}
+
+    monkeypatch.setattr(scale.Runner, "_run", run)
+    runner = object.__new__(scale.Runner)
+    assert runner.run("llama3_8b", "fsdp2", "liger") == {}
+    assert dict(vars(module)) == before

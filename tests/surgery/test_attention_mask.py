@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import weakref
@@ -352,6 +353,37 @@ def test_left_padding_layout_rolls_each_row_real_tokens_first():
     assert left_padding(torch.ones(2, 1, 4, 4)) is None  # a 4-D mask
 
 
+def test_batch_layouts_move_with_accelerates_hooks():
+    """accelerate's device-map hooks move a layer's inputs with ``send_to_device``, which calls
+    ``to`` on any object that has one: every layout the attention layers take moves with them
+    (nested ones too), but for the tensors kept on the host on purpose; where nothing moves, the
+    same object comes back. (End to end on two GPUs: tests/surgery/test_device_map_gpu.py.)"""
+    from accelerate.utils import send_to_device
+
+    from surgery.attention.linear import Documents
+    from surgery.attention.unpadding import padded_layout
+    from surgery.attention.varlen import PackedSequences
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    labels = mask.masked_fill(mask == 0, -100)
+    _, unpadded = padded_layout(mask, labels, -100, unpad=True)
+    _, rolled = padded_layout(mask.flip(1), labels.flip(1), -100, unpad=True)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    packed = PackedSequences(cu, 3, print, PackedSequences(cu.clone(), 2, print))
+    documents = Documents(cu.long(), cu.long(), torch.arange(5))
+    for layout in (unpadded, rolled, packed, documents):
+        moved = send_to_device(layout, "meta")
+        assert type(moved) is type(layout) and layout.to("cpu") is layout
+        for field in dataclasses.fields(layout):
+            value, got = getattr(layout, field.name), getattr(moved, field.name)
+            if isinstance(value, torch.Tensor):
+                host = field.name == "cu_seqlens_cpu"
+                assert got.device.type == ("cpu" if host else "meta"), field.name
+            elif field.name != "chunks":
+                assert got == value, field.name
+    assert send_to_device(packed, "meta").chunks.cu_seqlens.device.type == "meta"
+
+
 @pytest.mark.gpu
 def test_gpu_padded_layout_reads_the_host_once():
     """A right-padded (padding untrained) or left-padded batch's layout costs one device-to-host
@@ -612,8 +644,11 @@ def test_left_padding_bf16_within_the_boolean_mask_budget(arch, backend):
 
     reference = step(fp32)
     with _on_backend(backend):
-        boolean = step(surgery.patch(copy.deepcopy(bf16), share_attention_mask=False))
-        shared = step(surgery.patch(bf16))
+        # padding_free=False: the mask's two forms (left padding runs rolled, unmasked, otherwise)
+        boolean = step(
+            surgery.patch(copy.deepcopy(bf16), share_attention_mask=False, padding_free=False)
+        )
+        shared = step(surgery.patch(bf16, padding_free=False))
     factor = TOLERANCES[torch.bfloat16]["factor"]
     for what, got, on_boolean, want in zip(("loss", "grads"), shared, boolean, reference):
         err, budget = rel_err(got, want), factor * rel_err(on_boolean, want)
@@ -764,13 +799,17 @@ def test_padding_free_attention_per_row_or_padded(arch, per_row, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["padded", "left"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gpu_padding_free_per_row_within_budget(compiled):
+def test_gpu_padding_free_per_row_within_budget(compiled, kind):
     """On the GPU machine, bf16 (sdpa's CUDA kernels): the padding-free Llama step, its attention
     one call a row (compiled too, graph breaks allowed), within bf16's budget of the unpatched
-    fp32 step with the mask, where the padded step (``padding_free=False``) is."""
+    fp32 step with the mask, where the padded step (``padding_free=False``) is; a left-padded
+    batch likewise, its rows rolled (one unmasked causal call over the batch)."""
+    from surgery.attention.unpadding import ROLLED_KWARG
+
     fp32 = windowless("llama").cuda().train()
-    batch = {name: t.cuda() for name, t in batch_of("padded").items()}
+    batch = {name: t.cuda() for name, t in batch_of(kind).items()}
     want = loss_and_grads(fp32, **batch)
     per_row = surgery.patch(twin(fp32).to(torch.bfloat16))
     padded = surgery.patch(twin(fp32).to(torch.bfloat16), padding_free=False)
@@ -778,8 +817,15 @@ def test_gpu_padding_free_per_row_within_budget(compiled):
         torch._dynamo.reset()
         per_row.compile()
     rows = base_model_rows(per_row)
+    rolled = []
+    per_row.model.register_forward_pre_hook(
+        lambda module, args, kwargs: rolled.append(ROLLED_KWARG in kwargs), with_kwargs=True
+    )
     got = loss_and_grads(per_row, **batch)
-    assert rows == [(1, sum(LENGTHS))]
+    if kind == "padded":
+        assert rows == [(1, sum(LENGTHS))]
+    else:
+        assert rows == [tuple(batch["input_ids"].shape)] and rolled == [True]
     eager = loss_and_grads(padded, **batch)
     assert_close_budget(got[0], want[0], eager[0], torch.bfloat16, what="loss")
     for name, g in want[1].items():

@@ -1,6 +1,8 @@
 """``from_pretrained(..., device_map=...)`` across two GPUs (skipped with fewer): the model is split
 over the devices by accelerate's hooks, which move activations between them; the patched forwards
-run inside those hooks. Loss and every gradient equal the unpatched model's with the same map."""
+run inside those hooks, and the batch's layout (right padding's real tokens, left padding's rolled
+rows, packed documents) moves with the activations. Loss and every gradient equal the unpatched
+model's with the same map."""
 
 from __future__ import annotations
 
@@ -11,12 +13,16 @@ from transformers import AutoModelForCausalLM
 import surgery
 from tests.models.tiny import (
     assert_grads_close,
+    left_padded_batch,
     loss_and_grads,
+    packed_batch,
     padded_batch,
     sequences,
     tiny_model,
 )
 from tests.utils import FP32_CLOSE as TOL
+
+BATCHES = {"right-padded": padded_batch, "left-padded": left_padded_batch, "packed": packed_batch}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,9 +43,10 @@ def split_map(arch: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.parametrize("kind", list(BATCHES))
 @pytest.mark.parametrize("how", ["from_pretrained", "dispatch_model"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
-def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how):
+def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how, kind):
     tiny_model(arch).save_pretrained(tmp_path / "model")
     device_map = split_map(arch)
 
@@ -57,7 +64,7 @@ def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how):
     where = getattr(model, "hf_device_map", None)
     assert devices == {torch.device("cuda", 0), torch.device("cuda", 1)}, (devices, where)
     surgery.patch(model)
-    batch = padded_batch(sequences([37, 20, 9])).to("cuda:0")
+    batch = BATCHES[kind](sequences([37, 20, 9])).to("cuda:0")
 
     want_loss, want_grads = loss_and_grads(reference, **batch.kwargs())
     loss, grads = loss_and_grads(model, **batch.kwargs())

@@ -132,7 +132,10 @@ def test_trainer_trains_as_with_trls_own_head(name, tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["sft-padding-free", "grpo"])
 def test_gpu_trainer_bf16_within_the_budget_of_trls_own_head(name, tmp_path, monkeypatch):
     """On the GPU, under the Trainer's bf16 autocast (TRL's default), surgery's head moves the
-    parameters within 1.5 times the error of TRL's own head, both against TRL's head in fp32."""
+    parameters within 1.5 times the error of TRL's own head, both against TRL's head in fp32. One
+    process trains on one GPU: with more visible the Trainer would take nn.DataParallel, which TRL
+    refuses, so the Trainer is shown one."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     gpu = dict(use_cpu=False)
     params, _, calls = _train(name, tmp_path, monkeypatch, serve=True, bf16=True, **gpu)
     theirs, _, _ = _train(name, tmp_path, monkeypatch, serve=False, bf16=True, **gpu)
