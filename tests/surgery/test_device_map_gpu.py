@@ -23,6 +23,13 @@ from tests.models.tiny import (
 from tests.utils import FP32_CLOSE as TOL
 
 BATCHES = {"right-padded": padded_batch, "left-padded": left_padded_batch, "packed": packed_batch}
+# A known bug, first run here on an H200 x2 at 369d23c: packed rows (restarting position ids, no
+# mask) over a device map. Llama's loss came out 9e-4 off transformers' (4.8922 against 4.8878),
+# Qwen3's and Gemma 2's steps failed inside transformers' packed-sequence mask (indices on another
+# device than the mask). Strict: the day it is fixed, these cases fail until the mark goes.
+PACKED_OVER_A_MAP = pytest.mark.xfail(
+    strict=True, reason="packed rows over a device map: not handled yet (known bug, 369d23c)"
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +50,10 @@ def split_map(arch: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param(k, marks=PACKED_OVER_A_MAP) if k == "packed" else k for k in BATCHES],
+)
 @pytest.mark.parametrize("how", ["from_pretrained", "dispatch_model"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how, kind):
