@@ -4,7 +4,8 @@
 # activation checkpointing: 5,762 tok/s per GPU, 6,667 with torch.compile.
 #
 # Run ON THE GPU MACHINE from the repo root (.tt/ carried: run(carry=[".tt"])):
-#     bash benchmarks/torchtitan_anchor.sh            # writes into $OUT/torchtitan
+#     bash benchmarks/torchtitan_anchor.sh            # writes into $OUT (flat: the device tool
+#                                                     # may not bring back subfolders)
 #     MODES=eager bash ...; MODES=compile bash ...   # one call each (10-minute limit a call)
 #
 # .tt/ (ignored by git, ~3 MB; build it on a networked machine, one package a call):
@@ -38,7 +39,7 @@
 # made here with `tokenizers`, read by torchtitan's own text loader (dataset c4_test, local path),
 # so every sample is one whole document (0.3.0's block-causal flex mask is then plain causal)
 # and token ids are uniform over the vocabulary, like scale.py's random tokens.
-# Result: $OUT/torchtitan/<mode>.log (all ranks) and torchtitan_anchor.json: per GPU the median
+# Result: $OUT/torchtitan_<mode>.log (all ranks) and torchtitan_anchor.json: per GPU the median
 # "tps" over the steps after WARMUP=3 (torchtitan's tokens/s per device), the largest "memory"
 # (torchtitan's peak reserved GiB per step; scale.py reports peak allocated), losses, commands.
 set -u
@@ -46,7 +47,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}
 TT_DIR=${TT_DIR:-.tt}
-OUTDIR=${OUT:-/tmp/out}/torchtitan
+OUTDIR=${OUTDIR:-${OUT:-/tmp/out}}
 MODES=${MODES:-eager compile}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
@@ -114,7 +115,7 @@ else
     COMPILE="--compile.enable"
 fi
 
-summarize() {  # parses $OUTDIR/$1.log into torchtitan_anchor.json (kept across calls)
+summarize() {  # parses $OUTDIR/torchtitan_$1.log into torchtitan_anchor.json (kept across calls)
 $PY - "$OUTDIR" "$TT_VERSION" "$TORCH" "$NGPU" "$WARMUP" "$1" "$2" <<'EOF'
 import json, os, re, statistics, sys
 out, ttv, torch_v, ngpu, warmup, mode, cmd = sys.argv[1:]
@@ -127,7 +128,7 @@ path = f"{out}/torchtitan_anchor.json"
 res = json.load(open(path)) if os.path.exists(path) else {"runs": {}}
 res.update(torchtitan=ttv, torch=torch_v, gpus=int(ngpu), warmup_steps_excluded=warmup,
            anchor_8xH100_tok_s_per_gpu={"eager": 5762, "compile": 6667})
-text = open(f"{out}/{mode}.log", errors="replace").read()
+text = open(f"{out}/torchtitan_{mode}.log", errors="replace").read()
 rc = re.findall(r"^rc=(\d+)", text, re.M)
 steps = {}
 for m in pat.finditer(text):
@@ -159,9 +160,9 @@ for mode in $MODES; do
       $ARGS $extra $DUMP /tmp/tt_run/$mode ${TT_EXTRA:-}"
     cmd=$(echo $cmd)
     echo "== torchtitan $TT_VERSION, torch $TORCH, $NGPU GPUs, $mode: $cmd"
-    timeout "${TT_TIMEOUT:-480}" $cmd > "$OUTDIR/$mode.log" 2>&1
-    echo "rc=$?" >> "$OUTDIR/$mode.log"
-    tail -n 3 "$OUTDIR/$mode.log"
+    timeout "${TT_TIMEOUT:-480}" $cmd > "$OUTDIR/torchtitan_$mode.log" 2>&1
+    echo "rc=$?" >> "$OUTDIR/torchtitan_$mode.log"
+    tail -n 3 "$OUTDIR/torchtitan_$mode.log"
     summarize "$mode" "$cmd"
 done
 
