@@ -23,7 +23,9 @@ Engines:
 Contenders: ``unpatched``, ``liger`` (``_apply_liger_kernel_to_instance``: its fused loss reads
 the whole head weight, so it cannot run under ``tp``) and ``surgery`` (``surgery.patch``), each with
 every decoder layer checkpointed (transformers' ``gradient_checkpointing_enable``, non-reentrant),
-and ``surgery_noac``: surgery without checkpointing (its own recompute options only).
+``surgery_noac``: surgery without checkpointing (its own recompute options only), and
+``loss_parallel`` (``tp`` only): the unpatched model with its head's logits left sharded over the
+vocabulary and torch's ``loss_parallel`` taking the loss from the slices (torchtitan's loss).
 
 Every rank builds the whole model with the same seed on its GPU (16 GB for the 8B shape, 61 GB
 for the 30B-A3B one, in bf16), so every contender trains the same weights, and shards it before
@@ -79,7 +81,7 @@ MODELS: dict[str, dict[str, Any]] = {
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, vocab_size=1003)  # fmt: skip
-CONTENDERS = ("unpatched", "liger", "surgery", "surgery_noac")
+CONTENDERS = ("unpatched", "liger", "surgery", "surgery_noac", "loss_parallel")
 ENGINES = ("fsdp2", "accelerate", "tp")
 LR = 1e-4
 SEED = 0
@@ -117,12 +119,16 @@ def prepare_contender(model, contender: str, surgery) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def tensor_parallel_plan(model) -> dict:
-    """torchtitan's Llama plan over the ``tp`` mesh dimension, in transformers' module names."""
-    from torch.distributed.tensor import Replicate
+def tensor_parallel_plan(model, vocab_sharded: bool = False) -> dict:
+    """torchtitan's Llama plan over the ``tp`` mesh dimension, in transformers' module names; the
+    head's logits gathered, or (``vocab_sharded``, for ``loss_parallel``) left sharded over the
+    vocabulary as a DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan: dict[str, Any] = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    head = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if vocab_sharded
+            else ColwiseParallel(output_layouts=Replicate()))  # fmt: skip
+    plan: dict[str, Any] = {"lm_head": head}
     for i in range(len(model.model.layers)):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                      "mlp.up_proj"):  # fmt: skip
@@ -136,6 +142,7 @@ class Runner:
     def __init__(self, args, rank: int, world: int, device: torch.device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
         self.cuda = device.type == "cuda"
+        self.vocab_sharded = False
         self.surgery = import_surgery()
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -166,6 +173,8 @@ class Runner:
             raise Unavailable(
                 "Liger's fused loss reads the whole head weight (no tensor parallelism)"
             )
+        if contender == "loss_parallel" and engine != "tp":
+            raise Unavailable("loss_parallel needs the tp engine (a vocabulary-sharded head)")
         if contender == "liger" and not self.cuda:
             raise Unavailable("Liger's kernels run on GPUs only")
         if engine == "accelerate" and not self.cuda:
@@ -178,7 +187,8 @@ class Runner:
         if engine == "tp":
             from torch.distributed.tensor.parallel import parallelize_module
 
-            model = parallelize_module(model, self.mesh2d["tp"], tensor_parallel_plan(model))
+            plan = tensor_parallel_plan(model, vocab_sharded=contender == "loss_parallel")
+            model = parallelize_module(model, self.mesh2d["tp"], plan)
             mesh = self.mesh2d["dp"]
             dp_rank, dp_size = mesh.get_local_rank(), mesh.size()
         for layer in model.model.layers:
@@ -213,10 +223,13 @@ class Runner:
     def step(self, model, opt, backward, batch) -> tuple[float, bool, float]:
         self._sync()
         t0 = time.perf_counter()
-        out = model(**batch)
-        loss, fused = out.loss.detach(), out.logits is None
-        backward(out.loss)
-        del out
+        if self.vocab_sharded:
+            loss, fused = _loss_parallel_step(model, batch, backward), False
+        else:
+            out = model(**batch)
+            loss, fused = out.loss.detach(), out.logits is None
+            backward(out.loss)
+            del out
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._sync()
@@ -239,6 +252,7 @@ class Runner:
 
     def _run(self, name: str, engine: str, contender: str) -> dict[str, Any]:
         self._clean()
+        self.vocab_sharded = contender == "loss_parallel"  # the steps' loss (step)
         model, opt, backward, dp_rank, dp_size = self.sharded(name, engine, contender)
         vocab = model.config.vocab_size
         batch = self.batch(vocab, self.args.seq, dp_rank)
@@ -283,6 +297,23 @@ class Runner:
                 break
             fits = seq
         return fits
+
+
+def _loss_parallel_step(model, batch, backward) -> torch.Tensor:
+    """torchtitan's loss over a vocabulary-sharded head: the logits stay sharded (a DTensor) and
+    torch's ``loss_parallel`` takes the cross entropy from each rank's slice, forward and
+    backward; the next-token mean over the labels, as transformers' loss takes it."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    logits = model(input_ids=batch["input_ids"]).logits
+    labels = batch["labels"][:, 1:].flatten()
+    with loss_parallel():
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=-100)
+        backward(loss)
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def report(runs: list[dict[str, Any]]) -> str:

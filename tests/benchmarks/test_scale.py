@@ -1,6 +1,8 @@
 """``benchmarks/scale.py`` end to end on two CPU ranks (gloo, tiny shapes): every engine that runs
 on CPU (FSDP2, and tensor parallelism with FSDP2 on a 1 x 2 mesh) trains every contender that runs
-there, surgery's head is fused under both, and its losses equal the unpatched model's."""
+there, surgery's head is fused under both, and its losses equal the unpatched model's; so do those
+of torch's ``loss_parallel`` over the vocabulary-sharded head (torchtitan's loss), which only the
+tensor-parallel engine has."""
 
 from __future__ import annotations
 
@@ -16,18 +18,28 @@ def test_scale_benchmark_runs_fsdp2_and_tensor_parallel_on_cpu(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(SCRIPT), "--cpu", "--tiny", "--models", "llama3_8b", "--engines", "fsdp2,tp",
-        "--contenders", "unpatched,surgery,surgery_noac", "--seq", "32", "--warmup", "0",
+        "--contenders", "unpatched,surgery,surgery_noac,loss_parallel", "--seq", "32",
+        "--warmup", "0",
         "--steps", "2", "--max-seq-doublings", "1", "--out", str(tmp_path),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads((tmp_path / "scale.json").read_text())["runs"]
     assert [(r["engine"], r["contender"]) for r in runs] == [
-        (e, c) for e in ("fsdp2", "tp") for c in ("unpatched", "surgery", "surgery_noac")
-    ]
+        (e, c) for e in ("fsdp2", "tp")
+        for c in ("unpatched", "surgery", "surgery_noac", "loss_parallel")
+    ]  # fmt: skip
+    fsdp2_loss_parallel = runs[3]
+    assert fsdp2_loss_parallel["status"] == "unavailable", fsdp2_loss_parallel
+    runs = [r for r in runs if r is not fsdp2_loss_parallel]
     for engine in ("fsdp2", "tp"):
         by = {r["contender"]: r for r in runs if r["engine"] == engine}
         assert not by["unpatched"]["fused"]
+        if engine == "tp":
+            assert not by["loss_parallel"]["fused"]
+            for got, want in zip(by["loss_parallel"]["losses"], by["unpatched"]["losses"],
+                                 strict=True):  # fmt: skip
+                assert abs(got - want) <= 1e-5 * want, (got, want)
         for contender in ("surgery", "surgery_noac"):
             assert by[contender]["fused"], (engine, contender)
             for got, want in zip(by[contender]["losses"], by["unpatched"]["losses"], strict=True):
