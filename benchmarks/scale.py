@@ -18,7 +18,10 @@ Engines:
 - ``tp``: a ``dp`` x ``tp`` mesh (``--tp`` ranks per group): the attention and MLP projections
   and the head tensor-parallel over ``tp`` with torch's ``parallelize_module`` (torchtitan's Llama
   plan: q/k/v, gate and up column-wise, o and down row-wise, the head column-wise), FSDP2 over
-  ``dp``. Dense models only (the experts have no plan here).
+  ``dp``. Dense models only (the experts have no plan here);
+- ``tp_plan``: transformers' own tensor parallelism over every rank (``from_pretrained(...,
+  tp_plan="auto")`` of a checkpoint rank 0 writes once into ``--checkpoint-dir``: the model's own
+  plan, the head's logits gathered on every rank), no data parallelism. Dense models only.
 
 Contenders: ``unpatched``, ``liger`` (``_apply_liger_kernel_to_instance``: its fused loss reads
 the whole head weight, so it cannot run under ``tp``) and ``surgery`` (``surgery.patch``), each with
@@ -82,7 +85,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, vocab_size=1003)  # fmt: skip
 CONTENDERS = ("unpatched", "liger", "surgery", "surgery_noac", "loss_parallel")
-ENGINES = ("fsdp2", "accelerate", "tp")
+ENGINES = ("fsdp2", "accelerate", "tp", "tp_plan")
 LR = 1e-4
 SEED = 0
 
@@ -167,8 +170,8 @@ class Runner:
         optimizer, the backward to call and the data-parallel rank and size."""
         from torch.distributed.fsdp import fully_shard
 
-        if engine == "tp" and not MODELS[name]["dense"]:
-            raise Unavailable("the tp engine has a plan for dense models only")
+        if engine in ("tp", "tp_plan") and not MODELS[name]["dense"]:
+            raise Unavailable(f"the {engine} engine runs dense models only")
         if engine == "tp" and contender == "liger":
             raise Unavailable(
                 "Liger's fused loss reads the whole head weight (no tensor parallelism)"
@@ -179,6 +182,13 @@ class Runner:
             raise Unavailable("Liger's kernels run on GPUs only")
         if engine == "accelerate" and not self.cuda:
             raise Unavailable("accelerate shards with FSDP only on GPUs")
+        if engine == "tp_plan":
+            if contender == "liger":
+                raise Unavailable("Liger's fused loss reads the whole head weight")
+            model = self._tp_plan_model(name)
+            prepare_contender(model, contender, self.surgery)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            return model, opt, lambda loss: loss.backward(), 0, 1
         model = build_model(name, self.args.tiny, self.device)
         prepare_contender(model, contender, self.surgery)
         if engine == "accelerate":
@@ -196,6 +206,19 @@ class Runner:
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         return model, opt, lambda loss: loss.backward(), dp_rank, dp_size
+
+    def _tp_plan_model(self, name: str):
+        """The model of ``name`` (the weights every engine trains) loaded with transformers'
+        tensor parallelism over every rank, from a checkpoint rank 0 writes once."""
+        from transformers import AutoModelForCausalLM
+
+        path = self.args.checkpoint_dir / f"{name}{'-tiny' if self.args.tiny else ''}"
+        if self.rank == 0 and not (path / "config.json").exists():
+            build_model(name, self.args.tiny, self.device).save_pretrained(path)
+            self._clean()
+        dist.barrier()
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+        return model.train()
 
     def _accelerate(self, name: str, model):
         from accelerate import Accelerator
@@ -360,6 +383,12 @@ def parse_args(argv=None):
     p.add_argument("--engines", default="fsdp2,accelerate", help=f"comma list from {ENGINES}")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"from {CONTENDERS}")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per group (tp)")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path("/tmp/scale_checkpoints"),
+        help="where the tp_plan engine's checkpoint is written once (16 GB for the 8B shape)",
+    )
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--warmup", type=int, default=2)
@@ -402,6 +431,7 @@ def main(argv=None) -> int:
                     runs.append(record)
                     elapsed = time.perf_counter() - t_start
                     settings = {**vars(args), "out": str(args.out), "world_size": world,
+                                "checkpoint_dir": str(args.checkpoint_dir),
                                 "models": {n: MODELS[n]["config"] for n in MODELS}}  # fmt: skip
                     write_json(args.out / "scale.json",
                                dict(environment=env, settings=settings, runs=runs,

@@ -1,8 +1,8 @@
 """``benchmarks/scale.py`` end to end on two CPU ranks (gloo, tiny shapes): every engine that runs
-on CPU (FSDP2, and tensor parallelism with FSDP2 on a 1 x 2 mesh) trains every contender that runs
-there, surgery's head is fused under both, and its losses equal the unpatched model's; so do those
-of torch's ``loss_parallel`` over the vocabulary-sharded head (torchtitan's loss), which only the
-tensor-parallel engine has."""
+on CPU (FSDP2, tensor parallelism with FSDP2 on a 1 x 2 mesh, and transformers' own tensor
+parallelism, ``tp_plan="auto"``) trains every contender that runs there, surgery's head is fused
+under each, and its losses equal the unpatched model's; so do those of torch's ``loss_parallel``
+over the vocabulary-sharded head (torchtitan's loss), which only the ``tp`` engine has."""
 
 from __future__ import annotations
 
@@ -17,22 +17,23 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
 def test_scale_benchmark_runs_fsdp2_and_tensor_parallel_on_cpu(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(SCRIPT), "--cpu", "--tiny", "--models", "llama3_8b", "--engines", "fsdp2,tp",
+        str(SCRIPT), "--cpu", "--tiny", "--models", "llama3_8b", "--engines", "fsdp2,tp,tp_plan",
         "--contenders", "unpatched,surgery,surgery_noac,loss_parallel", "--seq", "32",
         "--warmup", "0",
         "--steps", "2", "--max-seq-doublings", "1", "--out", str(tmp_path),
+        "--checkpoint-dir", str(tmp_path / "checkpoints"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads((tmp_path / "scale.json").read_text())["runs"]
     assert [(r["engine"], r["contender"]) for r in runs] == [
-        (e, c) for e in ("fsdp2", "tp")
+        (e, c) for e in ("fsdp2", "tp", "tp_plan")
         for c in ("unpatched", "surgery", "surgery_noac", "loss_parallel")
     ]  # fmt: skip
-    fsdp2_loss_parallel = runs[3]
-    assert fsdp2_loss_parallel["status"] == "unavailable", fsdp2_loss_parallel
-    runs = [r for r in runs if r is not fsdp2_loss_parallel]
-    for engine in ("fsdp2", "tp"):
+    elsewhere = [r for r in runs if r["contender"] == "loss_parallel" and r["engine"] != "tp"]
+    assert [r.get("status") for r in elsewhere] == ["unavailable"] * 2, elsewhere
+    runs = [r for r in runs if r not in elsewhere]
+    for engine in ("fsdp2", "tp", "tp_plan"):
         by = {r["contender"]: r for r in runs if r["engine"] == engine}
         assert not by["unpatched"]["fused"]
         if engine == "tp":
