@@ -23,12 +23,19 @@ from tests.models.tiny import (
 from tests.utils import FP32_CLOSE as TOL
 
 BATCHES = {"right-padded": padded_batch, "left-padded": left_padded_batch, "packed": packed_batch}
-# A known bug, first run here on an H200 x2 at 369d23c: packed rows (restarting position ids, no
-# mask) over a device map. Llama's loss came out 9e-4 off transformers' (4.8922 against 4.8878),
-# Qwen3's and Gemma 2's steps failed inside transformers' packed-sequence mask (indices on another
-# device than the mask). Strict: the day it is fixed, these cases fail until the mark goes.
+# Packed rows (restarting position ids, no mask) over a device map, first run on an H200 x2 at
+# 369d23c. Llama's loss came out 9e-4 off the reference (4.8922 against 4.8878): the reference's,
+# not surgery's: transformers keeps a packed row's documents apart only without a KV cache, and a
+# training forward makes one by default (use_cache=True in the config), so the reference attended
+# across documents (on CPU, one device: patched 4.89219, unpatched 4.88780 with a cache and 4.89219
+# without). The packed batch now runs without a cache on both sides. Qwen3's and Gemma 2's patched
+# steps failed inside transformers' packed-sequence mask (the mask on cuda:1, its indices not): a
+# known bug, not yet understood; whether the unpatched model fails there too without a cache is
+# not yet checked. Strict: the day it is fixed, these cases fail until the mark goes.
 PACKED_OVER_A_MAP = pytest.mark.xfail(
-    strict=True, reason="packed rows over a device map: not handled yet (known bug, 369d23c)"
+    strict=True,
+    reason="packed rows over a device map, sliding-window models: fail in transformers' packed "
+    "mask (known bug, 369d23c)",
 )
 
 pytestmark = [
@@ -50,12 +57,17 @@ def split_map(arch: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [pytest.param(k, marks=PACKED_OVER_A_MAP) if k == "packed" else k for k in BATCHES],
-)
-@pytest.mark.parametrize("how", ["from_pretrained", "dispatch_model"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+CASES = [
+    pytest.param(arch, how, kind, marks=PACKED_OVER_A_MAP)
+    if kind == "packed" and arch != "llama"
+    else (arch, how, kind)
+    for arch in ("llama", "qwen3", "gemma2")
+    for how in ("from_pretrained", "dispatch_model")
+    for kind in BATCHES
+]
+
+
+@pytest.mark.parametrize(("arch", "how", "kind"), CASES)
 def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how, kind):
     tiny_model(arch).save_pretrained(tmp_path / "model")
     device_map = split_map(arch)
@@ -74,16 +86,18 @@ def test_two_gpu_device_map_matches_unpatched(tmp_path, arch, how, kind):
     where = getattr(model, "hf_device_map", None)
     assert devices == {torch.device("cuda", 0), torch.device("cuda", 1)}, (devices, where)
     surgery.patch(model)
-    batch = BATCHES[kind](sequences([37, 20, 9])).to("cuda:0")
+    batch = BATCHES[kind](sequences([37, 20, 9])).to("cuda:0").kwargs()
+    if kind == "packed":  # transformers keeps the documents apart only without a cache
+        batch["use_cache"] = False
 
-    want_loss, want_grads = loss_and_grads(reference, **batch.kwargs())
-    loss, grads = loss_and_grads(model, **batch.kwargs())
+    want_loss, want_grads = loss_and_grads(reference, **batch)
+    loss, grads = loss_and_grads(model, **batch)
     assert model.lm_head._hf_hook is not None
     torch.testing.assert_close(loss, want_loss, **TOL)
     assert_grads_close(grads, want_grads, **TOL)
 
     surgery.unpatch(model)
-    unpatched_loss, _ = loss_and_grads(model, **batch.kwargs())
+    unpatched_loss, _ = loss_and_grads(model, **batch)
     torch.testing.assert_close(unpatched_loss, want_loss, rtol=0, atol=0)
 
 
