@@ -5,12 +5,12 @@
 TRL's trainers install their fused head (``add_fused_lm_head``) on the model before accelerate
 shards it, so a patched model reaches surgery's serving with its head weight sharded; the served
 kernel reads the weight inside the lm_head's call, where FSDP2 (or ZeRO-3's pre-forward hook) has
-gathered it. Each case runs
-TRL's fused call on each rank's half of a batch, with every per-token output TRL can ask for and
-a loss that reaches the loss, the log-probabilities and the entropy (an RL objective with an
-entropy bonus), and compares against TRL's own head on an unpatched, unsharded copy of the model
-run on the same half: every output on each rank, and every parameter's gradient against the mean
-of the two halves' gradients (FSDP2 and ZeRO-3 average the ranks' gradients). fp32: tight.
+gathered it. Each case runs TRL's fused call on each rank's half of a batch, with every per-token
+output TRL can ask for and a loss that reaches the loss, the log-probabilities and the entropy (an
+RL objective with an entropy bonus), and compares against TRL's own head on an unpatched,
+unsharded copy of the model run on the same half: every output on each rank, and every
+parameter's gradient against the mean of the two halves' gradients (FSDP2 and ZeRO-3 average the
+ranks' gradients). fp32: tight.
 
 The head's layouts are those of tests/surgery/test_fsdp.py: in a group of its own, and tied to
 the embeddings in one group with the final norm (accelerate's layout), with Gemma 2's softcap.
@@ -56,9 +56,9 @@ CASES = {
 
 
 def _inputs(case: dict, rank: int):
-    """The rows of ``rank`` (of a three-row padded batch and a fourth row, two rows a rank):
-    the inputs, labels with top-1 targets among them, and the upstream weights of the
-    log-probabilities and the entropy."""
+    """The rows of ``rank`` (two a rank: a three-row padded batch and a fourth row, the first's
+    tokens reversed under its mask and labels): the inputs, labels with top-1 targets among them,
+    and the upstream weights of the log-probabilities and the entropy."""
     inputs, labels = _batch("padded")
     inputs = {k: torch.cat([v, v[:1].flip(1) if k == "input_ids" else v[:1]]) for k, v in
               inputs.items()}  # fmt: skip
