@@ -3,9 +3,11 @@ PyTorch path they take on CPU without the interpreter."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..dispatch import cdiv, next_power_of_2, on_device, use_triton
+from ..dispatch import cdiv, interpreter_enabled, next_power_of_2, on_device, use_triton
 from .kernel import (
     BWD_BLOCK_V,
     BWD_NUM_WARPS,
@@ -112,6 +114,21 @@ def _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad, col_offset, V, softc
 # ---------------------------------------------------------------------------------------------
 # Host launchers
 
+HARDWARE_TANH = os.environ.get("SURGERY_HARDWARE_TANH", "1") != "0"
+"""Whether the softcap of bf16 logits on a GPU takes the GPU's tanh instruction (``SOFTCAP`` 2);
+``SURGERY_HARDWARE_TANH=0`` keeps the exact one (1) everywhere, as CPU tests run it."""
+
+
+def softcap_mode(softcap: float, logits: torch.Tensor) -> int:
+    """The kernels' ``SOFTCAP``: 0 without a softcap; 2 (the tanh instruction) for bf16 logits on
+    a GPU, whose own rounding (2^-9) is coarser than the instruction's error (2^-10.9); else 1
+    (``_tanh``, to a few fp32 eps: fp32 and fp16 logits, and the interpreter)."""
+    if not softcap:
+        return 0
+    hardware = HARDWARE_TANH and logits.is_cuda and not interpreter_enabled()
+    return 2 if hardware and logits.dtype == torch.bfloat16 else 1
+
+
 STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 """Per-token statistics of the (transformed) logits the forward can return besides the losses."""
 
@@ -188,7 +205,7 @@ def cross_entropy_fwd(
             float(logit_scale),
             float(inv_temperature),
             BLOCK_V=min(FWD_BLOCK_V, next_power_of_2(V)),
-            SOFTCAP=bool(softcap),
+            SOFTCAP=softcap_mode(softcap, logits),
             SMOOTHING=label_smoothing > 0.0,
             WRITE_GRAD=write_grad,
             SCALED=logit_scale != 1.0 or inv_temperature != 1.0,
@@ -255,7 +272,7 @@ def cross_entropy_bwd(
             float(logit_scale),
             float(inv_temperature),
             BLOCK_V=block,
-            SOFTCAP=bool(softcap),
+            SOFTCAP=softcap_mode(softcap, logits),
             SCALED=logit_scale != 1.0 or inv_temperature != 1.0,
             ENTROPY_GRAD=entropy_grad,
             num_warps=BWD_NUM_WARPS,

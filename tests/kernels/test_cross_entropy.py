@@ -233,6 +233,64 @@ def test_softcap_is_tanh_to_fp32_rounding(path, cap):
     torch.testing.assert_close(lse.cpu().double(), want, rtol=STRICT, atol=0)
 
 
+def test_softcap_takes_the_tanh_instruction_for_bf16_on_a_gpu_only(monkeypatch):
+    """The kernels' SOFTCAP: the GPU's tanh instruction (2) only for bf16 logits on CUDA outside
+    the interpreter and unless SURGERY_HARDWARE_TANH=0; the exact tanh (1) for fp32 and fp16
+    logits (fp16's rounding, 2^-11, is no coarser than the instruction's error) and on CPU."""
+    from types import SimpleNamespace
+
+    launch = importlib.import_module("surgery.kernels.cross_entropy.launch")
+
+    def mode(dtype, cuda=True):
+        return launch.softcap_mode(30.0, SimpleNamespace(is_cuda=cuda, dtype=dtype))
+
+    monkeypatch.setattr(launch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(launch, "HARDWARE_TANH", True)
+    assert launch.softcap_mode(0.0, SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == 0
+    assert [mode(torch.bfloat16), mode(torch.float16), mode(torch.float32)] == [2, 1, 1]
+    assert mode(torch.bfloat16, cuda=False) == 1
+    monkeypatch.setattr(launch, "HARDWARE_TANH", False)
+    assert mode(torch.bfloat16) == 1
+    monkeypatch.setattr(launch, "HARDWARE_TANH", True)
+    monkeypatch.setattr(launch, "interpreter_enabled", lambda: True)
+    assert mode(torch.bfloat16) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["logits", "linear"])
+def test_gpu_bf16_softcap_by_the_tanh_instruction_within_budget(fn, monkeypatch):
+    """bf16 logits with Gemma 2's softcap (30) on the GPU: the loss and its gradients through the
+    tanh instruction within bf16's budget of eager PyTorch (Gemma 2's softcap in bf16, then the
+    loss in fp32) against fp64; and the instruction really ran (its results are not the exact
+    tanh's, which ``SURGERY_HARDWARE_TANH=0`` keeps)."""
+    launch = importlib.import_module("surgery.kernels.cross_entropy.launch")
+    n, v, cap = 64, 4099, 30.0
+    z = spread_logits((n, v), cap, seed=8).cuda().to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(9)).cuda()
+    x64 = z.double().requires_grad_()
+    ref = reference64(x64, labels, -100, "mean", softcap=cap)
+    (gref,) = torch.autograd.grad(ref, x64)
+    zb = z.detach().clone().requires_grad_()
+    eager = F.cross_entropy((cap * torch.tanh(zb / cap)).float(), labels)
+    (geager,) = torch.autograd.grad(eager, zb)
+
+    def run():
+        x = z.detach().clone().requires_grad_()
+        if fn == "logits":
+            loss = cross_entropy(x, labels, softcap=cap).loss
+        else:
+            w = torch.eye(v, device="cuda", dtype=torch.bfloat16)
+            loss = linear_cross_entropy(x, w, labels, softcap=cap).loss
+        return loss, torch.autograd.grad(loss, x)[0]
+
+    loss, grad = run()
+    assert_close_budget(loss, ref, eager, torch.bfloat16, what="loss")
+    assert_close_budget(grad, gref, geager, torch.bfloat16, what="grad")
+    monkeypatch.setattr(launch, "HARDWARE_TANH", False)
+    _, exact_grad = run()
+    assert not torch.equal(grad, exact_grad), "the tanh instruction did not run"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("cap", list(SOFTCAPS.values()), ids=list(SOFTCAPS))
 @pytest.mark.parametrize("fn", ["logits", "linear"])
