@@ -77,10 +77,10 @@ def linear_log_probs(
             recomputes if not. Exact either way; off under ``torch.compile``. None: never.
 
     Returns:
-        ``TokenLogProbs``, fp32 (``is_top1`` bool), shaped like ``labels``, 0 where a token has no
-        target. ``log_probs`` and ``entropy`` take any upstream gradient exactly; a gradient
-        through the entropy (an entropy bonus) is computed with the log-probabilities' in the
-        same recomputation.
+        ``TokenLogProbs``, fp32 (``is_top1`` bool, ``predicted`` int64), shaped like ``labels``,
+        0 (-1 for ``predicted``) where a token has no target. ``log_probs`` and ``entropy`` take
+        any upstream gradient exactly; a gradient through the entropy (an entropy bonus) is
+        computed with the log-probabilities' in the same recomputation.
     """
     stats = check_log_probs_options(outputs, temperature, softcap)
     x, w, bias = prepare_head_inputs(hidden, weight, bias)

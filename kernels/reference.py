@@ -144,20 +144,22 @@ def linear_cross_entropy_reference(
 
 
 class TokenLogProbs(NamedTuple):
-    """Per-token outputs of ``linear_log_probs``, each shaped like the labels and 0 (False) where
-    a token has no target; a statistic not requested is None.
+    """Per-token outputs of ``linear_log_probs``, each shaped like the labels and 0 (False, -1 for
+    ``predicted``) where a token has no target; a statistic not requested is None.
 
     ``log_probs``: log p(target) (differentiable). ``entropy``: -sum_v p_v log p_v
     (differentiable). ``log_sum_sq_probs``: log sum_v p_v^2. ``mean_logits``: the mean over the
     vocabulary of the logits the distribution is the softmax of (scaled, capped, divided by the
     temperature). ``is_top1``: the target is the first maximum of those logits, as argmax picks
-    it. The last three have no gradient."""
+    it. ``predicted``: that first maximum's column (int64), the token the model predicts. The last
+    four have no gradient."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     log_sum_sq_probs: torch.Tensor | None = None
     mean_logits: torch.Tensor | None = None
     is_top1: torch.Tensor | None = None
+    predicted: torch.Tensor | None = None
 
 
 def linear_log_probs_reference(
@@ -202,4 +204,5 @@ def linear_log_probs_reference(
         log_sum_sq_probs=masked(torch.logsumexp(2.0 * logp, dim=-1)),
         mean_logits=masked(x.mean(-1)),
         is_top1=(valid & (x.argmax(-1) == tgt)).view(labels.shape),
+        predicted=torch.where(valid, x.argmax(-1), -1).view(labels.shape),
     )

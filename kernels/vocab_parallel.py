@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .cross_entropy import (
+    STATISTIC_FILL,
     STATISTICS,
     check_options,
     prepare_loss_inputs,
@@ -137,7 +138,7 @@ class _Layout(NamedTuple):
 
 def _row_max(x, w, bias, softcap, transform, chunk_bytes) -> torch.Tensor:
     """Each token's largest transformed logit over this rank's rows (an extra product, for
-    ``is_top1`` only)."""
+    ``is_top1`` and ``predicted`` only)."""
     n, v = x.shape[0], w.shape[0]
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     rows = max(1, chunk_bytes // max(1, 4 * v))
@@ -151,19 +152,21 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, the
     ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
     of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
-    target is the slice's first maximum; ``max``: the slice's largest logit)."""
+    target is the slice's first maximum; ``predicted``: the slice's first maximum, as a column of
+    the whole vocabulary; ``max``: the slice's largest logit)."""
     n, v = x.shape[0], w.shape[0]
     zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=x.device)
     if v == 0:  # more ranks than rows: this rank holds none
         out = {k: zeros() for k in ("target", "total", "entropy", "log_sum_sq_probs")}
         out["is_top1"] = zeros(dtype=torch.bool)
+        out["predicted"] = zeros(dtype=torch.int64)
         return {**out, "lse": zeros() - math.inf, "max": zeros() - math.inf}
     mine = (targets >= start) & (targets < start + v)
     # A token whose target is another rank's reads this slice's first column as a stand-in (the
     # kernel then computes its statistics too); tokens without a target keep -1.
     local = torch.where(mine, targets - start, torch.where(targets >= 0, 0, -1))
     names = {"total": "mean_logits", "entropy": "entropy", "log_sum_sq_probs": "log_sum_sq_probs",
-             "is_top1": "is_top1"}  # fmt: skip
+             "is_top1": "is_top1", "predicted": "predicted"}  # fmt: skip
     stats = sum(1 << STATISTICS.index(names[k]) for k in want if k in names)
     ce, _, lse, _, _, _, *statistics = lce_fwd(
         x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, False, False, False,
@@ -178,6 +181,8 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
             out[key] = _row_max(x, w, bias, softcap, transform, chunk_bytes)
         elif key == "is_top1":
             out[key] = by_name["is_top1"] & mine
+        elif key == "predicted":
+            out[key] = by_name["predicted"] + start
         else:
             out[key] = by_name[key]
     return out
@@ -185,11 +190,11 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
 
 def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
     """The whole vocabulary's statistics from every rank's ``part`` (``_slice_statistics``), the
-    same on every rank: a max and a sum all-reduce of per-token scalars (two more for
-    ``is_top1``). With ``e_r = exp(lse_r - peak)`` and ``S = sum_r e_r``: ``lse = peak + log S``;
-    the entropy is ``sum_r w_r (h_r + lse - lse_r)`` with ``w_r = e_r / S``, summed without
-    cancellation as ``(sum_r e_r h_r + sum_r e_r (peak - lse_r)) / S + log S``; ``log sum_j
-    p_j^2 = log sum_r e_r^2 exp(q_r) - 2 log S``."""
+    same on every rank: a max and a sum all-reduce of per-token scalars (two more for ``is_top1``
+    and ``predicted``, together). With ``e_r = exp(lse_r - peak)`` and ``S = sum_r e_r``:
+    ``lse = peak + log S``; the entropy is ``sum_r w_r (h_r + lse - lse_r)`` with
+    ``w_r = e_r / S``, summed without cancellation as ``(sum_r e_r h_r + sum_r e_r (peak - lse_r))
+    / S + log S``; ``log sum_j p_j^2 = log sum_r e_r^2 exp(q_r) - 2 log S``."""
     group = layout.group
     peaks = torch.stack([part["lse"], part.get("max", part["lse"])])
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
@@ -211,16 +216,26 @@ def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
         out["entropy"] = total["entropy"] / total["s"] + log_s
     if "log_sum_sq_probs" in want:
         out["log_sum_sq_probs"] = torch.log(total["sum_sq"]) - 2.0 * log_s
-    if "is_top1" in want:
-        # The target is the first maximum when its rank is the first holding the largest logit
-        # and the target is that rank's first maximum.
+    if "is_top1" in want or "predicted" in want:
+        # The first maximum lies in the first rank holding the largest logit, at that rank's
+        # first maximum: the target is it when it is the target there.
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         holds = part["max"] == peaks[1]
         first = torch.where(holds, rank, world).to(torch.int64)
         dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
-        top1 = (part["is_top1"] & holds & (first == rank)).to(torch.int64)
-        dist.all_reduce(top1, group=group)
-        out["is_top1"] = top1 > 0
+        chosen = holds & (first == rank)
+        found = {}
+        if "is_top1" in want:
+            found["is_top1"] = (part["is_top1"] & chosen).to(torch.int64)
+        if "predicted" in want:
+            found["predicted"] = torch.where(chosen, part["predicted"], 0)
+        counts = torch.stack(list(found.values()))
+        dist.all_reduce(counts, group=group)
+        found = dict(zip(found, counts, strict=True))
+        if "is_top1" in found:
+            out["is_top1"] = found["is_top1"] > 0
+        if "predicted" in found:
+            out["predicted"] = found["predicted"]
     return out
 
 
@@ -235,10 +250,10 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, x, w, bias, targets, weights, layout, softcap, eps, z_scale, chunk_bytes,
                 needs, transform=(1.0, 1.0), stats=0):  # fmt: skip
         requested = [name for i, name in enumerate(STATISTICS) if stats >> i & 1]
-        want = {"entropy", "log_sum_sq_probs", "is_top1"} & set(requested)
+        want = {"entropy", "log_sum_sq_probs", "is_top1", "predicted"} & set(requested)
         if eps or "mean_logits" in requested:
             want.add("total")
-        if "is_top1" in want:
+        if "is_top1" in want or "predicted" in want:
             want.add("max")
         part = _slice_statistics(
             x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want
@@ -253,7 +268,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         if "mean_logits" in requested:
             whole["mean_logits"] = whole["total"] / layout.vocab
         statistics = [
-            torch.where(valid, whole[name], False if name == "is_top1" else 0.0)
+            torch.where(valid, whole[name], STATISTIC_FILL.get(name, 0.0))
             if name in requested
             else x.new_empty(0)
             for name in STATISTICS

@@ -18,18 +18,28 @@ softcap ``cap`` where set; a logit scale k and a temperature T, both 1 unless gi
 where p = softmax(x) and a_i, b_i, e_i are the upstream gradients reaching ce_i, zl_i and h_i.
 Tokens without a target (ignore_index, or a label outside [0, V)) have loss 0 and gradient 0 for
 any upstream gradient. The other statistics (``STATISTICS``) are log sum_j p_ij^2, the mean of
-x_i and whether y is the first maximum of x_i; none has a gradient.
+x_i, whether y is the first maximum of x_i and that first maximum's column (argmax's, -1 without
+a target); none has a gradient.
 """
 
 from __future__ import annotations
 
 from .api import check_options, cross_entropy, prepare_loss_inputs
 from .kernel import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
-from .launch import STATISTICS, cross_entropy_bwd, cross_entropy_fwd, statistics_mask
+from .launch import (
+    STATISTIC_DTYPES,
+    STATISTIC_FILL,
+    STATISTICS,
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+    statistics_mask,
+)
 from .ops import CrossEntropyFunction, reduce_losses, upstream_coefficients
 
 __all__ = [
     "STATISTICS",
+    "STATISTIC_DTYPES",
+    "STATISTIC_FILL",
     "CrossEntropyFunction",
     "check_options",
     "cross_entropy",

@@ -122,6 +122,7 @@ if triton is not None:
         sum_sq_ptr,
         mean_ptr,
         top1_ptr,
+        pred_ptr,
         V,
         cap,
         eps,
@@ -137,6 +138,7 @@ if triton is not None:
         SUM_SQ: tl.constexpr,
         MEAN: tl.constexpr,
         TOP1: tl.constexpr,
+        PRED: tl.constexpr,
     ):
         """One program per row: online logsumexp over the vocabulary, the row's losses and the
         requested statistics (each a constexpr: nothing computed when off), and (when
@@ -153,6 +155,7 @@ if triton is not None:
         se = tl.zeros((), tl.float32)  # sum of exp(x - m) (x - m) (entropy)
         sq = tl.zeros((), tl.float32)  # sum of exp(2 (x - m)) (sum of squared probabilities)
         mb = tl.full((), float("-inf"), tl.float32)  # max of x over the columns before the target
+        idx = tl.zeros((), tl.int32)  # the column of the first maximum so far
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             mask = cols < V
@@ -174,6 +177,8 @@ if triton is not None:
                 sq = sq * r * r + tl.sum(ex * ex, 0)
             if TOP1:
                 mb = tl.maximum(mb, tl.max(tl.where(cols < tgt, x, float("-inf")), 0))
+            if PRED:  # a block's first maximum, kept only where it beats every earlier column
+                idx = tl.where(tl.max(x, 0) > m, v0 + tl.argmax(x, 0, tie_break_left=True), idx)
             m = m_new
             if SMOOTHING or MEAN:
                 sx += tl.sum(x0, 0)
@@ -199,6 +204,8 @@ if triton is not None:
             # The first maximum, as argmax takes it: an earlier column as large is the top-1.
             top1 = valid & (x_t >= m) & (x_t > mb)
             tl.store(top1_ptr + row, top1.to(tl.uint8))
+        if PRED:
+            tl.store(pred_ptr + row, tl.where(valid, idx, -1).to(tl.int64))
 
         if WRITE_GRAD:
             a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)

@@ -67,6 +67,8 @@ def _stats_torch(x, t, row_lse, valid, stats):
         stats["mean_logits"][:] = torch.where(valid, x.mean(-1), zero)
     if "is_top1" in stats:  # argmax takes the first maximum
         stats["is_top1"][:] = valid & (x.argmax(-1) == t)
+    if "predicted" in stats:
+        stats["predicted"][:] = torch.where(valid, x.argmax(-1), -1)
 
 
 def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps, z_scale,
@@ -129,8 +131,12 @@ def softcap_mode(softcap: float, logits: torch.Tensor) -> int:
     return 2 if hardware and logits.dtype == torch.bfloat16 else 1
 
 
-STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "predicted")
 """Per-token statistics of the (transformed) logits the forward can return besides the losses."""
+STATISTIC_DTYPES = {"is_top1": torch.bool, "predicted": torch.int64}
+"""The statistics that are not fp32 rows."""
+STATISTIC_FILL = {"is_top1": False, "predicted": -1}
+"""What a statistic holds for a token without a target, where not 0."""
 
 
 def statistics_mask(names, allowed=STATISTICS, what: str = "statistics") -> int:
@@ -163,9 +169,10 @@ def cross_entropy_fwd(
     gradient with upstream ``coef_ce`` on ce and ``coef_z`` on z (fp32, per row) is written there.
 
     The loss sees ``inv_temperature * softcap(logit_scale * logits)``. ``stats``: a buffer per
-    requested name of ``STATISTICS`` (fp32 rows; ``is_top1`` bool), filled with the rows'
-    entropy, log of the sum of squared probabilities, mean logit and whether the target is the
-    first maximum; 0 (False) for rows without a target.
+    requested name of ``STATISTICS`` (fp32 rows; ``is_top1`` bool, ``predicted`` int64), filled
+    with the rows' entropy, log of the sum of squared probabilities, mean logit, whether the
+    target is the first maximum and the first maximum's column (argmax's); 0 (False, -1 for
+    ``predicted``) for rows without a target.
     """
     rows, V = logits.shape
     dev = logits.device
@@ -181,7 +188,7 @@ def cross_entropy_fwd(
                    label_smoothing, z_loss_scale, logit_scale, inv_temperature, stats)  # fmt: skip
         return lse, ce, zl
     dummy = lse  # never read (or written) where its option is off
-    top1 = stats.get("is_top1")
+    top1, predicted = stats.get("is_top1"), stats.get("predicted")
     with on_device(logits):
         cross_entropy_fwd_kernel[(rows,)](
             logits,
@@ -198,6 +205,7 @@ def cross_entropy_fwd(
             stats.get("log_sum_sq_probs", dummy),
             stats.get("mean_logits", dummy),
             dummy if top1 is None else top1.view(torch.uint8),
+            dummy if predicted is None else predicted,
             V,
             float(softcap) if softcap else 1.0,
             float(label_smoothing),
@@ -213,6 +221,7 @@ def cross_entropy_fwd(
             SUM_SQ="log_sum_sq_probs" in stats,
             MEAN="mean_logits" in stats,
             TOP1=top1 is not None,
+            PRED=predicted is not None,
             num_warps=FWD_NUM_WARPS,
         )
     return lse, ce, zl

@@ -354,8 +354,10 @@ def linear_cross_entropy_statistics(
 ) -> tuple[LossOutput, dict[str, torch.Tensor]]:
     """``linear_cross_entropy``'s loss (every argument as it takes them) and, from the same
     sweep over the logits, per-token ``statistics`` of ``softmax(logits)`` for logging: names
-    among ``STATISTICS`` (``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``),
-    shaped like ``labels``, fp32 (``is_top1`` bool), 0 where a token has no target, detached.
+    among ``STATISTICS`` (``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``,
+    ``predicted``: the first maximum's column, as argmax takes it), shaped like ``labels``, fp32
+    (``is_top1`` bool, ``predicted`` int64), 0 (-1 for ``predicted``) where a token has no
+    target, detached.
     Each costs a few operations per logit, none when not asked; the loss and its gradients are
     those of ``linear_cross_entropy`` exactly (the same autograd path).
     """

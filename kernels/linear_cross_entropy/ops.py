@@ -9,7 +9,13 @@ import functools
 
 import torch
 
-from ..cross_entropy import STATISTICS, cross_entropy_bwd, cross_entropy_fwd
+from ..cross_entropy import (
+    STATISTIC_DTYPES,
+    STATISTIC_FILL,
+    STATISTICS,
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+)
 from ..dispatch import cdiv, on_device, triton_available, use_triton
 
 __all__ = [
@@ -174,9 +180,9 @@ def _kept_rows(keep: torch.Tensor) -> torch.Tensor | None:
     return None if rows.numel() == keep.numel() else rows
 
 
-def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """The (n, ...) tensor holding ``part``'s rows at ``rows`` and zeros elsewhere."""
-    return part.new_zeros(n, *part.shape[1:]).index_copy_(0, rows, part)
+def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int, fill: float = 0.0):
+    """The (n, ...) tensor holding ``part``'s rows at ``rows`` and ``fill`` elsewhere."""
+    return part.new_full((n, *part.shape[1:]), fill).index_copy_(0, rows, part)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
@@ -200,7 +206,7 @@ def lce_fwd(
     stats: int = 0,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
@@ -276,7 +282,8 @@ def lce_fwd(
         db = db.to(bias.dtype)
     if rows is not None:
         ce, zl, lse = (_scatter_rows(t, rows, n_all) for t in (ce, zl, lse))
-        statistics = {k: _scatter_rows(t, rows, n_all) for k, t in statistics.items()}
+        statistics = {k: _scatter_rows(t, rows, n_all, STATISTIC_FILL.get(k, 0.0))
+                      for k, t in statistics.items()}  # fmt: skip
         if need_dx:
             dx = _scatter_rows(dx, rows, n_all)
     return ce, zl, lse, dx, dw, db, *_statistics_outputs(statistics, x)
@@ -285,9 +292,7 @@ def lce_fwd(
 def _statistics_buffers(stats: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A buffer of ``n`` rows for each statistic whose bit is set in ``stats``."""
     return {
-        name: torch.empty(
-            n, dtype=torch.bool if name == "is_top1" else torch.float32, device=device
-        )
+        name: torch.empty(n, dtype=STATISTIC_DTYPES.get(name, torch.float32), device=device)
         for i, name in enumerate(STATISTICS)
         if stats >> i & 1
     }

@@ -34,7 +34,6 @@ from torch import nn
 
 from surgery.forwards.head import fused_head, head_takes_loss
 from surgery.kernels import UpstreamHint
-from surgery.kernels.cross_entropy import STATISTICS
 from surgery.patching.swap import ORIGINAL_ATTR
 
 __all__ = [
@@ -63,6 +62,10 @@ REQUEST_ATTR = "_surgery_trl_request"
 """Instance attribute of the patched causal LM: (TRL's function, its ``FusedHeadRequest`` or
 None, the index of the closure cell holding the forward TRL replaced), read once per installed
 function."""
+
+TRL_OUTPUTS = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
+"""The per-token fields of TRL's ``FusedCausalLMOutput`` (surgery's kernel computes more:
+``predicted``)."""
 
 _CLOSURE = (
     "original_forward",
@@ -273,7 +276,7 @@ def fused_head_output(
         **head_options,
     )
 
-    fields = {name: _trim(getattr(out, name), shift) for name in out._fields}
+    fields = {name: _trim(getattr(out, name), shift) for name in TRL_OUTPUTS}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / count
     if aux_loss is not None:
@@ -308,7 +311,7 @@ def _surgery_loss_output(
         **loss_options,
         **head_options,
     )
-    fields = {name: _trim(stats.get(name), shift) for name in STATISTICS}
+    fields = {name: _trim(stats.get(name), shift) for name in TRL_OUTPUTS if name != "log_probs"}
     out = FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
     out["z_loss"] = z_loss.detach()
     return out

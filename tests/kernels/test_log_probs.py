@@ -72,6 +72,8 @@ def test_every_output_and_gradient_against_fp64(case, dtype):
     assert out.is_top1.dtype == torch.bool
     assert torch.equal(out.is_top1, eager.is_top1)
     assert out.is_top1.any() and not out.is_top1.all()
+    assert out.predicted.dtype == torch.int64
+    assert torch.equal(out.predicted, eager.predicted)
     gen = torch.Generator().manual_seed(1)
     g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
     inputs = (x, w, b)
@@ -112,7 +114,13 @@ def test_loss_with_statistics_is_the_loss_and_statistics_of_the_same_logits(case
     if kw["reduction"] == "sequence":
         kw["position_ids"] = position_ids
     (loss, z), stats = linear_cross_entropy_statistics(
-        x, w, labels, b, statistics=("entropy", "is_top1", "mean_logits"), chunk_bytes=4096, **kw
+        x,
+        w,
+        labels,
+        b,
+        statistics=("entropy", "is_top1", "mean_logits", "predicted"),
+        chunk_bytes=4096,
+        **kw,
     )
     want = linear_cross_entropy(x, w, labels, b, chunk_bytes=4096, **kw)
     torch.testing.assert_close(loss, want.loss, rtol=0, atol=0)
@@ -129,12 +137,15 @@ def test_loss_with_statistics_is_the_loss_and_statistics_of_the_same_logits(case
     ref = linear_log_probs_reference(
         x, w, targets, b, dtype=torch.float64, softcap=kw.get("softcap")
     )
-    assert set(stats) == {"entropy", "is_top1", "mean_logits"}
+    assert set(stats) == {"entropy", "is_top1", "mean_logits", "predicted"}
     for name in ("entropy", "mean_logits"):
         assert stats[name].shape == labels.shape and not stats[name].requires_grad
         torch.testing.assert_close(stats[name].double(), getattr(ref, name), rtol=1e-5, atol=1e-5)
     assert torch.equal(stats["is_top1"], ref.is_top1)
     assert stats["is_top1"].any()
+    assert stats["predicted"].dtype == torch.int64
+    assert torch.equal(stats["predicted"], ref.predicted)
+    assert (stats["predicted"] == -1).any() and (stats["predicted"] >= 0).any()
 
 
 def test_loss_with_statistics_rejects_unknown_names():
@@ -143,15 +154,29 @@ def test_loss_with_statistics_rejects_unknown_names():
         linear_cross_entropy_statistics(x, w, labels, statistics=("log_probs",))
 
 
-def test_is_top1_takes_the_first_maximum_as_argmax_does():
-    """Two vocabulary rows equal: their logits tie exactly. The earlier column is the argmax."""
+def test_is_top1_and_predicted_take_the_first_maximum_as_argmax_does():
+    """Two vocabulary rows equal: their logits tie exactly. The earlier column is the argmax:
+    the predicted token, and the top-1 only where it is the target."""
     x = torch.randn(6, 8, device=DEVICE)
     w = torch.randn(20, 8, device=DEVICE) * 0.1
     w[[5, 11]] = x.new_tensor([10.0] * 8)  # columns 5 and 11 tie at the maximum for x > 0
     x = x.abs()
     labels = torch.tensor([5, 11, 5, 11, 3, -100], device=DEVICE)
-    out = linear_log_probs(x, w, labels, outputs=("is_top1",))
+    out = linear_log_probs(x, w, labels, outputs=("is_top1", "predicted"))
     assert out.is_top1.tolist() == [True, False, True, False, False, False]
+    assert out.predicted.tolist() == [5, 5, 5, 5, 5, -1]
+
+
+def test_predicted_is_the_first_maximum_across_the_kernels_vocabulary_blocks():
+    """The same tie with the tied columns in different blocks of the row kernel's sweep (4096
+    columns a block): the earlier block's column stays the prediction."""
+    x = torch.rand(4, 8, device=DEVICE) + 0.1
+    w = torch.randn(5000, 8, device=DEVICE) * 0.1
+    w[[7, 4500]] = x.new_tensor([10.0] * 8)
+    labels = torch.tensor([7, 4500, 3, -100], device=DEVICE)
+    out = linear_log_probs(x, w, labels, outputs=("is_top1", "predicted"))
+    assert out.predicted.tolist() == [7, 7, 7, -1]
+    assert out.is_top1.tolist() == [True, False, False, False]
 
 
 def test_entropy_alone_takes_its_gradient_and_statistics_have_none():
@@ -162,7 +187,7 @@ def test_entropy_alone_takes_its_gradient_and_statistics_have_none():
     want = torch.autograd.grad(ref.entropy.sum(), (x, w, b))
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
-    for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
+    for name in ("log_sum_sq_probs", "mean_logits", "is_top1", "predicted"):
         assert not getattr(out, name).requires_grad, name
 
 

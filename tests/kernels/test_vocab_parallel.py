@@ -54,7 +54,7 @@ HEADS = {
             vocab_parallel_linear_cross_entropy),
     True: (linear_log_probs, _log_probs_reference, vocab_parallel_linear_log_probs),
 }  # fmt: skip
-EVERY_OUTPUT = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+EVERY_OUTPUT = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "predicted")
 
 
 def _cases(world: int) -> list[Case]:

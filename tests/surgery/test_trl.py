@@ -236,6 +236,7 @@ def test_what_surgery_reads_of_trl_is_there():
 
     fields = set(FusedCausalLMOutput.__dataclass_fields__)
     assert {"loss", "label_mask", "aux_loss", *ALL_OUTPUTS} == fields
+    assert set(serving.TRL_OUTPUTS) == set(ALL_OUTPUTS)  # what serving fills of it
 
 
 def test_loss_options_that_do_not_apply_under_trl_are_named(served):
