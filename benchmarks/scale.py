@@ -24,11 +24,12 @@ Engines:
   plan, the head's logits gathered on every rank), no data parallelism. Dense models only.
 
 Contenders: ``unpatched``, ``liger`` (``_apply_liger_kernel_to_instance``: its fused loss reads
-the whole head weight, so it cannot run under ``tp``) and ``surgery`` (``surgery.patch``), each with
-every decoder layer checkpointed (transformers' ``gradient_checkpointing_enable``, non-reentrant),
-``surgery_noac``: surgery without checkpointing (its own recompute options only), and
-``loss_parallel`` (``tp`` only): the unpatched model with its head's logits left sharded over the
-vocabulary and torch's ``loss_parallel`` taking the loss from the slices (torchtitan's loss).
+the whole head weight, so it cannot run under ``tp`` or ``tp_plan``) and ``surgery``
+(``surgery.patch``), each with every decoder layer checkpointed (transformers'
+``gradient_checkpointing_enable``, non-reentrant); ``surgery_noac``: surgery without
+checkpointing (its own recompute options only); and ``loss_parallel`` (``tp`` only): the
+unpatched model with its head's logits left sharded over the vocabulary and torch's
+``loss_parallel`` taking the loss from the slices (torchtitan's loss).
 
 Every rank builds the whole model with the same seed on its GPU (16 GB for the 8B shape, 61 GB
 for the 30B-A3B one, in bf16), so every contender trains the same weights, and shards it before
@@ -172,7 +173,7 @@ class Runner:
 
         if engine in ("tp", "tp_plan") and not MODELS[name]["dense"]:
             raise Unavailable(f"the {engine} engine runs dense models only")
-        if engine == "tp" and contender == "liger":
+        if engine in ("tp", "tp_plan") and contender == "liger":
             raise Unavailable(
                 "Liger's fused loss reads the whole head weight (no tensor parallelism)"
             )
@@ -183,8 +184,6 @@ class Runner:
         if engine == "accelerate" and not self.cuda:
             raise Unavailable("accelerate shards with FSDP only on GPUs")
         if engine == "tp_plan":
-            if contender == "liger":
-                raise Unavailable("Liger's fused loss reads the whole head weight")
             model = self._tp_plan_model(name)
             prepare_contender(model, contender, self.surgery)
             opt = torch.optim.AdamW(model.parameters(), lr=LR)
