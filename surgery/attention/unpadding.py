@@ -57,9 +57,9 @@ __all__ = [
     "UNPADDED_KWARG",
     "Rolled",
     "Unpadded",
-    "batch_layout",
     "pad_heads",
     "padded_layout",
+    "read_padded_layout",
 ]
 
 ROW_CALLS_MAX = 8
@@ -226,4 +226,6 @@ def _rolled(pads: torch.Tensor, seq: int) -> Rolled:
     return Rolled(order, unattended)
 
 
-batch_layout = host_read(padded_layout)
+read_padded_layout = host_read(padded_layout)
+"""``padded_layout`` as the forward calls it: one host read, a deliberate graph break under
+``torch.compile`` (``surgery.compiling.host_read``)."""

@@ -19,7 +19,7 @@ from surgery.attention.unpadding import (
     UNPADDED_KWARG,
     Rolled,
     Unpadded,
-    batch_layout,
+    read_padded_layout,
 )
 from surgery.compiling import host_read
 from surgery.forwards.multimodal import packed_bidirectional_masks
@@ -168,7 +168,7 @@ def padding_layout(attention_mask, targets: Targets, tokens, unpad: bool):
     (``surgery.attention.unpadding.padded_layout``, on the tokens' device). One device-to-host
     read (``host_read``)."""
     given = targets.labels if targets.shift_labels is None else targets.shift_labels
-    return batch_layout(attention_mask, given, targets.ignore_index, unpad, tokens.device)
+    return read_padded_layout(attention_mask, given, targets.ignore_index, unpad, tokens.device)
 
 
 def laid_out_inputs(layout: Unpadded | Rolled, input_ids, inputs_embeds, targets: Targets):
