@@ -293,12 +293,16 @@ def test_gpu_bf16_against_fp32_beside_trl(softcap):
     gen = torch.Generator().manual_seed(1)
     g_lp, g_ent = (torch.randn(n, generator=gen).cuda() for _ in range(2))
 
-    def run(fn):
-        out = fn()
-        got = torch.autograd.grad((out[0] * g_lp).sum() + (out[1] * g_ent).sum(), (x, w))
-        return [t.detach().float() for t in (*out[:2], *got)], out[-1]
+    def run(fn):  # fn returns (log_probs, entropy, is_top1)
+        lp, ent, top1 = fn()
+        got = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (x, w))
+        return [t.detach().float() for t in (lp, ent, *got)], top1
 
-    ours, top1 = run(lambda: linear_log_probs(x, w, labels, outputs=outputs, softcap=softcap))
+    def ours_fn():
+        out = linear_log_probs(x, w, labels, outputs=outputs, softcap=softcap)
+        return out.log_probs, out.entropy, out.is_top1
+
+    ours, top1 = run(ours_fn)
     valid = labels >= 0
     safe = labels.clamp(min=0)
 
