@@ -210,6 +210,7 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
             kwargs["output_router_logits"] = output_router_logits
     labels = targets.labels
     tokens = input_ids if input_ids is not None else inputs_embeds
+    position_ids = _beside_embeddings(self, position_ids)
     text_positions = document_positions(position_ids)
     step = labels is not None or self.training
     packed_step = cache is None and attention_mask is None and text_positions is not None and step
@@ -277,6 +278,22 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     if request is not None and isinstance(output, state.output):  # not TRL's per-token outputs
         request.output = output
     return output
+
+
+def _beside_embeddings(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``position_ids`` on the device of the input embeddings' weight. Over a device map
+    accelerate's top-level hook moves every input to the model's main device, which need not hold
+    the embeddings, and transformers' mask builder indexes a mask made from the position ids with
+    indices made beside the embeddings: a packed batch (position ids, no mask) failed there across
+    two devices, patched or not (``tests/surgery/test_device_map_gpu.py``). Left where it is while
+    the weight is offloaded (on the meta device) or absent."""
+    if position_ids is None:
+        return None
+    embeddings = self.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if weight is None or weight.device.type == "meta" or weight.device == position_ids.device:
+        return position_ids
+    return position_ids.to(weight.device)
 
 
 def _pop_requests(kwargs: dict, labels):
