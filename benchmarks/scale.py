@@ -186,7 +186,10 @@ class Runner:
         if engine == "tp_plan":
             model = self._tp_plan_model(name)
             prepare_contender(model, contender, self.surgery)
-            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            # transformers' plan leaves some parameters plain tensors beside DTensors, which
+            # AdamW's multi-tensor path refuses on a GPU ("got mixed torch.Tensor and DTensor",
+            # H200 x2): one parameter at a time.
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
             return model, opt, lambda loss: loss.backward(), 0, 1
         model = build_model(name, self.args.tiny, self.device)
         prepare_contender(model, contender, self.surgery)
