@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import importlib
 import os
@@ -146,7 +147,6 @@ class Runner:
     def __init__(self, args, rank: int, world: int, device: torch.device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
         self.cuda = device.type == "cuda"
-        self.vocab_sharded = False
         self.surgery = import_surgery()
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -245,16 +245,13 @@ class Runner:
         ids = torch.randint(0, vocab, (self.args.batch, seq), generator=g).to(self.device)
         return {"input_ids": ids, "labels": ids}
 
-    def step(self, model, opt, backward, batch) -> tuple[float, bool, float]:
+    def step(self, train, opt, batch) -> tuple[float, bool, float]:
+        """One optimizer step: ``train(batch)`` (the loss's forward and backward: ``_model_loss``
+        or ``_loss_parallel``, returning the loss and whether no logits were made), then AdamW;
+        the loss, that flag and the seconds."""
         self._sync()
         t0 = time.perf_counter()
-        if self.vocab_sharded:
-            loss, fused = _loss_parallel_step(model, batch, backward), False
-        else:
-            out = model(**batch)
-            loss, fused = out.loss.detach(), out.logits is None
-            backward(out.loss)
-            del out
+        loss, fused = train(batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._sync()
@@ -277,8 +274,9 @@ class Runner:
 
     def _run(self, name: str, engine: str, contender: str) -> dict[str, Any]:
         self._clean()
-        self.vocab_sharded = contender == "loss_parallel"  # the steps' loss (step)
         model, opt, backward, dp_rank, dp_size = self.sharded(name, engine, contender)
+        loss_of = _loss_parallel if contender == "loss_parallel" else _model_loss
+        train = functools.partial(loss_of, model, backward=backward)
         vocab = model.config.vocab_size
         batch = self.batch(vocab, self.args.seq, dp_rank)
         self._clean()
@@ -286,7 +284,7 @@ class Runner:
             torch.cuda.reset_peak_memory_stats()
         losses, times, fused = [], [], []
         for i in range(self.args.warmup + self.args.steps):
-            loss, was_fused, seconds = self.step(model, opt, backward, batch)
+            loss, was_fused, seconds = self.step(train, opt, batch)
             dist.all_reduce(loss)  # every rank's mean over the same token count: the mean
             losses.append(loss.item() / self.world)
             fused.append(was_fused)
@@ -301,11 +299,11 @@ class Runner:
         result = dict(losses=losses, fused=all(fused), step_s=step_s,
                       tokens_per_s_per_gpu=tokens_per_gpu, peak_gib=max(peaks),
                       peak_gib_per_gpu=peaks)  # fmt: skip
-        result["max_seq"] = self.longest(model, opt, backward, vocab, dp_rank)
-        del model, opt, batch
+        result["max_seq"] = self.longest(train, opt, vocab, dp_rank)
+        del model, opt, batch, train
         return result
 
-    def longest(self, model, opt, backward, vocab: int, dp_rank: int) -> int | None:
+    def longest(self, train, opt, vocab: int, dp_rank: int) -> int | None:
         """The longest sequence (doubling from ``--seq``) whose step runs on every rank."""
         fits, seq = self.args.seq, self.args.seq
         for _ in range(self.args.max_seq_doublings):
@@ -313,7 +311,7 @@ class Runner:
             self._clean()
             ok = torch.ones((), device=self.device)
             try:
-                self.step(model, opt, backward, self.batch(vocab, seq, dp_rank))
+                self.step(train, opt, self.batch(vocab, seq, dp_rank))
             except torch.OutOfMemoryError:
                 ok.zero_()
                 opt.zero_grad(set_to_none=True)
@@ -324,7 +322,15 @@ class Runner:
         return fits
 
 
-def _loss_parallel_step(model, batch, backward) -> torch.Tensor:
+def _model_loss(model, batch, *, backward) -> tuple[torch.Tensor, bool]:
+    """The model's own loss (transformers', or a patched model's fused one) through ``backward``;
+    the detached loss and whether the forward made no logits."""
+    out = model(**batch)
+    backward(out.loss)
+    return out.loss.detach(), out.logits is None
+
+
+def _loss_parallel(model, batch, *, backward) -> tuple[torch.Tensor, bool]:
     """torchtitan's loss over a vocabulary-sharded head: the logits stay sharded (a DTensor) and
     torch's ``loss_parallel`` takes the cross entropy from each rank's slice, forward and
     backward; the next-token mean over the labels, as transformers' loss takes it."""
@@ -338,7 +344,7 @@ def _loss_parallel_step(model, batch, backward) -> torch.Tensor:
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=-100)
         backward(loss)
     loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss), False
 
 
 def report(runs: list[dict[str, Any]]) -> str:
