@@ -212,14 +212,16 @@ class Runner:
     def _tp_plan_model(self, name: str):
         """The model of ``name`` (the weights every engine trains) loaded with transformers'
         tensor parallelism over every rank, from a checkpoint rank 0 writes once."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, DistributedConfig
 
         path = self.args.checkpoint_dir / f"{name}{'-tiny' if self.args.tiny else ''}"
         if self.rank == 0 and not (path / "config.json").exists():
             build_model(name, self.args.tiny, self.device).save_pretrained(path)
             self._clean()
         dist.barrier()
-        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+        tp = DistributedConfig(tp_plan="auto")  # tp_plan= itself: deprecated since 5.17
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=tp,
+                                                     dtype=torch.bfloat16)  # fmt: skip
         return model.train()
 
     def _accelerate(self, name: str, model):

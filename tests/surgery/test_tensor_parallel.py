@@ -39,12 +39,14 @@ def _grad_errors(reference, patched) -> dict[str, float]:
 
 
 def _compare(path: str) -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
     import surgery
 
-    def load():
-        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    def load():  # tp_plan= itself is deprecated since 5.17 (the same DistributedConfig inside)
+        tp = DistributedConfig(tp_plan="auto")
+        return AutoModelForCausalLM.from_pretrained(path, distributed_config=tp,
+                                                    dtype=torch.float32)  # fmt: skip
 
     reference, patched = load().train(), surgery.patch(load()).train()
     torch.manual_seed(0)
