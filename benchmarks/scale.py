@@ -190,7 +190,7 @@ class Runner:
             # AdamW's multi-tensor path refuses on a GPU ("got mixed torch.Tensor and DTensor",
             # H200 x2): one parameter at a time.
             opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-            return model, opt, lambda loss: loss.backward(), 0, 1
+            return model, opt, torch.Tensor.backward, 0, 1
         model = build_model(name, self.args.tiny, self.device)
         prepare_contender(model, contender, self.surgery)
         if engine == "accelerate":
@@ -207,7 +207,7 @@ class Runner:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        return model, opt, lambda loss: loss.backward(), dp_rank, dp_size
+        return model, opt, torch.Tensor.backward, dp_rank, dp_size
 
     def _tp_plan_model(self, name: str):
         """The model of ``name`` (the weights every engine trains) loaded with transformers'

@@ -229,9 +229,9 @@ def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
             found["is_top1"] = (part["is_top1"] & chosen).to(torch.int64)
         if "predicted" in want:
             found["predicted"] = torch.where(chosen, part["predicted"], 0)
-        counts = torch.stack(list(found.values()))
-        dist.all_reduce(counts, group=group)
-        found = dict(zip(found, counts, strict=True))
+        summed = torch.stack(list(found.values()))  # one rank gives each token's, the rest 0
+        dist.all_reduce(summed, group=group)
+        found = dict(zip(found, summed, strict=True))
         if "is_top1" in found:
             out["is_top1"] = found["is_top1"] > 0
         if "predicted" in found:

@@ -65,10 +65,12 @@ def _stats_torch(x, t, row_lse, valid, stats):
         stats["log_sum_sq_probs"][:] = torch.where(valid, sum_sq, zero)
     if "mean_logits" in stats:
         stats["mean_logits"][:] = torch.where(valid, x.mean(-1), zero)
-    if "is_top1" in stats:  # argmax takes the first maximum
-        stats["is_top1"][:] = valid & (x.argmax(-1) == t)
-    if "predicted" in stats:
-        stats["predicted"][:] = torch.where(valid, x.argmax(-1), -1)
+    if "is_top1" in stats or "predicted" in stats:
+        first = x.argmax(-1)  # the first maximum, as the kernel takes it
+        if "is_top1" in stats:
+            stats["is_top1"][:] = valid & (first == t)
+        if "predicted" in stats:
+            stats["predicted"][:] = torch.where(valid, first, -1)
 
 
 def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps, z_scale,
