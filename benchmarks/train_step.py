@@ -826,15 +826,116 @@ def worker(job: dict[str, Any]) -> None:
     _emit("RESULT", result)
 
 
+# Kernel classes of a profiled step, by name: the first class whose words a kernel's name holds
+# (attention first: cuDNN's and flash-attention's kernels carry "sm90_" or "cutlass" too; cuDNN's
+# attention backward has two helpers, the rows' dO . O and dQ's conversion to 16 bits).
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "dot_do_o", "convert_dq")),
+    ("matrix products", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill", "cat_", "catarray")),
+    ("PyTorch elementwise and reductions", ("at::native", "elementwise", "reduce_kernel")),
+)
+
+
+def kernel_time_by_class(prof) -> str:
+    """A table of the profiled kernels' GPU time by ``KERNEL_CLASSES`` (the rest: Triton kernels,
+    ours, Liger's or inductor's, and anything unnamed there, listed by name), against the span
+    from the first kernel's start to the last one's end: what is not a matrix product, and how
+    long the GPU sat idle between kernels."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    spans, by_class, rest = [], defaultdict(float), defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type != DeviceType.CUDA:
+            continue
+        start, end = ev.time_range.start, ev.time_range.end
+        spans.append((start, end))
+        name = ev.name.lower()
+        cls = next((c for c, words in KERNEL_CLASSES if any(w in name for w in words)), None)
+        if cls is None:
+            rest[ev.name[:70]] += end - start
+            cls = "other (Triton kernels and the rest)"
+        by_class[cls] += end - start
+    if not spans:
+        return "no GPU kernels recorded\n"
+    spans.sort()
+    busy, cur_start, cur_end = 0.0, *spans[0]
+    for start, end in spans[1:]:  # the union of the kernels' intervals
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = spans[-1][1] - spans[0][0]
+    idle = span - busy
+    lines = [
+        f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms,"
+        f" idle {idle / 1e3:.2f} ms ({100 * idle / span:.1f}%)",
+        f"{'class':<40} {'ms':>9} {'% span':>7}",
+    ]
+    for cls, us in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{cls:<40} {us / 1e3:9.2f} {100 * us / span:7.1f}")
+    lines.append("\nthe rest, by kernel name:")
+    for name, us in sorted(rest.items(), key=lambda kv: -kv[1])[:25]:
+        lines.append(f"  {name:<70} {us / 1e3:8.2f} ms")
+    return "\n".join(lines) + "\n"
+
+
+# Matrix-product ops of a profiled step and where their two operands sit among the inputs.
+PRODUCT_OPS = {
+    "aten::mm": (0, 1),
+    "aten::addmm": (1, 2),
+    "aten::addmm_": (1, 2),
+    "aten::bmm": (0, 1),
+    "aten::baddbmm": (1, 2),
+}
+
+
+def products_by_shape(prof, rows: int = 25) -> str:
+    """A table of the step's matrix products by op and operand shapes: calls, GPU time and the
+    rate they ran at (2 M N K flops per product, B times that for a batched one)."""
+    found = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        where = PRODUCT_OPS.get(ev.key)
+        shapes = getattr(ev, "input_shapes", None) or []
+        if where is None or len(shapes) <= max(where) or not ev.device_time_total:
+            continue
+        a, b = shapes[where[0]], shapes[where[1]]
+        if len(a) < 2 or len(b) < 2:
+            continue
+        batch = a[0] if len(a) == 3 else 1
+        flops = 2 * batch * a[-2] * a[-1] * b[-1] * ev.count
+        found.append((ev.device_time_total, ev.key, a, b, ev.count, flops))
+    found.sort(key=lambda r: -r[0])
+    total_us = sum(r[0] for r in found)
+    total_flops = sum(r[5] for r in found)
+    lines = [
+        f"{len(found)} shapes, {total_us / 1e3:.2f} ms, {total_flops / 1e12:.2f} TFLOP"
+        f" at {total_flops / max(total_us, 1e-9) / 1e6:.0f} TFLOP/s",
+        f"{'op':<12} {'operands':<34} {'calls':>5} {'ms':>8} {'TFLOP/s':>8}",
+    ]
+    for us, key, a, b, count, flops in found[:rows]:
+        operands = f"{list(a)} x {list(b)}"
+        lines.append(
+            f"{key[6:]:<12} {operands:<34} {count:5d} {us / 1e3:8.2f} {flops / us / 1e6:8.0f}"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def profile_step(model, step, inputs, seq, job) -> None:
-    """torch.profiler tables of one training step (2 x seq, ``profile_scenario``: padded or
-    packed) after warm-up (which compiles a compiled contender); ``inputs(kind, batch, seq,
-    seed)`` makes the batch."""
+    """torch.profiler tables of one training step (``profile_batch`` x seq, 2 unless set;
+    ``profile_scenario``: padded or packed) after warm-up (which compiles a compiled contender);
+    ``inputs(kind, batch, seq, seed)`` makes the batch."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     kind = job.get("profile_scenario", "padded")
-    data, _, _ = inputs(kind, 2, seq, job["seed"] + 2)
+    batch = job.get("profile_batch", 2)
+    data, _, _ = inputs(kind, batch, seq, job["seed"] + 2)
     device = next(model.parameters()).device
     for _ in range(max(2, job["warmup"])):
         step(data)
@@ -847,6 +948,9 @@ def profile_step(model, step, inputs, seq, job) -> None:
             torch.cuda.synchronize()
     events = prof.key_averages()
     sections = []
+    if device.type == "cuda":
+        sections.append("== GPU time by kernel class\n" + kernel_time_by_class(prof))
+        sections.append("== matrix products by shape\n" + products_by_shape(prof))
     for title, keys in [
         ("top ops by GPU time", ["device_time_total", "cuda_time_total", "cpu_time_total"]),
         (
@@ -861,11 +965,12 @@ def profile_step(model, step, inputs, seq, job) -> None:
                 break
             except (AttributeError, KeyError, ValueError, RuntimeError):
                 continue
-    out = Path(job["out"]) / f"profile_{job['model']}_{job['contender']}_{kind}.txt"
+    shape = "" if batch == 2 else f"_{batch}x{seq}"  # batch 2: the names earlier results have
+    out = Path(job["out"]) / f"profile_{job['model']}_{job['contender']}_{kind}{shape}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     header = (
-        f"one training step, {job['model']} ({job['contender']}), {kind} 2x{seq}, bf16, AdamW;"
-        f" after {max(2, job['warmup'])} warm-up steps\n\n"
+        f"one training step, {job['model']} ({job['contender']}), {kind} {batch}x{seq}, bf16,"
+        f" AdamW; after {max(2, job['warmup'])} warm-up steps\n\n"
     )
     out.write_text(header + "\n\n".join(sections) + "\n")
     print(f"wrote {out}", flush=True)
@@ -874,7 +979,7 @@ def profile_step(model, step, inputs, seq, job) -> None:
         from memory_peak import peak_table, record_step
 
         trace, before = record_step(lambda: step(data), device)
-        memory = out.with_name(f"memory_{job['model']}_{job['contender']}_{kind}.txt")
+        memory = out.with_name(f"memory_{job['model']}_{job['contender']}_{kind}{shape}.txt")
         memory.write_text(header + peak_table(trace, before))
         print(f"wrote {memory}", flush=True)
     if job.get("profile_trace"):
@@ -1212,6 +1317,7 @@ def parse_args(argv=None):
         help="comma list of contenders to profile (e.g. surgery,surgery_compiled)",
     )
     p.add_argument("--profile-scenario", choices=list(KINDS), default="padded")
+    p.add_argument("--profile-batch", type=int, default=2, help="rows of the profiled batch")
     p.add_argument(
         "--profile-trace", action="store_true", help="with the tables, the gzipped chrome trace"
     )
@@ -1348,6 +1454,7 @@ def main(argv=None) -> int:
             print(f"[{label}] starting", flush=True)
             job = {**base_job, "model": m, "contender": c, "profile": True,
                    "profile_scenario": args.profile_scenario,
+                   "profile_batch": args.profile_batch,
                    "profile_trace": args.profile_trace}  # fmt: skip
             res = run_worker(job, worker_timeout(args, c), label)
             doc["profile"].append({k: v for k, v in res.items() if k != "scenarios"})

@@ -80,3 +80,61 @@ def test_surgery_contenders_patch_with_their_options(contender, options):
     model = train_step.build_model("llama", True, torch.device("cpu"), dtype=torch.float32)
     train_step.apply_contender(model, contender)
     assert surgery.patch_options(model) == surgery.PatchOptions(**options)
+
+
+def test_kernel_time_by_class_sums_each_class_and_the_idle_gaps():
+    """The profile's kernel table: each kernel in the first class its name matches, the rest by
+    name, the busy time the union of overlapping kernels, idle what the span leaves."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    prof = SimpleNamespace(
+        events=lambda: [
+            event("aten::mm", 0, 5000, DeviceType.CPU),  # host event: not a kernel
+            event("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 0, 4000),
+            event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 3000, 5000),  # overlaps
+            event("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>", 5000, 5500),
+            event("rms_norm_fwd_kernel", 6000, 7000),  # after 0.5 ms idle
+            event("void at::native::vectorized_elementwise_kernel<8>", 7000, 7500),
+        ]
+    )
+    table = train_step.kernel_time_by_class(prof)
+    assert table.splitlines()[0] == "GPU span 7.50 ms, busy 7.00 ms, idle 0.50 ms (6.7%)"
+    rows = {line[:40].strip(): line[40:].split() for line in table.splitlines()[2:7]}
+    assert rows["matrix products"] == ["4.00", "53.3"]
+    assert rows["attention"] == ["2.50", "33.3"]
+    assert rows["other (Triton kernels and the rest)"] == ["1.00", "13.3"]
+    assert rows["PyTorch elementwise and reductions"] == ["0.50", "6.7"]
+    assert "rms_norm_fwd_kernel" in table.split("by kernel name:")[1]
+
+
+def test_products_by_shape_rates_each_product_from_its_operands():
+    """The profile's product table: 2 M N K flops per call from the operands' shapes (addmm's
+    after its bias, bmm's times its batch), the slowest shape first; ops that are not products
+    or ran no GPU time are left out."""
+    from types import SimpleNamespace
+
+    def avg(key, shapes, count, us):
+        return SimpleNamespace(key=key, input_shapes=shapes, count=count, device_time_total=us)
+
+    averages = [
+        avg("aten::mm", [[4096, 2048], [2048, 8192]], 2, 500.0),  # 2 x 137.4 GFLOP in 0.5 ms
+        avg("aten::addmm", [[8192], [4096, 2048], [2048, 8192], [], []], 1, 500.0),
+        avg("aten::addmm_", [[4096, 2048], [4096, 2048], [2048, 2048], [], []], 1, 1000.0),
+        avg("aten::bmm", [[4, 1024, 64], [4, 64, 1024]], 1, 10.0),
+        avg("aten::add", [[4096, 2048], [4096, 2048]], 1, 100.0),
+        avg("aten::mm", [[8, 8], [8, 8]], 1, 0.0),  # host only
+    ]
+    prof = SimpleNamespace(key_averages=lambda group_by_input_shape: averages)
+    lines = train_step.products_by_shape(prof).splitlines()
+    assert lines[0] == "4 shapes, 2.01 ms, 0.45 TFLOP at 222 TFLOP/s"
+    assert lines[2].split()[0] == "addmm_" and lines[2].split()[-3:] == ["1", "1.00", "34"]
+    assert lines[3].split()[0] == "mm" and lines[3].split()[-3:] == ["2", "0.50", "550"]
+    assert lines[4].split()[0] == "addmm" and lines[4].split()[-3:] == ["1", "0.50", "275"]
+    assert lines[5].split()[0] == "bmm" and lines[5].split()[-1] == "54"
