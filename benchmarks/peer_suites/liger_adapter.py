@@ -1,0 +1,192 @@
+"""Liger-Kernel's own tests of its cross entropy and fused linear cross entropy, run against
+surgery's kernels: a pytest plugin that puts surgery's kernels behind Liger's two autograd
+functions, so that Liger's public wrappers (``liger_fused_linear_cross_entropy``,
+``LigerFusedLinearCrossEntropyLoss``, ``liger_cross_entropy``, ``LigerCrossEntropyLoss``) and its
+tests run unchanged over our kernels.
+
+    bash benchmarks/peer_suites/run_liger.sh LIGER_CHECKOUT OUT   # see there
+
+Liger's tests are not in this repository (they are Liger's); the runner copies them from a Liger
+checkout and loads this module with ``-p liger_adapter``.
+
+What is replaced: ``LigerFusedLinearCrossEntropyFunction`` and ``LigerCrossEntropyFunction``,
+wherever a Liger module holds them, by objects whose ``apply`` takes Liger's arguments and
+returns Liger's ``(loss, z_loss, token_accuracy, predicted_tokens)``, computed by
+``surgery.kernels.linear_cross_entropy_statistics`` and ``surgery.kernels.cross_entropy``.
+Liger's semantics, as its kernels define them: the loss includes the z-loss term; ``z_loss`` is
+that term alone, reduced as the loss; ``token_accuracy`` is the fraction of tokens with a target
+whose target is the first maximum (per token, 0 or 1, under reduction "none");
+``predicted_tokens`` the first maximum's column per token, -1 where there is no target. Its
+cross entropy over given logits returns the loss and z-loss in the logits' dtype (ours in fp32,
+rounded once here); its fused head returns an fp32 loss, as ours. A label outside [0, V) that is
+not ``ignore_index`` raises Liger's ``AssertionError`` ("out of bounds"): ours raises a
+``ValueError`` on CPU and, on a GPU, flags it without a host sync for ``check_labels()``, which
+the adapter calls after each call to report it as Liger does.
+
+What our kernels do not have is refused as a skip with the reason, never approximated: class
+weights (``ce_weight``, ``weight``), Liger's token scaling, the per-token statistics of the
+cross entropy over given logits (the fused head has them), and tests that call Liger's Triton
+kernels directly (they test Liger, not the function replaced).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+
+from common import import_surgery
+
+kernels = import_surgery().kernels
+
+LIGER_INTERNALS = ("liger_cross_entropy_kernel", "element_mul_kernel")
+"""Names of Liger's own kernels: a test whose code refers to one tests Liger's kernel itself."""
+
+
+def _names_used(code) -> set[str]:
+    """The global and attribute names a code object and the functions nested in it refer to
+    (not its docstring or comments)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names_used(const)
+    return names
+
+
+def _token_accuracy(top1: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+    """Liger's token accuracy from our per-token ``is_top1``: per token under reduction "none",
+    else the fraction over the tokens with a target (Liger counts ``target != ignore_index``)."""
+    hit = top1.to(torch.float32)
+    if reduction == "none":
+        return hit
+    return hit.sum() / (target != ignore_index).sum()
+
+
+def _as_liger_errors(call):
+    """``call()``, then our label check; a label out of range raised as Liger raises it."""
+    try:
+        out = call()
+        kernels.check_labels()  # the flag a GPU call sets instead of reading labels on the host
+    except ValueError as e:
+        if "outside [0," not in str(e):
+            raise
+        raise AssertionError(f"target out of bounds: {e}") from e
+    return out
+
+
+def fused_linear_cross_entropy(
+    _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+    label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
+    use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False, *_rest,
+):  # fmt: skip
+    """``LigerFusedLinearCrossEntropyFunction.apply``'s contract over surgery's fused head.
+    ``accum_dtype``: our weight gradient is accumulated in fp32 whatever is asked (Liger's
+    fp32 option); ``_rest``: Liger's implementation selectors and chunk budget, not ours."""
+    if ce_weight is not None:
+        pytest.skip("surgery's fused head has no class weights (ce_weight)")
+    if use_token_scaling:
+        pytest.skip("surgery's fused head has no token scaling (use_token_scaling)")
+    statistics = ("is_top1",) * bool(return_token_accuracy)
+    statistics += ("predicted",) * bool(return_predicted_tokens)
+    out, named = _as_liger_errors(lambda: kernels.linear_cross_entropy_statistics(
+        _input, weight, target, bias, statistics=statistics, ignore_index=ignore_index,
+        reduction=reduction, z_loss_scale=float(lse_square_scale),
+        label_smoothing=float(label_smoothing), softcap=softcap,
+    ))  # fmt: skip
+    accuracy = None
+    if return_token_accuracy:
+        accuracy = _token_accuracy(named["is_top1"], target, ignore_index, reduction)
+    return (out.loss, out.z_loss if return_z_loss else None, accuracy, named.get("predicted"))
+
+
+def cross_entropy(
+    _input, target, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+    reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False,
+    return_predicted_tokens=False,
+):  # fmt: skip
+    """``LigerCrossEntropyFunction.apply``'s contract over ``surgery.kernels.cross_entropy``."""
+    if weight is not None:
+        pytest.skip("surgery's cross entropy has no class weights (weight)")
+    if return_token_accuracy or return_predicted_tokens:
+        pytest.skip("surgery's cross entropy over given logits returns no per-token statistics")
+    out = _as_liger_errors(lambda: kernels.cross_entropy(
+        _input, target, ignore_index=ignore_index, reduction=reduction,
+        z_loss_scale=float(lse_square_scale), label_smoothing=float(label_smoothing),
+        softcap=softcap,
+    ))  # fmt: skip
+    z_loss = out.z_loss.to(_input.dtype) if return_z_loss else None
+    return out.loss.to(_input.dtype), z_loss, None, None
+
+
+class SurgeryFusedLinearCrossEntropy:
+    """Stands where ``LigerFusedLinearCrossEntropyFunction`` stood."""
+
+    apply = staticmethod(fused_linear_cross_entropy)
+    supports_inner_impl_dispatch = False  # Liger's wrapper then passes its 15 arguments
+
+
+class SurgeryCrossEntropy:
+    """Stands where ``LigerCrossEntropyFunction`` stood."""
+
+    apply = staticmethod(cross_entropy)
+
+
+LIGER_MODULES = (
+    "liger_kernel.ops",
+    "liger_kernel.transformers.cross_entropy",
+    "liger_kernel.transformers.functional",
+    "liger_kernel.transformers.fused_linear_cross_entropy",
+)
+"""Liger's modules that hold the two functions (and the wrappers that call them)."""
+
+REPLACED = {
+    "LigerFusedLinearCrossEntropyFunction": SurgeryFusedLinearCrossEntropy,
+    "LigerCrossEntropyFunction": SurgeryCrossEntropy,
+}
+
+
+def install() -> list[str]:
+    """Put ours wherever a loaded Liger module holds Liger's two functions; returns the
+    ``module.name`` places replaced."""
+    for name in LIGER_MODULES:
+        importlib.import_module(name)
+    originals = {name: getattr(sys.modules["liger_kernel.ops"], name) for name in REPLACED}
+    places = []
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("liger_kernel") or module is None:
+            continue
+        for name, ours in REPLACED.items():
+            if getattr(module, name, None) is originals[name]:
+                setattr(module, name, ours)
+                places.append(f"{module_name}.{name}")
+    return places
+
+
+_PLACES = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    places = install()
+    missing = [n for n in REPLACED if f"liger_kernel.transformers.functional.{n}" not in places]
+    if missing:  # the wrappers the tests call would still run Liger's kernels
+        raise pytest.UsageError(f"this Liger's functional wrappers do not call {missing}")
+    config.stash[_PLACES] = places
+
+
+def pytest_report_header(config):
+    return f"surgery liger_adapter: replaced {', '.join(config.stash[_PLACES])}"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        code = getattr(getattr(item, "function", None), "__code__", None)
+        names = _names_used(code) if code is not None else set()
+        used = [name for name in LIGER_INTERNALS if name in names]
+        if used:
+            item.add_marker(pytest.mark.skip(reason=f"calls Liger's own kernel {used[0]}"))

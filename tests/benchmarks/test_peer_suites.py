@@ -1,0 +1,188 @@
+"""``benchmarks/peer_suites``: the adapter that runs Liger's own tests over our kernels keeps
+Liger's contract (checked here against PyTorch, without Liger), refuses what our kernels do not
+have as a skip, replaces Liger's functions wherever Liger's modules hold them, and the summary
+reads JUnit outcomes side by side."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peer_suites"))
+
+import liger_adapter
+import summary
+
+
+def _reference(x, w, bias, target, ignore_index, reduction, z_scale, smoothing):
+    logits = F.linear(x, w, bias).float()
+    valid = target != ignore_index
+    ce = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=smoothing)  # fmt: skip
+    z = torch.where(valid, z_scale * torch.logsumexp(logits, -1) ** 2, 0.0)
+    z = {"mean": z.sum() / valid.sum(), "sum": z.sum(), "none": z}[reduction]
+    first = logits.argmax(-1)
+    hit = (valid & (first == target)).float()
+    accuracy = hit if reduction == "none" else hit.sum() / valid.sum()
+    return ce + z, z, accuracy, torch.where(valid, first, -1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_fused_head_keeps_ligers_contract(reduction, ignore_index):
+    """loss (z-loss included), z_loss reduced as the loss, token accuracy (a fraction, per token
+    under "none") and predicted tokens (-1 without a target), and the gradients, fp32."""
+    torch.manual_seed(0)
+    n, d, v = 24, 16, 40
+    x = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    bias = torch.randn(v, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    target[::5] = ignore_index
+    ours = liger_adapter.fused_linear_cross_entropy(
+        x, w, target, bias, None, ignore_index, 1e-3, 0.1, reduction, None, True, None, False,
+        True, True,
+    )  # fmt: skip
+    ref = _reference(x, w, bias, target, ignore_index, reduction, 1e-3, 0.1)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-6)
+    upstream = torch.rand_like(ref[0]) + 0.5
+    grads = torch.autograd.grad(ours[0], (x, w, bias), upstream)
+    expected = torch.autograd.grad(ref[0], (x, w, bias), upstream)
+    for a, b in zip(grads, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_cross_entropy_keeps_ligers_contract():
+    torch.manual_seed(0)
+    logits = torch.randn(12, 30, requires_grad=True)
+    target = torch.randint(0, 30, (12,))
+    target[:3] = -100
+    loss, z, accuracy, predicted = liger_adapter.cross_entropy(
+        logits, target, None, -100, 1e-3, 0.0, "mean", None, True
+    )
+    ref_loss, ref_z, _, _ = _reference(logits, torch.eye(30), None, target, -100, "mean", 1e-3, 0)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(z, ref_z)
+    assert accuracy is None and predicted is None
+
+
+@pytest.mark.parametrize(
+    "call, reason",
+    [
+        (lambda x, w, t: liger_adapter.fused_linear_cross_entropy(x, w, t, None, torch.ones(8)),
+         "class weights"),
+        (lambda x, w, t: liger_adapter.fused_linear_cross_entropy(
+            x, w, t, use_token_scaling=True), "token scaling"),
+        (lambda x, w, t: liger_adapter.cross_entropy(x @ w.t(), t, torch.ones(8)),
+         "class weights"),
+        (lambda x, w, t: liger_adapter.cross_entropy(x @ w.t(), t, return_token_accuracy=True),
+         "per-token statistics"),
+    ],
+)  # fmt: skip
+def test_what_our_kernels_lack_is_a_skip_with_its_reason(call, reason):
+    x, w, t = torch.randn(4, 3), torch.randn(8, 3), torch.randint(0, 8, (4,))
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        call(x, w, t)
+
+
+def test_install_replaces_every_module_holding_ligers_functions(monkeypatch):
+    """Every liger_kernel module whose global is Liger's function gets ours; a module holding
+    something else keeps it; other packages are left alone."""
+    flce, ce, other = type("Flce", (), {}), type("Ce", (), {}), object()
+    backend = "liger_kernel.ops.backends._triton.fused_linear_cross_entropy"
+    names = [*liger_adapter.LIGER_MODULES, "liger_kernel", "liger_kernel.transformers", backend,
+             "not_liger"]  # fmt: skip
+    modules = {}
+    for name in names:
+        module = types.ModuleType(name)
+        module.LigerFusedLinearCrossEntropyFunction = flce
+        module.LigerCrossEntropyFunction = ce
+        modules[name] = module
+    modules["liger_kernel.transformers.cross_entropy"].LigerCrossEntropyFunction = other
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    places = liger_adapter.install()
+    held = modules[backend]
+    assert held.LigerFusedLinearCrossEntropyFunction is liger_adapter.SurgeryFusedLinearCrossEntropy
+    functional = modules["liger_kernel.transformers.functional"]
+    assert functional.LigerCrossEntropyFunction is liger_adapter.SurgeryCrossEntropy
+    assert modules["liger_kernel.transformers.cross_entropy"].LigerCrossEntropyFunction is other
+    assert modules["not_liger"].LigerFusedLinearCrossEntropyFunction is flce
+    assert "liger_kernel.transformers.functional.LigerFusedLinearCrossEntropyFunction" in places
+
+
+def _mentions_in_docstring_only():
+    """Once element_mul_kernel scaled every row by the first row's gradient."""
+    return 1
+
+
+def _calls_in_a_nested_function():
+    def inner():
+        return element_mul_kernel  # noqa: F821 (never run: only its code is read)
+
+    return inner
+
+
+def test_tests_calling_ligers_kernels_are_found_by_the_names_their_code_uses():
+    assert "element_mul_kernel" not in liger_adapter._names_used(
+        _mentions_in_docstring_only.__code__
+    )
+    assert "element_mul_kernel" in liger_adapter._names_used(_calls_in_a_nested_function.__code__)
+
+
+JUNIT = """<testsuites><testsuite>{}</testsuite></testsuites>"""
+
+
+def test_summary_sets_our_failures_beside_the_controls(tmp_path):
+    control = tmp_path / "control.xml"
+    ours = tmp_path / "ours.xml"
+    control.write_text(JUNIT.format(
+        '<testcase classname="t" name="a"/>'
+        '<testcase classname="t" name="b"><failure message="ref off"/></testcase>'
+        '<testcase classname="t" name="c"/>'
+    ))  # fmt: skip
+    ours.write_text(JUNIT.format(
+        '<testcase classname="t" name="a"><failure message="mismatch&#10;more"/></testcase>'
+        '<testcase classname="t" name="b"><failure message="ref off"/></testcase>'
+        '<testcase classname="t" name="c"><skipped message="no class weights"/></testcase>'
+    ))  # fmt: skip
+    result = summary.compare(summary.outcomes(str(control)), summary.outcomes(str(ours)))
+    assert result["control"] == {"passed": 2, "failed": 1}
+    assert result["surgery"] == {"failed": 2, "skipped": 1}
+    assert result["skip_reasons"] == {"no class weights": 1}
+    assert result["failures"] == [
+        {"test": "t::a", "message": "mismatch", "control": "passed"},
+        {"test": "t::b", "message": "ref off", "control": "failed"},
+    ]
+
+
+def test_cross_entropy_returns_the_logits_dtype_as_liger_does():
+    logits = torch.randn(6, 10, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 10, (6,))
+    loss, z, _, _ = liger_adapter.cross_entropy(logits, target, None, -100, 1e-4, 0.0, "mean",
+                                                None, True)  # fmt: skip
+    assert loss.dtype == z.dtype == torch.bfloat16
+    ref = (
+        F.cross_entropy(logits.float(), target)
+        + 1e-4 * torch.logsumexp(logits.float(), -1).square().mean()
+    )
+    torch.testing.assert_close(loss.float(), ref, rtol=2**-8, atol=0)  # one bf16 rounding
+    loss.backward(torch.ones_like(loss))  # a bf16 upstream gradient, as Liger's tests pass it
+    assert logits.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_a_label_out_of_range_raises_ligers_assertion(head):
+    x, w = torch.randn(4, 3), torch.randn(8, 3)
+    target = torch.tensor([1, 9, -100, 2])
+    with pytest.raises(AssertionError, match="out of bounds"):
+        if head:
+            liger_adapter.fused_linear_cross_entropy(x, w, target)
+        else:
+            liger_adapter.cross_entropy(x @ w.t(), target)
