@@ -1,6 +1,6 @@
 """Triton kernels with plain-PyTorch fp32 references beside them. Imports only torch and triton."""
 
-from .cross_entropy import cross_entropy
+from .cross_entropy import cross_entropy, cross_entropy_statistics
 from .embedding import embedding, embedding_reference
 from .gated_activation import gated_activation, gated_activation_reference
 from .gather_sum import gather_sum, gather_sum_reference
@@ -27,6 +27,7 @@ __all__ = [
     "check_labels",
     "cross_entropy",
     "cross_entropy_reference",
+    "cross_entropy_statistics",
     "embedding",
     "embedding_reference",
     "gated_activation",

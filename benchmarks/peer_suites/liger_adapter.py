@@ -11,8 +11,8 @@ checkout and loads this module with ``-p liger_adapter``.
 
 What is replaced: ``LigerFusedLinearCrossEntropyFunction`` and ``LigerCrossEntropyFunction``,
 wherever a Liger module holds them, by objects whose ``apply`` takes Liger's arguments and
-returns Liger's ``(loss, z_loss, token_accuracy, predicted_tokens)``, computed by
-``surgery.kernels.linear_cross_entropy_statistics`` and ``surgery.kernels.cross_entropy``.
+returns Liger's ``(loss, z_loss, token_accuracy, predicted_tokens)``, computed by surgery's
+``linear_cross_entropy_statistics`` and ``cross_entropy_statistics`` (``surgery.kernels``).
 Liger's semantics, as its kernels define them: the loss includes the z-loss term; ``z_loss`` is
 that term alone, reduced as the loss; ``token_accuracy`` is the fraction of tokens with a target
 whose target is the first maximum (per token, 0 or 1, under reduction "none");
@@ -24,8 +24,7 @@ not ``ignore_index`` raises Liger's ``AssertionError`` ("out of bounds"): ours r
 the adapter calls after each call to report it as Liger does.
 
 What our kernels do not have is refused as a skip with the reason, never approximated: class
-weights (``ce_weight``, ``weight``), Liger's token scaling, the per-token statistics of the
-cross entropy over given logits (the fused head has them), and tests that call Liger's Triton
+weights (``ce_weight``, ``weight``), Liger's token scaling, and tests that call Liger's Triton
 kernels directly (they test Liger, not the function replaced).
 """
 
@@ -110,18 +109,22 @@ def cross_entropy(
     reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False,
     return_predicted_tokens=False,
 ):  # fmt: skip
-    """``LigerCrossEntropyFunction.apply``'s contract over ``surgery.kernels.cross_entropy``."""
+    """``LigerCrossEntropyFunction.apply``'s contract over
+    ``surgery.kernels.cross_entropy_statistics``."""
     if weight is not None:
         pytest.skip("surgery's cross entropy has no class weights (weight)")
-    if return_token_accuracy or return_predicted_tokens:
-        pytest.skip("surgery's cross entropy over given logits returns no per-token statistics")
-    out = _as_liger_errors(lambda: kernels.cross_entropy(
-        _input, target, ignore_index=ignore_index, reduction=reduction,
+    statistics = ("is_top1",) * bool(return_token_accuracy)
+    statistics += ("predicted",) * bool(return_predicted_tokens)
+    out, named = _as_liger_errors(lambda: kernels.cross_entropy_statistics(
+        _input, target, statistics=statistics, ignore_index=ignore_index, reduction=reduction,
         z_loss_scale=float(lse_square_scale), label_smoothing=float(label_smoothing),
         softcap=softcap,
     ))  # fmt: skip
+    accuracy = None
+    if return_token_accuracy:
+        accuracy = _token_accuracy(named["is_top1"], target, ignore_index, reduction)
     z_loss = out.z_loss.to(_input.dtype) if return_z_loss else None
-    return out.loss.to(_input.dtype), z_loss, None, None
+    return out.loss.to(_input.dtype), z_loss, accuracy, named.get("predicted")
 
 
 class SurgeryFusedLinearCrossEntropy:

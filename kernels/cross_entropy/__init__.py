@@ -24,7 +24,7 @@ a target); none has a gradient.
 
 from __future__ import annotations
 
-from .api import check_options, cross_entropy, prepare_loss_inputs
+from .api import check_options, cross_entropy, cross_entropy_statistics, prepare_loss_inputs
 from .kernel import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from .launch import (
     STATISTIC_DTYPES,
@@ -32,7 +32,9 @@ from .launch import (
     STATISTICS,
     cross_entropy_bwd,
     cross_entropy_fwd,
+    statistics_buffers,
     statistics_mask,
+    statistics_outputs,
 )
 from .ops import CrossEntropyFunction, reduce_losses, upstream_coefficients
 
@@ -47,8 +49,11 @@ __all__ = [
     "cross_entropy_bwd_kernel",
     "cross_entropy_fwd",
     "cross_entropy_fwd_kernel",
+    "cross_entropy_statistics",
     "prepare_loss_inputs",
     "reduce_losses",
+    "statistics_buffers",
     "statistics_mask",
+    "statistics_outputs",
     "upstream_coefficients",
 ]

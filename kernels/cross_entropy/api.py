@@ -1,5 +1,6 @@
-"""``cross_entropy``, and the argument checks and loss inputs (targets, per-token weights) that
-the linear cross entropy, the log-probabilities and the vocabulary-parallel head share."""
+"""``cross_entropy`` and ``cross_entropy_statistics``, and the argument checks and loss inputs
+(targets, per-token weights) that the linear cross entropy, the log-probabilities and the
+vocabulary-parallel head share."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import torch
 
 from ..reduction import REDUCTIONS, prepare_targets, sequence_starts, token_weights
 from ..reference import LossOutput
+from .launch import STATISTICS, statistics_mask
 from .ops import CrossEntropyFunction
 
-__all__ = ["check_options", "cross_entropy", "prepare_loss_inputs"]
+__all__ = ["check_options", "cross_entropy", "cross_entropy_statistics", "prepare_loss_inputs"]
 
 
 def check_options(reduction: str, label_smoothing: float, z_loss_scale: float, softcap) -> None:
@@ -106,6 +108,40 @@ def cross_entropy(
     Returns:
         ``LossOutput(loss, z_loss)`` in fp32.
     """
+    loss, _ = cross_entropy_statistics(
+        logits, labels, ignore_index=ignore_index, reduction=reduction,
+        num_items_in_batch=num_items_in_batch, position_ids=position_ids, cu_seqlens=cu_seqlens,
+        z_loss_scale=z_loss_scale, label_smoothing=label_smoothing, softcap=softcap, shift=shift,
+        inplace_backward=inplace_backward,
+    )  # fmt: skip
+    return loss
+
+
+def cross_entropy_statistics(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    statistics: tuple[str, ...] = (),
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    z_loss_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    inplace_backward: bool = False,
+) -> tuple[LossOutput, dict[str, torch.Tensor]]:
+    """``cross_entropy``'s loss (every argument as it takes them) and, from the same read of the
+    logits, per-token ``statistics`` of ``softmax`` of the logits the loss sees (after the
+    softcap): names among ``STATISTICS`` (``entropy``, ``log_sum_sq_probs``, ``mean_logits``,
+    ``is_top1``, ``predicted``: the first maximum's column, as argmax takes it), shaped like
+    ``labels``, fp32 (``is_top1`` bool, ``predicted`` int64), 0 (-1 for ``predicted``) where a
+    token has no target, detached. Each costs a few operations per logit, none when not asked;
+    the loss and its gradient are ``cross_entropy``'s exactly (the same autograd path).
+    """
+    stats = statistics_mask(statistics)
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     V = logits.shape[-1]
@@ -125,7 +161,7 @@ def cross_entropy(
         cu_seqlens=cu_seqlens,
         shift=shift,
     )
-    loss, z = CrossEntropyFunction.apply(
+    loss, z, *values = CrossEntropyFunction.apply(
         logits2d,
         targets,
         weights,
@@ -133,7 +169,13 @@ def cross_entropy(
         float(label_smoothing),
         float(z_loss_scale),
         bool(inplace_backward),
+        stats,
     )
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
-    return LossOutput(loss, z)
+    named = {
+        name: t.detach().view(labels.shape)
+        for name, t in zip(STATISTICS, values, strict=True)
+        if name in statistics
+    }
+    return LossOutput(loss, z), named

@@ -17,7 +17,14 @@ from .kernel import (
     cross_entropy_fwd_kernel,
 )
 
-__all__ = ["STATISTICS", "cross_entropy_bwd", "cross_entropy_fwd", "statistics_mask"]
+__all__ = [
+    "STATISTICS",
+    "cross_entropy_bwd",
+    "cross_entropy_fwd",
+    "statistics_buffers",
+    "statistics_mask",
+    "statistics_outputs",
+]
 
 # Rows the PyTorch fallback upcasts to fp32 at once: bounds its memory on large vocabularies.
 FALLBACK_ROWS = 256
@@ -148,6 +155,21 @@ def statistics_mask(names, allowed=STATISTICS, what: str = "statistics") -> int:
     if unknown:
         raise ValueError(f"unknown {what} {sorted(unknown)}; expected names among {allowed}")
     return sum(1 << i for i, name in enumerate(STATISTICS) if name in names)
+
+
+def statistics_buffers(stats: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A buffer of ``n`` rows for each statistic whose bit is set in ``stats``."""
+    return {
+        name: torch.empty(n, dtype=STATISTIC_DTYPES.get(name, torch.float32), device=device)
+        for i, name in enumerate(STATISTICS)
+        if stats >> i & 1
+    }
+
+
+def statistics_outputs(statistics: dict[str, torch.Tensor], like: torch.Tensor) -> tuple:
+    """One tensor per name of ``STATISTICS``: the buffer, or an empty tensor (distinct ones: the
+    outputs of a custom op may not alias each other)."""
+    return tuple(statistics.get(name, like.new_empty(0)) for name in STATISTICS)
 
 
 def cross_entropy_fwd(

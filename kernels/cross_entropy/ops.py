@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from .launch import cross_entropy_bwd, cross_entropy_fwd
+from .launch import (
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+    statistics_buffers,
+    statistics_outputs,
+)
 
 __all__ = ["CrossEntropyFunction", "reduce_losses", "upstream_coefficients"]
 
@@ -21,20 +26,30 @@ def _ce_fwd_op(
     softcap: float,
     label_smoothing: float,
     z_loss_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(
+    stats: int = 0,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor,
+]:  # fmt: skip
+    """(lse, ce, z) per row and one tensor per ``STATISTICS`` name: the rows' statistic where
+    its bit is set in ``stats``, an empty tensor where not."""
+    statistics = statistics_buffers(stats, logits.shape[0], logits.device)
+    lse, ce, zl = cross_entropy_fwd(
         logits,
         targets,
         softcap=softcap,
         label_smoothing=label_smoothing,
         z_loss_scale=z_loss_scale,
+        stats=statistics,
     )
+    return lse, ce, zl, *statistics_outputs(statistics, lse)
 
 
 @_ce_fwd_op.register_fake
-def _(logits, targets, softcap, label_smoothing, z_loss_scale):
+def _(logits, targets, softcap, label_smoothing, z_loss_scale, stats=0):
     rows = logits.shape[0]
-    return tuple(logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+    per_row = [logits.new_empty(rows, dtype=torch.float32) for _ in range(3)]
+    return *per_row, *statistics_outputs(statistics_buffers(stats, rows, logits.device), per_row[0])
 
 
 @torch.library.custom_op("surgery::cross_entropy_bwd", mutates_args=())
@@ -109,22 +124,25 @@ def reduce_losses(
 
 
 class CrossEntropyFunction(torch.autograd.Function):
+    """(loss, z_loss, *statistics): the reduced losses, then one tensor per ``STATISTICS`` name
+    (the rows' values where its bit is set in ``stats``, empty where not; no gradient)."""
+
     @staticmethod
-    def forward(ctx, logits2d, targets, weights, softcap, eps, z_scale, inplace_backward):
-        lse, ce, zl = _ce_fwd_op(logits2d, targets, softcap, eps, z_scale)
+    def forward(ctx, logits2d, targets, weights, softcap, eps, z_scale, inplace_backward, stats=0):
+        lse, ce, zl, *statistics = _ce_fwd_op(logits2d, targets, softcap, eps, z_scale, stats)
         ctx.save_for_backward(logits2d, targets, weights, lse)
         ctx.opts = (softcap, eps, z_scale, inplace_backward)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, *statistics)
         loss, z_out = reduce_losses(ce, zl, weights)
-        return loss, z_out
+        return loss, z_out, *statistics
 
     @staticmethod
-    def backward(ctx, g_loss, g_z):
+    def backward(ctx, g_loss, g_z, *_g_statistics):
         logits2d, targets, weights, lse = ctx.saved_tensors
         softcap, eps, z_scale, inplace_backward = ctx.opts
         if g_loss is None and g_z is None:
-            return (None,) * 7
+            return (None,) * 8
         a, b = upstream_coefficients(weights, g_loss, g_z, logits2d.shape[0], logits2d.device)
         if inplace_backward:
             # The caller opted in: the gradient overwrites the logits buffer it handed us.
@@ -132,4 +150,4 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = logits2d
         else:
             grad = _ce_bwd_op(logits2d, targets, lse, a, b, softcap, eps, z_scale)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None

@@ -10,11 +10,11 @@ import functools
 import torch
 
 from ..cross_entropy import (
-    STATISTIC_DTYPES,
     STATISTIC_FILL,
-    STATISTICS,
     cross_entropy_bwd,
     cross_entropy_fwd,
+    statistics_buffers,
+    statistics_outputs,
 )
 from ..dispatch import cdiv, on_device, triton_available, use_triton
 
@@ -245,7 +245,7 @@ def lce_fwd(
     else:
         dw = x.new_empty(0)
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
-    statistics = _statistics_buffers(stats, n, dev)
+    statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
@@ -286,22 +286,7 @@ def lce_fwd(
                       for k, t in statistics.items()}  # fmt: skip
         if need_dx:
             dx = _scatter_rows(dx, rows, n_all)
-    return ce, zl, lse, dx, dw, db, *_statistics_outputs(statistics, x)
-
-
-def _statistics_buffers(stats: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A buffer of ``n`` rows for each statistic whose bit is set in ``stats``."""
-    return {
-        name: torch.empty(n, dtype=STATISTIC_DTYPES.get(name, torch.float32), device=device)
-        for i, name in enumerate(STATISTICS)
-        if stats >> i & 1
-    }
-
-
-def _statistics_outputs(statistics: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
-    """One tensor per name of ``STATISTICS``: the buffer, or an empty tensor (distinct ones: the
-    outputs of a custom op may not alias each other)."""
-    return tuple(statistics.get(name, x.new_empty(0)) for name in STATISTICS)
+    return ce, zl, lse, dx, dw, db, *statistics_outputs(statistics, x)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
@@ -408,7 +393,7 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
     dx = torch.empty_like(x) if grads and need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
-    statistics = _statistics_outputs(_statistics_buffers(stats, n, x.device), x)
+    statistics = statistics_outputs(statistics_buffers(stats, n, x.device), x)
     return (*per_tok, dx, dw, db, *statistics)
 
 

@@ -310,3 +310,76 @@ def test_softcap_loss_and_grads_fp32(path, fn, cap, reduction):
     (gref,) = torch.autograd.grad((ref * g.to(ref.device)).sum(), x64)
     for name, a, r in zip(("grad_logits", "grad_weight"), got, input_grads(gref, x64.detach(), fn)):
         assert rel_err(a, r) <= STRICT, f"{name}: rel err {rel_err(a, r):.2e}"
+
+
+STATISTIC_NAMES = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "predicted")
+
+
+def statistics_reference(logits: torch.Tensor, labels: torch.Tensor, softcap):
+    """The statistics in fp64 of the softmax of the (softcapped) logits; a token without a
+    target gets 0 (False, -1 for the prediction)."""
+    x = logits.double()
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    log_p = torch.log_softmax(x, -1)
+    valid = (labels >= 0) & (labels < x.shape[-1])
+    first = x.argmax(-1)
+    values = {
+        "entropy": -(log_p.exp() * log_p).sum(-1),
+        "log_sum_sq_probs": torch.logsumexp(2 * log_p, -1),
+        "mean_logits": x.mean(-1),
+        "is_top1": first == labels,
+        "predicted": first,
+    }
+    fill = {"is_top1": False, "predicted": -1}
+    return {k: torch.where(valid, v, fill.get(k, 0.0)) for k, v in values.items()}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+def test_statistics_over_logits_are_those_of_the_softmax_the_loss_sees(path, softcap, reduction):
+    """``cross_entropy_statistics``: every statistic against fp64 (ties taken as argmax takes
+    them: the first maximum), and the loss, z-loss and gradient exactly ``cross_entropy``'s."""
+    from surgery.kernels import cross_entropy_statistics
+
+    labels = make_labels(-100, path)
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(B, T, V, generator=g) * 3).to(path)
+    top = logits.argmax(-1)
+    labels[:, ::3] = top[:, ::3]  # some targets are the top-1
+    logits[0, 0, [4, 9]] = logits[0, 0].max() + 1.0  # a tie at the top: column 4 is the argmax
+    labels[0, 0] = 9
+    kw = dict(reduction=reduction, softcap=softcap, z_loss_scale=1e-3, label_smoothing=0.1)
+    z1 = logits.clone().requires_grad_()
+    (loss, z_loss), stats = cross_entropy_statistics(z1, labels, statistics=STATISTIC_NAMES, **kw)
+    z2 = logits.clone().requires_grad_()
+    want = cross_entropy(z2, labels, **kw)
+    torch.testing.assert_close(loss, want.loss, rtol=0, atol=0)
+    torch.testing.assert_close(z_loss, want.z_loss, rtol=0, atol=0)
+    upstream = torch.rand_like(loss) + 0.5
+    (g1,) = torch.autograd.grad((loss * upstream).sum(), z1)
+    (g2,) = torch.autograd.grad((want.loss * upstream).sum(), z2)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+    ref = statistics_reference(logits, labels, softcap)
+    assert set(stats) == set(STATISTIC_NAMES)
+    for name in ("entropy", "log_sum_sq_probs", "mean_logits"):
+        assert stats[name].shape == labels.shape and stats[name].dtype == torch.float32
+        assert not stats[name].requires_grad
+        torch.testing.assert_close(stats[name].double(), ref[name], rtol=1e-5, atol=1e-5)
+    assert stats["is_top1"].dtype == torch.bool and torch.equal(stats["is_top1"], ref["is_top1"])
+    assert stats["is_top1"].any() and not stats["is_top1"][0, 0]  # the later of the tied columns
+    assert stats["predicted"].dtype == torch.int64
+    assert torch.equal(stats["predicted"], ref["predicted"]) and stats["predicted"][0, 0] == 4
+
+
+def test_statistics_over_logits_asked_for_alone():
+    """Only the statistics asked for come back; an unknown name is refused."""
+    from surgery.kernels import cross_entropy_statistics
+
+    logits = torch.randn(5, V, device=DEVICE)
+    labels = torch.randint(0, V, (5,), device=DEVICE)
+    _, stats = cross_entropy_statistics(logits, labels, statistics=("predicted",))
+    assert list(stats) == ["predicted"]
+    assert torch.equal(stats["predicted"], logits.argmax(-1))
+    with pytest.raises(ValueError, match="unknown statistics"):
+        cross_entropy_statistics(logits, labels, statistics=("log_probs",))
