@@ -8,7 +8,7 @@ import torch
 
 from ..reduction import REDUCTIONS, prepare_targets, sequence_starts, token_weights
 from ..reference import LossOutput
-from .launch import STATISTICS, statistics_mask
+from .launch import named_statistics, statistics_mask
 from .ops import CrossEntropyFunction
 
 __all__ = ["check_options", "cross_entropy", "cross_entropy_statistics", "prepare_loss_inputs"]
@@ -173,9 +173,4 @@ def cross_entropy_statistics(
     )
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
-    named = {
-        name: t.detach().view(labels.shape)
-        for name, t in zip(STATISTICS, values, strict=True)
-        if name in statistics
-    }
-    return LossOutput(loss, z), named
+    return LossOutput(loss, z), named_statistics(values, statistics, labels.shape)

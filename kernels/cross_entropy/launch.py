@@ -21,6 +21,7 @@ __all__ = [
     "STATISTICS",
     "cross_entropy_bwd",
     "cross_entropy_fwd",
+    "named_statistics",
     "statistics_buffers",
     "statistics_mask",
     "statistics_outputs",
@@ -170,6 +171,16 @@ def statistics_outputs(statistics: dict[str, torch.Tensor], like: torch.Tensor) 
     """One tensor per name of ``STATISTICS``: the buffer, or an empty tensor (distinct ones: the
     outputs of a custom op may not alias each other)."""
     return tuple(statistics.get(name, like.new_empty(0)) for name in STATISTICS)
+
+
+def named_statistics(values, names, shape) -> dict[str, torch.Tensor]:
+    """The statistics among ``names`` from an op's outputs ``values`` (one per ``STATISTICS``
+    name, as ``statistics_outputs`` gives them), detached and viewed as ``shape``."""
+    return {
+        name: t.detach().view(shape)
+        for name, t in zip(STATISTICS, values, strict=True)
+        if name in names
+    }
 
 
 def cross_entropy_fwd(

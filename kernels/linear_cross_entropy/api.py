@@ -8,8 +8,8 @@ import sys
 import torch
 
 from ..cross_entropy import (
-    STATISTICS,
     check_options,
+    named_statistics,
     prepare_loss_inputs,
     reduce_losses,
     statistics_mask,
@@ -386,9 +386,4 @@ def linear_cross_entropy_statistics(
     )  # fmt: skip
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
-    named = {
-        name: t.detach().view(labels.shape)
-        for name, t in zip(STATISTICS, values, strict=True)
-        if name in statistics
-    }
-    return LossOutput(loss, z), named
+    return LossOutput(loss, z), named_statistics(values, statistics, labels.shape)
