@@ -101,6 +101,35 @@ def image_batch(model, wrapper) -> dict:
     return batch
 
 
+def packed_image_row(model, wrapper) -> dict:
+    """``image_batch``'s two rows as two documents packed into one row, with Qwen's (4, 1, seq)
+    position ids: the text positions (restarting per document), then each document's own 3-D
+    rotary positions (transformers' ``get_rope_index``); the first token of each not predicted."""
+    rows = image_batch(model, wrapper)
+    lengths = (SEQ, SEQ - 3)
+    ids, types, positions, labels = [], [], [], []
+    for row, length in enumerate(lengths):
+        doc = rows["input_ids"][row, :length]
+        kind = rows["mm_token_type_ids"][row, :length]
+        rope, _ = model.model.get_rope_index(
+            doc[None],
+            mm_token_type_ids=kind[None],
+            image_grid_thw=rows["image_grid_thw"][row : row + 1],
+        )
+        positions.append(torch.cat([torch.arange(length).view(1, 1, -1), rope]))
+        ids.append(doc)
+        types.append(kind)
+        labels.append(torch.cat([torch.tensor([-100]), doc[1:]]))
+    return {
+        "input_ids": torch.cat(ids)[None],
+        "mm_token_type_ids": torch.cat(types)[None],
+        "position_ids": torch.cat(positions, dim=-1),
+        "labels": torch.cat(labels)[None],
+        "pixel_values": rows["pixel_values"],
+        "image_grid_thw": rows["image_grid_thw"],
+    }
+
+
 def step(model, batch):
     model.zero_grad(set_to_none=True)
     out = model(**batch)
@@ -256,29 +285,7 @@ def test_packed_rows_with_multimodal_positions(pair):
     model = tiny_vlm(spec, wrapper)
     reference = copy.deepcopy(model)
     surgery.patch(model)
-    rows = image_batch(model, wrapper)
-    lengths = (SEQ, SEQ - 3)
-    ids, types, positions, labels = [], [], [], []
-    for row, length in enumerate(lengths):
-        doc = rows["input_ids"][row, :length]
-        kind = rows["mm_token_type_ids"][row, :length]
-        rope, _ = model.model.get_rope_index(
-            doc[None],
-            mm_token_type_ids=kind[None],
-            image_grid_thw=rows["image_grid_thw"][row : row + 1],
-        )
-        positions.append(torch.cat([torch.arange(length).view(1, 1, -1), rope]))
-        ids.append(doc)
-        types.append(kind)
-        labels.append(torch.cat([torch.tensor([-100]), doc[1:]]))
-    batch = {
-        "input_ids": torch.cat(ids)[None],
-        "mm_token_type_ids": torch.cat(types)[None],
-        "position_ids": torch.cat(positions, dim=-1),
-        "labels": torch.cat(labels)[None],
-        "pixel_values": rows["pixel_values"],
-        "image_grid_thw": rows["image_grid_thw"],
-    }
+    batch = packed_image_row(model, wrapper)
     assert_same_step(step(model, batch), step(reference, {**batch, "use_cache": False}))
 
 
