@@ -383,3 +383,36 @@ def test_statistics_over_logits_asked_for_alone():
     assert torch.equal(stats["predicted"], logits.argmax(-1))
     with pytest.raises(ValueError, match="unknown statistics"):
         cross_entropy_statistics(logits, labels, statistics=("log_probs",))
+
+
+def test_is_top1_is_argmax_whatever_block_holds_the_target_or_its_ties():
+    """The kernel sweeps a row in blocks of its BLOCK_V columns: the target alone, or tied at the
+    maximum with a column in an earlier block, in its own block before or after it, at a block's
+    first and last column. ``is_top1`` and ``predicted`` are argmax's (the first maximum)."""
+    from surgery.kernels import cross_entropy_statistics
+    from surgery.kernels.cross_entropy.kernel import FWD_BLOCK_V as BLOCK
+
+    v = 2 * BLOCK + 808  # three blocks, the last partial
+    cases = [  # (target, columns at the maximum)
+        (BLOCK + 904, [100, BLOCK + 904]),  # tie in an earlier block
+        (BLOCK + 904, [BLOCK + 404, BLOCK + 904]),  # tie earlier in the target's block
+        (BLOCK + 904, [BLOCK + 904, 2 * BLOCK + 700]),  # tie in a later block
+        (BLOCK + 904, [BLOCK + 904]),  # the target alone
+        (100, [BLOCK + 1904]),  # the maximum in a later block
+        (BLOCK - 1, [0, BLOCK - 1]),  # the target a block's last column
+        (BLOCK, [BLOCK - 1, BLOCK]),  # the target a block's first column
+        (BLOCK, [BLOCK, v - 1]),  # and the row's last column tied after it
+        (-100, [7]),  # no target
+    ]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(cases), v, generator=g)
+    labels = torch.tensor([t for t, _ in cases])
+    for row, (_, tops) in enumerate(cases):
+        logits[row, tops] = 10.0
+    logits, labels = logits.to(DEVICE), labels.to(DEVICE)
+    _, stats = cross_entropy_statistics(logits, labels, statistics=("is_top1", "predicted"))
+    first = logits.argmax(-1)
+    valid = labels >= 0
+    assert stats["is_top1"].tolist() == (valid & (first == labels)).tolist()
+    assert stats["is_top1"].tolist() == [False, False, True, True, False, False, False, True, False]
+    assert stats["predicted"].tolist() == torch.where(valid, first, -1).tolist()
