@@ -469,6 +469,13 @@ def parse_scenarios(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """A command-line count of at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 class Unavailable(Exception):
     pass
 
@@ -831,7 +838,10 @@ def worker(job: dict[str, Any]) -> None:
 # attention backward has two helpers, the rows' dO . O and dQ's conversion to 16 bits).
 KERNEL_CLASSES = (
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "dot_do_o", "convert_dq")),
-    ("matrix products", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    (
+        "matrix products",
+        ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "triton_tem_"),
+    ),
     ("optimizer", ("multi_tensor", "adam")),
     ("copies and fills", ("memcpy", "memset", "copy", "fill", "cat_", "catarray")),
     ("PyTorch elementwise and reductions", ("at::native", "elementwise", "reduce_kernel")),
@@ -870,7 +880,7 @@ def kernel_time_by_class(prof) -> str:
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    span = spans[-1][1] - spans[0][0]
+    span = cur_end - spans[0][0]  # to the latest end, which the last kernel to start need not have
     idle = span - busy
     lines = [
         f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms,"
@@ -885,13 +895,17 @@ def kernel_time_by_class(prof) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Matrix-product ops of a profiled step and where their two operands sit among the inputs.
+# Matrix-product ops of a profiled step and where their two operands sit among the inputs (a
+# compiled step's products that inductor wrote as Triton templates are in the class table only).
 PRODUCT_OPS = {
     "aten::mm": (0, 1),
     "aten::addmm": (1, 2),
     "aten::addmm_": (1, 2),
+    "aten::_addmm_activation": (1, 2),
     "aten::bmm": (0, 1),
     "aten::baddbmm": (1, 2),
+    "aten::_grouped_mm": (0, 1),  # (tokens, K) x (experts, K, N): each token meets one expert
+    "aten::_scaled_mm": (0, 1),
 }
 
 
@@ -1317,7 +1331,9 @@ def parse_args(argv=None):
         help="comma list of contenders to profile (e.g. surgery,surgery_compiled)",
     )
     p.add_argument("--profile-scenario", choices=list(KINDS), default="padded")
-    p.add_argument("--profile-batch", type=int, default=2, help="rows of the profiled batch")
+    p.add_argument(
+        "--profile-batch", type=positive_int, default=2, help="rows of the profiled batch"
+    )
     p.add_argument(
         "--profile-trace", action="store_true", help="with the tables, the gzipped chrome trace"
     )

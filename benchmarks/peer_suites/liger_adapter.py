@@ -48,13 +48,21 @@ LIGER_INTERNALS = ("liger_cross_entropy_kernel", "element_mul_kernel")
 """Names of Liger's own kernels: a test whose code refers to one tests Liger's kernel itself."""
 
 
-def _names_used(code) -> set[str]:
-    """The global and attribute names a code object and the functions nested in it refer to
-    (not its docstring or comments)."""
+def _names_used(code, namespace: dict | None = None, seen: set | None = None) -> set[str]:
+    """The global and attribute names a code object, the functions nested in it and, given the
+    test module's ``namespace``, the module's own functions it calls (at any depth) refer to (not
+    docstrings or comments)."""
+    seen = set() if seen is None else seen
+    seen.add(code)
     names = set(code.co_names)
     for const in code.co_consts:
-        if inspect.iscode(const):
-            names |= _names_used(const)
+        if inspect.iscode(const) and const not in seen:
+            names |= _names_used(const, namespace, seen)
+    for name in code.co_names:
+        helper = (namespace or {}).get(name)
+        own = inspect.isfunction(helper) and helper.__globals__ is namespace
+        if own and helper.__code__ not in seen:
+            names |= _names_used(helper.__code__, namespace, seen)
     return names
 
 
@@ -188,8 +196,9 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        code = getattr(getattr(item, "function", None), "__code__", None)
-        names = _names_used(code) if code is not None else set()
+        fn = getattr(item, "function", None)
+        code = getattr(fn, "__code__", None)
+        names = _names_used(code, fn.__globals__) if code is not None else set()
         used = [name for name in LIGER_INTERNALS if name in names]
         if used:
             item.add_marker(pytest.mark.skip(reason=f"calls Liger's own kernel {used[0]}"))

@@ -3,8 +3,9 @@ against the peer's own kernels (the control) and once against surgery's.
 
     python3 benchmarks/peer_suites/summary.py CONTROL.xml SURGERY.xml [--json OUT.json]
 
-Prints the counts of each run, the skip reasons of ours, and every test that fails with ours,
-saying whether it passes in the control (a failure of ours) or fails there too (of the test)."""
+Prints the counts of each run, the skip reasons of ours, every test that fails with ours, saying
+whether it passes in the control (a failure of ours) or fails there too (of the test), and every
+test of the control that our run does not have (a file that did not load, say)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def outcomes(path: str) -> dict[str, tuple[str, str]]:
 
 
 def compare(control: dict, ours: dict) -> dict:
-    """Counts of both runs, our skip reasons counted, and our failures with the control's
-    outcome of the same test."""
+    """Counts of both runs, our skip reasons counted, our failures with the control's outcome
+    of the same test, and the control's tests missing from ours."""
     failures = [
         {"test": t, "message": m, "control": control.get(t, ("absent", ""))[0]}
         for t, (o, m) in sorted(ours.items())
@@ -45,6 +46,7 @@ def compare(control: dict, ours: dict) -> dict:
         "surgery": dict(Counter(o for o, _ in ours.values())),
         "skip_reasons": dict(Counter(m for o, m in ours.values() if o == "skipped")),
         "failures": failures,
+        "missing": sorted(set(control) - set(ours)),
     }
 
 
@@ -62,6 +64,8 @@ def main() -> None:
     for f in result["failures"]:
         where = "fails in the control too" if f["control"] == "failed" else "passes in the control"
         print(f"  FAILED ({where}): {f['test']}\n      {f['message']}")
+    for test in result["missing"]:
+        print(f"  MISSING from ours (in the control): {test}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)

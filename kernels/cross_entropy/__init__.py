@@ -2,8 +2,9 @@
 
 Modules, in reading order: ``kernel`` (Triton kernels) -> ``launch`` (the PyTorch path and the
 host launchers ``cross_entropy_fwd``, ``cross_entropy_bwd``) -> ``ops`` (torch.library ops and the
-autograd.Function over them, eager and compiled) -> ``api`` (``cross_entropy`` and the loss inputs
-the linear cross entropy shares). The fp32 reference is ``reference.cross_entropy_reference``.
+autograd.Function over them, eager and compiled) -> ``api`` (``cross_entropy``,
+``cross_entropy_statistics`` and the loss inputs the linear cross entropy shares). The fp32
+reference is ``reference.cross_entropy_reference``.
 
 Per token i with target y, over the logits the loss sees, x = cap * tanh(k z / cap) / T (the
 softcap ``cap`` where set; a logit scale k and a temperature T, both 1 unless given):

@@ -129,11 +129,18 @@ def _calls_in_a_nested_function():
     return inner
 
 
+def _calls_through_a_module_helper():
+    return _calls_in_a_nested_function()
+
+
 def test_tests_calling_ligers_kernels_are_found_by_the_names_their_code_uses():
-    assert "element_mul_kernel" not in liger_adapter._names_used(
-        _mentions_in_docstring_only.__code__
-    )
-    assert "element_mul_kernel" in liger_adapter._names_used(_calls_in_a_nested_function.__code__)
+    """By the names the code uses (not its docstring), in nested functions and, given the test
+    module's namespace, in the module's own helpers it calls."""
+    used = liger_adapter._names_used
+    assert "element_mul_kernel" not in used(_mentions_in_docstring_only.__code__, globals())
+    assert "element_mul_kernel" in used(_calls_in_a_nested_function.__code__, globals())
+    assert "element_mul_kernel" in used(_calls_through_a_module_helper.__code__, globals())
+    assert "element_mul_kernel" not in used(_calls_through_a_module_helper.__code__)
 
 
 JUNIT = """<testsuites><testsuite>{}</testsuite></testsuites>"""
@@ -146,6 +153,7 @@ def test_summary_sets_our_failures_beside_the_controls(tmp_path):
         '<testcase classname="t" name="a"/>'
         '<testcase classname="t" name="b"><failure message="ref off"/></testcase>'
         '<testcase classname="t" name="c"/>'
+        '<testcase classname="u" name="d"/>'
     ))  # fmt: skip
     ours.write_text(JUNIT.format(
         '<testcase classname="t" name="a"><failure message="mismatch&#10;more"/></testcase>'
@@ -153,7 +161,8 @@ def test_summary_sets_our_failures_beside_the_controls(tmp_path):
         '<testcase classname="t" name="c"><skipped message="no class weights"/></testcase>'
     ))  # fmt: skip
     result = summary.compare(summary.outcomes(str(control)), summary.outcomes(str(ours)))
-    assert result["control"] == {"passed": 2, "failed": 1}
+    assert result["control"] == {"passed": 3, "failed": 1}
+    assert result["missing"] == ["u::d"]
     assert result["surgery"] == {"failed": 2, "skipped": 1}
     assert result["skip_reasons"] == {"no class weights": 1}
     assert result["failures"] == [

@@ -114,6 +114,31 @@ def test_kernel_time_by_class_sums_each_class_and_the_idle_gaps():
     assert "rms_norm_fwd_kernel" in table.split("by kernel name:")[1]
 
 
+def test_kernel_time_span_ends_at_the_latest_end_when_kernels_overlap():
+    """Two streams: a long kernel that starts first holds a short one that starts later; the
+    span runs to the long one's end, and nothing is idle."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    prof = SimpleNamespace(
+        events=lambda: [event("nvjet_a", 0, 10000), event("ncclKernel_AllReduce", 2000, 3000)]
+    )
+    first = train_step.kernel_time_by_class(prof).splitlines()[0]
+    assert first == "GPU span 10.00 ms, busy 10.00 ms, idle 0.00 ms (0.0%)"
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two", "1.5"])
+def test_counts_refuse_what_is_not_a_whole_number_of_at_least_one(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        train_step.positive_int(text)
+    assert train_step.positive_int("8") == 8
+
+
 def test_products_by_shape_rates_each_product_from_its_operands():
     """The profile's product table: 2 M N K flops per call from the operands' shapes (addmm's
     after its bias, bmm's times its batch), the slowest shape first; ops that are not products
@@ -138,3 +163,17 @@ def test_products_by_shape_rates_each_product_from_its_operands():
     assert lines[3].split()[0] == "mm" and lines[3].split()[-3:] == ["2", "0.50", "550"]
     assert lines[4].split()[0] == "addmm" and lines[4].split()[-3:] == ["1", "0.50", "275"]
     assert lines[5].split()[0] == "bmm" and lines[5].split()[-1] == "54"
+
+
+def test_a_grouped_product_counts_each_token_against_one_expert():
+    """``_grouped_mm`` of (tokens, K) by (experts, K, N): 2 tokens K N flops, not times the
+    experts."""
+    from types import SimpleNamespace
+
+    averages = [
+        SimpleNamespace(key="aten::_grouped_mm", input_shapes=[[4096, 2048], [8, 2048, 768], [8]],
+                        count=1, device_time_total=100.0)
+    ]  # fmt: skip
+    prof = SimpleNamespace(key_averages=lambda group_by_input_shape: averages)
+    lines = train_step.products_by_shape(prof).splitlines()
+    assert lines[0] == "1 shapes, 0.10 ms, 0.01 TFLOP at 129 TFLOP/s"

@@ -335,21 +335,25 @@ def statistics_reference(logits: torch.Tensor, labels: torch.Tensor, softcap):
     return {k: torch.where(valid, v, fill.get(k, 0.0)) for k, v in values.items()}
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("reduction", ["mean", "none", "sequence-shift"])
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
 def test_statistics_over_logits_are_those_of_the_softmax_the_loss_sees(path, softcap, reduction):
     """``cross_entropy_statistics``: every statistic against fp64 (ties taken as argmax takes
-    them: the first maximum), and the loss, z-loss and gradient exactly ``cross_entropy``'s."""
+    them: the first maximum), and the loss, z-loss and gradient exactly ``cross_entropy``'s;
+    with ``shift`` a token's statistics are those of its own logits against the next label."""
     from surgery.kernels import cross_entropy_statistics
 
+    shift = reduction.endswith("-shift")
     labels = make_labels(-100, path)
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(B, T, V, generator=g) * 3).to(path)
     top = logits.argmax(-1)
-    labels[:, ::3] = top[:, ::3]  # some targets are the top-1
+    labels[:, int(shift) :: 3] = top[:, ::3][:, : len(range(int(shift), T, 3))]  # some top-1s
     logits[0, 0, [4, 9]] = logits[0, 0].max() + 1.0  # a tie at the top: column 4 is the argmax
-    labels[0, 0] = 9
-    kw = dict(reduction=reduction, softcap=softcap, z_loss_scale=1e-3, label_smoothing=0.1)
+    labels[0, int(shift)] = 9
+    reduction = reduction.removesuffix("-shift")
+    kw = dict(reduction=reduction, softcap=softcap, z_loss_scale=1e-3, label_smoothing=0.1,
+              shift=shift)  # fmt: skip
     z1 = logits.clone().requires_grad_()
     (loss, z_loss), stats = cross_entropy_statistics(z1, labels, statistics=STATISTIC_NAMES, **kw)
     z2 = logits.clone().requires_grad_()
@@ -360,7 +364,10 @@ def test_statistics_over_logits_are_those_of_the_softmax_the_loss_sees(path, sof
     (g1,) = torch.autograd.grad((loss * upstream).sum(), z1)
     (g2,) = torch.autograd.grad((want.loss * upstream).sum(), z2)
     torch.testing.assert_close(g1, g2, rtol=0, atol=0)
-    ref = statistics_reference(logits, labels, softcap)
+    targets = labels
+    if shift:  # the next label of the same row; none for a row's last token
+        targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    ref = statistics_reference(logits, targets, softcap)
     assert set(stats) == set(STATISTIC_NAMES)
     for name in ("entropy", "log_sum_sq_probs", "mean_logits"):
         assert stats[name].shape == labels.shape and stats[name].dtype == torch.float32
@@ -416,3 +423,27 @@ def test_is_top1_is_argmax_whatever_block_holds_the_target_or_its_ties():
     assert stats["is_top1"].tolist() == (valid & (first == labels)).tolist()
     assert stats["is_top1"].tolist() == [False, False, True, True, False, False, False, True, False]
     assert stats["predicted"].tolist() == torch.where(valid, first, -1).tolist()
+
+
+def test_statistics_over_logits_trace_with_fullgraph_compile():
+    """The op with its statistics is opaque to dynamo: the loss, the statistics and the gradient
+    trace in one graph and equal eager's."""
+    from surgery.kernels import cross_entropy_statistics
+
+    logits = torch.randn(B, T, V, device=DEVICE, requires_grad=True)
+    labels = make_labels(-100, DEVICE)
+
+    def step(z, labels):
+        (loss, z_loss), stats = cross_entropy_statistics(
+            z, labels, statistics=STATISTIC_NAMES, reduction="sequence", shift=True,
+            z_loss_scale=1e-3, softcap=5.0,
+        )  # fmt: skip
+        return loss, z_loss, *(stats[name] for name in STATISTIC_NAMES)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got, want = compiled(logits, labels), step(logits, labels)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (g_got,) = torch.autograd.grad(got[0], logits)
+    (g_want,) = torch.autograd.grad(want[0], logits)
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=0)
