@@ -1,18 +1,21 @@
-"""Liger-Kernel's own tests of its cross entropy and fused linear cross entropy, run against
-surgery's kernels: a pytest plugin that puts surgery's kernels behind Liger's two autograd
-functions, so that Liger's public wrappers (``liger_fused_linear_cross_entropy``,
-``LigerFusedLinearCrossEntropyLoss``, ``liger_cross_entropy``, ``LigerCrossEntropyLoss``) and its
-tests run unchanged over our kernels.
+"""Liger-Kernel's own tests of its cross entropy, fused linear cross entropy, RMSNorm, SwiGLU
+and RoPE, run against surgery's kernels: a pytest plugin that puts surgery's kernels behind
+Liger's autograd functions, so that Liger's public wrappers (``liger_fused_linear_cross_entropy``,
+``LigerFusedLinearCrossEntropyLoss``, ``liger_cross_entropy``, ``LigerCrossEntropyLoss``,
+``LigerRMSNorm``, ``LigerSwiGLUMLP`` and its experts, ``liger_rotary_pos_emb``, ...) and its tests
+run unchanged over our kernels.
 
     bash benchmarks/peer_suites/run_liger.sh LIGER_CHECKOUT OUT   # see there
 
 Liger's tests are not in this repository (they are Liger's); the runner copies them from a Liger
 checkout and loads this module with ``-p liger_adapter``.
 
-What is replaced: ``LigerFusedLinearCrossEntropyFunction`` and ``LigerCrossEntropyFunction``,
-wherever a Liger module holds them, by objects whose ``apply`` takes Liger's arguments and
-returns Liger's ``(loss, z_loss, token_accuracy, predicted_tokens)``, computed by surgery's
-``linear_cross_entropy_statistics`` and ``cross_entropy_statistics`` (``surgery.kernels``).
+What is replaced: ``LigerFusedLinearCrossEntropyFunction``, ``LigerCrossEntropyFunction``,
+``LigerRMSNormFunction``, ``LigerSiLUMulFunction`` and ``LigerRopeFunction``, wherever a Liger
+module holds them, by objects whose ``apply`` takes Liger's arguments and returns what Liger's
+returns: the losses' ``(loss, z_loss, token_accuracy, predicted_tokens)`` computed by surgery's
+``linear_cross_entropy_statistics`` and ``cross_entropy_statistics``, and ``rms_norm``,
+``gated_activation`` and ``apply_rotary_pos_emb`` (``surgery.kernels``).
 Liger's semantics, as its kernels define them: the loss includes the z-loss term; ``z_loss`` is
 that term alone, reduced as the loss; ``token_accuracy`` is the fraction of tokens with a target
 whose target is the first maximum (per token, 0 or 1, under reduction "none");
@@ -24,8 +27,10 @@ not ``ignore_index`` raises Liger's ``AssertionError`` ("out of bounds"): ours r
 the adapter calls after each call to report it as Liger does.
 
 What our kernels do not have is refused as a skip with the reason, never approximated: class
-weights (``ce_weight``, ``weight``), Liger's token scaling, and tests that call Liger's Triton
-kernels directly (they test Liger, not the function replaced).
+weights (``ce_weight``, ``weight``), Liger's token scaling, RMSNorm's casting mode "none" (ours
+computes in fp32), SwiGLU's gate and down multipliers, cos/sin given at half the rotary width, and
+tests that call or patch Liger's own kernels (they test Liger, not the function replaced). What
+only picks Liger's implementation (RMSNorm's ``in_place``, ``row_mode``) is ignored.
 """
 
 from __future__ import annotations
@@ -44,8 +49,14 @@ from common import import_surgery
 
 kernels = import_surgery().kernels
 
-LIGER_INTERNALS = ("liger_cross_entropy_kernel", "element_mul_kernel")
-"""Names of Liger's own kernels: a test whose code refers to one tests Liger's kernel itself."""
+LIGER_INTERNALS = (
+    "liger_cross_entropy_kernel",
+    "element_mul_kernel",
+    "swiglu_ops",
+    "LigerExperts",  # its forward is Liger's fused MoE kernel (LigerFusedMoEFunction), not SiLU-mul
+)
+"""Names through which a test runs or patches Liger's own kernels, which are not replaced: such a
+test tests Liger."""
 
 
 def _names_used(code, namespace: dict | None = None, seen: set | None = None) -> set[str]:
@@ -135,6 +146,54 @@ def cross_entropy(
     return out.loss.to(_input.dtype), z_loss, accuracy, named.get("predicted")
 
 
+def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
+    """``LigerRMSNormFunction.apply``'s contract over ``surgery.kernels.rms_norm``; without a
+    weight (Liger's ``elementwise_affine=False``) the scale is exactly 1."""
+    if casting_mode not in ("llama", "gemma"):
+        pytest.skip(f"surgery's RMSNorm has no casting mode {casting_mode!r} (it computes in fp32)")
+    if W is None:  # offset + (1 - offset) is 1 exactly for Liger's offsets, 0 and 1
+        W = torch.full(X.shape[-1:], 1.0 - offset, dtype=X.dtype, device=X.device)
+    return kernels.rms_norm(X, W, eps, offset, casting_mode)
+
+
+def silu_mul(a, b, gate_multiplier=1.0, down_multiplier=1.0):
+    """``LigerSiLUMulFunction.apply``'s contract over ``surgery.kernels.gated_activation``."""
+    if float(gate_multiplier) != 1.0 or float(down_multiplier) != 1.0:
+        pytest.skip("surgery's gated activation has no gate or down multipliers")
+    return kernels.gated_activation(a, b, "silu")
+
+
+def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
+    """``LigerRopeFunction.apply``'s contract over ``surgery.kernels.apply_rotary_pos_emb``: cos
+    and sin of 2, 3 or 4 dimensions as Liger reads them (``position_ids``, unused by Liger too)."""
+    if cos.ndim == 4:  # the singleton head axis out, where Liger looks for it
+        axis = unsqueeze_dim if cos.shape[unsqueeze_dim] == 1 else 1
+        cos, sin = cos.squeeze(axis), sin.squeeze(axis)
+    if cos.ndim == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    if rotary_dim is not None and rotary_dim != cos.shape[-1]:
+        pytest.skip("surgery's RoPE takes cos/sin over the whole rotary width (rotary_dim given)")
+    return kernels.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+class SurgeryRMSNorm:
+    """Stands where ``LigerRMSNormFunction`` stood."""
+
+    apply = staticmethod(rms_norm)
+
+
+class SurgerySiLUMul:
+    """Stands where ``LigerSiLUMulFunction`` stood."""
+
+    apply = staticmethod(silu_mul)
+
+
+class SurgeryRope:
+    """Stands where ``LigerRopeFunction`` stood."""
+
+    apply = staticmethod(rope)
+
+
 class SurgeryFusedLinearCrossEntropy:
     """Stands where ``LigerFusedLinearCrossEntropyFunction`` stood."""
 
@@ -153,17 +212,23 @@ LIGER_MODULES = (
     "liger_kernel.transformers.cross_entropy",
     "liger_kernel.transformers.functional",
     "liger_kernel.transformers.fused_linear_cross_entropy",
+    "liger_kernel.transformers.rms_norm",
+    "liger_kernel.transformers.rope",
+    "liger_kernel.transformers.swiglu",
 )
-"""Liger's modules that hold the two functions (and the wrappers that call them)."""
+"""Liger's modules that hold the functions (and the wrappers that call them)."""
 
 REPLACED = {
     "LigerFusedLinearCrossEntropyFunction": SurgeryFusedLinearCrossEntropy,
     "LigerCrossEntropyFunction": SurgeryCrossEntropy,
+    "LigerRMSNormFunction": SurgeryRMSNorm,
+    "LigerSiLUMulFunction": SurgerySiLUMul,
+    "LigerRopeFunction": SurgeryRope,
 }
 
 
 def install() -> list[str]:
-    """Put ours wherever a loaded Liger module holds Liger's two functions; returns the
+    """Put ours wherever a loaded Liger module holds Liger's functions; returns the
     ``module.name`` places replaced."""
     for name in LIGER_MODULES:
         importlib.import_module(name)
@@ -201,4 +266,4 @@ def pytest_collection_modifyitems(config, items):
         names = _names_used(code, fn.__globals__) if code is not None else set()
         used = [name for name in LIGER_INTERNALS if name in names]
         if used:
-            item.add_marker(pytest.mark.skip(reason=f"calls Liger's own kernel {used[0]}"))
+            item.add_marker(pytest.mark.skip(reason=f"runs Liger's own kernel ({used[0]})"))

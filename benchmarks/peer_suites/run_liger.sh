@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Liger-Kernel's own tests of its cross entropy and fused linear cross entropy, run twice: against
+# Liger-Kernel's own tests of its cross entropy, fused linear cross entropy, RMSNorm, SwiGLU and
+# RoPE, run twice: against
 # Liger's kernels (the control: what the tests themselves do on this machine) and against
 # surgery's (liger_adapter.py puts our kernels behind Liger's two autograd functions). Then the
 # outcomes side by side (summary.py): every test that fails with ours, and whether it passes in
@@ -11,14 +12,16 @@
 # checkout at a commit you record, e.g. into the git-ignored .peers/liger:
 #     mkdir -p .peers/liger && git -C LIGER_CHECKOUT archive --format=tar HEAD test/__init__.py \
 #         test/conftest.py test/utils.py test/transformers/test_cross_entropy.py \
-#         test/transformers/test_fused_linear_cross_entropy.py | tar x -C .peers/liger
+#         test/transformers/test_fused_linear_cross_entropy.py test/transformers/test_rms_norm.py \
+#         test/transformers/test_swiglu.py test/transformers/test_rope.py | tar x -C .peers/liger
 # liger_kernel must be importable (on the GPU machine: its wheel, through gpu_prelude.sh; carry
 # .whl and .peers). Writes OUT/liger_{control,surgery}.xml, their logs and liger_summary.json.
 set -o pipefail
 SRC=$(cd "${1:?SRC: the folder holding the Liger test/ folder}" && pwd)
 OUT=$(mkdir -p "${2:?OUT: a result folder}" && cd "$2" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
-TESTS="test/transformers/test_fused_linear_cross_entropy.py test/transformers/test_cross_entropy.py"
+TESTS="test/transformers/test_fused_linear_cross_entropy.py test/transformers/test_cross_entropy.py
+    test/transformers/test_rms_norm.py test/transformers/test_swiglu.py test/transformers/test_rope.py"
 ARGS="-q -rs -p no:cacheprovider"
 cd "$SRC" || exit 1
 python3 -m pytest $TESTS $ARGS --junitxml "$OUT/liger_control.xml" > "$OUT/liger_control_log.txt" 2>&1

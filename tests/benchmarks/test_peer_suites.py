@@ -94,15 +94,16 @@ def test_what_our_kernels_lack_is_a_skip_with_its_reason(call, reason):
 def test_install_replaces_every_module_holding_ligers_functions(monkeypatch):
     """Every liger_kernel module whose global is Liger's function gets ours; a module holding
     something else keeps it; other packages are left alone."""
-    flce, ce, other = type("Flce", (), {}), type("Ce", (), {}), object()
+    originals = {name: type(name, (), {}) for name in liger_adapter.REPLACED}
+    flce, other = originals["LigerFusedLinearCrossEntropyFunction"], object()
     backend = "liger_kernel.ops.backends._triton.fused_linear_cross_entropy"
     names = [*liger_adapter.LIGER_MODULES, "liger_kernel", "liger_kernel.transformers", backend,
              "not_liger"]  # fmt: skip
     modules = {}
     for name in names:
         module = types.ModuleType(name)
-        module.LigerFusedLinearCrossEntropyFunction = flce
-        module.LigerCrossEntropyFunction = ce
+        for function, original in originals.items():
+            setattr(module, function, original)
         modules[name] = module
     modules["liger_kernel.transformers.cross_entropy"].LigerCrossEntropyFunction = other
     for name, module in modules.items():
@@ -115,6 +116,8 @@ def test_install_replaces_every_module_holding_ligers_functions(monkeypatch):
     assert modules["liger_kernel.transformers.cross_entropy"].LigerCrossEntropyFunction is other
     assert modules["not_liger"].LigerFusedLinearCrossEntropyFunction is flce
     assert "liger_kernel.transformers.functional.LigerFusedLinearCrossEntropyFunction" in places
+    swiglu = modules["liger_kernel.transformers.swiglu"]
+    assert swiglu.LigerSiLUMulFunction is liger_adapter.SurgerySiLUMul
 
 
 def _mentions_in_docstring_only():
@@ -195,3 +198,60 @@ def test_a_label_out_of_range_raises_ligers_assertion(head):
             liger_adapter.fused_linear_cross_entropy(x, w, target)
         else:
             liger_adapter.cross_entropy(x @ w.t(), target)
+
+
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_keeps_ligers_contract(casting, affine):
+    """Liger's casting modes as transformers' modules compute them (``llama``: the normalised row
+    rounded before the weight; ``gemma``: ``1 + weight`` in fp32, rounded once); without a weight
+    the scale is 1."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 32, dtype=torch.bfloat16)
+    offset = 1.0 if casting == "gemma" else 0.0
+    w = torch.randn(32, dtype=torch.bfloat16) if affine else None
+    got = liger_adapter.rms_norm(x, w, 1e-6, offset, casting)
+    normed = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
+    if not affine:
+        want = normed.to(x.dtype)
+    elif casting == "llama":
+        want = w * normed.to(x.dtype)
+    else:
+        want = (normed * (offset + w.float())).to(x.dtype)
+    # Within one bf16 step: the kernel's sum of squares may end in another fp32 bit than torch's.
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
+def test_silu_mul_and_rope_keep_ligers_contract():
+    """SiLU-mul is silu(a) * b; RoPE takes cos/sin of 2, 3 or 4 dimensions as Liger reads them."""
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    torch.testing.assert_close(liger_adapter.silu_mul(a, b), F.silu(a) * b)
+    q, k = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8)
+    angles = torch.rand(7, 4) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rotated(t):
+        half = torch.cat([-t[..., 4:], t[..., :4]], -1)
+        return t * cos + half * sin
+
+    for c, s in ((cos, sin), (cos[None], sin[None]), (cos[None, None], sin[None, None])):
+        got_q, got_k = liger_adapter.rope(q, k, c, s)
+        torch.testing.assert_close(got_q, rotated(q))
+        torch.testing.assert_close(got_k, rotated(k))
+
+
+@pytest.mark.parametrize(
+    "call, reason",
+    [
+        (lambda: liger_adapter.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, 0.0, "none"),
+         "casting mode 'none'"),
+        (lambda: liger_adapter.silu_mul(torch.randn(2, 8), torch.randn(2, 8), 2.0), "multipliers"),
+        (lambda: liger_adapter.rope(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8),
+                                    torch.randn(3, 4), torch.randn(3, 4), rotary_dim=8),
+         "rotary width"),
+    ],
+)  # fmt: skip
+def test_what_our_layer_kernels_lack_is_a_skip_with_its_reason(call, reason):
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        call()
