@@ -69,21 +69,29 @@ def _names_used(code, namespace: dict | None = None, seen: set | None = None) ->
     for const in code.co_consts:
         if inspect.iscode(const) and const not in seen:
             names |= _names_used(const, namespace, seen)
-    for name in code.co_names:
-        helper = (namespace or {}).get(name)
+    for name in code.co_names if namespace is not None else ():
+        helper = namespace.get(name)
         own = inspect.isfunction(helper) and helper.__globals__ is namespace
         if own and helper.__code__ not in seen:
             names |= _names_used(helper.__code__, namespace, seen)
     return names
 
 
-def _token_accuracy(top1: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
-    """Liger's token accuracy from our per-token ``is_top1``: per token under reduction "none",
-    else the fraction over the tokens with a target (Liger counts ``target != ignore_index``)."""
-    hit = top1.to(torch.float32)
-    if reduction == "none":
-        return hit
-    return hit.sum() / (target != ignore_index).sum()
+def _asked(token_accuracy: bool, predicted_tokens: bool) -> tuple[str, ...]:
+    """Our statistics behind Liger's two per-token outputs."""
+    return ("is_top1",) * bool(token_accuracy) + ("predicted",) * bool(predicted_tokens)
+
+
+def _liger_statistics(named: dict, target, ignore_index: int, reduction: str) -> tuple:
+    """Liger's ``(token_accuracy, predicted_tokens)`` from our statistics (None where not asked):
+    the accuracy per token under reduction "none", else the fraction over the tokens with a
+    target (Liger counts ``target != ignore_index``)."""
+    accuracy = None
+    if "is_top1" in named:
+        accuracy = named["is_top1"].to(torch.float32)
+        if reduction != "none":
+            accuracy = accuracy.sum() / (target != ignore_index).sum()
+    return accuracy, named.get("predicted")
 
 
 def _as_liger_errors(call):
@@ -110,17 +118,14 @@ def fused_linear_cross_entropy(
         pytest.skip("surgery's fused head has no class weights (ce_weight)")
     if use_token_scaling:
         pytest.skip("surgery's fused head has no token scaling (use_token_scaling)")
-    statistics = ("is_top1",) * bool(return_token_accuracy)
-    statistics += ("predicted",) * bool(return_predicted_tokens)
+    statistics = _asked(return_token_accuracy, return_predicted_tokens)
     out, named = _as_liger_errors(lambda: kernels.linear_cross_entropy_statistics(
         _input, weight, target, bias, statistics=statistics, ignore_index=ignore_index,
         reduction=reduction, z_loss_scale=float(lse_square_scale),
         label_smoothing=float(label_smoothing), softcap=softcap,
     ))  # fmt: skip
-    accuracy = None
-    if return_token_accuracy:
-        accuracy = _token_accuracy(named["is_top1"], target, ignore_index, reduction)
-    return (out.loss, out.z_loss if return_z_loss else None, accuracy, named.get("predicted"))
+    z_loss = out.z_loss if return_z_loss else None
+    return out.loss, z_loss, *_liger_statistics(named, target, ignore_index, reduction)
 
 
 def cross_entropy(
@@ -132,18 +137,15 @@ def cross_entropy(
     ``surgery.kernels.cross_entropy_statistics``."""
     if weight is not None:
         pytest.skip("surgery's cross entropy has no class weights (weight)")
-    statistics = ("is_top1",) * bool(return_token_accuracy)
-    statistics += ("predicted",) * bool(return_predicted_tokens)
+    statistics = _asked(return_token_accuracy, return_predicted_tokens)
     out, named = _as_liger_errors(lambda: kernels.cross_entropy_statistics(
         _input, target, statistics=statistics, ignore_index=ignore_index, reduction=reduction,
         z_loss_scale=float(lse_square_scale), label_smoothing=float(label_smoothing),
         softcap=softcap,
     ))  # fmt: skip
-    accuracy = None
-    if return_token_accuracy:
-        accuracy = _token_accuracy(named["is_top1"], target, ignore_index, reduction)
     z_loss = out.z_loss.to(_input.dtype) if return_z_loss else None
-    return out.loss.to(_input.dtype), z_loss, accuracy, named.get("predicted")
+    return (out.loss.to(_input.dtype), z_loss,
+            *_liger_statistics(named, target, ignore_index, reduction))  # fmt: skip
 
 
 def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
@@ -176,35 +178,21 @@ def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
     return kernels.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
-class SurgeryRMSNorm:
-    """Stands where ``LigerRMSNormFunction`` stood."""
-
-    apply = staticmethod(rms_norm)
-
-
-class SurgerySiLUMul:
-    """Stands where ``LigerSiLUMulFunction`` stood."""
-
-    apply = staticmethod(silu_mul)
+def _stand_in(liger_name: str, apply, **attributes) -> type:
+    """A class standing where Liger's ``liger_name`` stood, its ``apply`` ours."""
+    doc = f"Stands where ``{liger_name}`` stood."
+    return type(liger_name, (), {"__doc__": doc, "apply": staticmethod(apply), **attributes})
 
 
-class SurgeryRope:
-    """Stands where ``LigerRopeFunction`` stood."""
-
-    apply = staticmethod(rope)
-
-
-class SurgeryFusedLinearCrossEntropy:
-    """Stands where ``LigerFusedLinearCrossEntropyFunction`` stood."""
-
-    apply = staticmethod(fused_linear_cross_entropy)
-    supports_inner_impl_dispatch = False  # Liger's wrapper then passes its 15 arguments
-
-
-class SurgeryCrossEntropy:
-    """Stands where ``LigerCrossEntropyFunction`` stood."""
-
-    apply = staticmethod(cross_entropy)
+SurgeryRMSNorm = _stand_in("LigerRMSNormFunction", rms_norm)
+SurgerySiLUMul = _stand_in("LigerSiLUMulFunction", silu_mul)
+SurgeryRope = _stand_in("LigerRopeFunction", rope)
+SurgeryFusedLinearCrossEntropy = _stand_in(
+    "LigerFusedLinearCrossEntropyFunction",
+    fused_linear_cross_entropy,
+    supports_inner_impl_dispatch=False,  # Liger's wrapper then passes its 15 arguments
+)
+SurgeryCrossEntropy = _stand_in("LigerCrossEntropyFunction", cross_entropy)
 
 
 LIGER_MODULES = (
