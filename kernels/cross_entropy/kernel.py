@@ -163,7 +163,8 @@ if triton is not None:
             x = _transformed(z, cap, inv_cap, scale, inv_temp, SOFTCAP, SCALED)
             x0 = tl.where(mask, x, 0.0)
             x = tl.where(mask, x, float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 0))
+            block_max = tl.max(x, 0)
+            m_new = tl.maximum(m, block_max)
             r = tl.exp(m - m_new)
             ex = tl.exp(x - m_new)
             if ENTROPY:
@@ -175,10 +176,13 @@ if triton is not None:
             s = s * r + tl.sum(ex, 0)
             if SUM_SQ:
                 sq = sq * r * r + tl.sum(ex * ex, 0)
-            if TOP1:
-                mb = tl.maximum(mb, tl.max(tl.where(cols < tgt, x, float("-inf")), 0))
+            if TOP1:  # per element only in the block holding the target: others whole or not
+                if v0 + BLOCK_V <= tgt:
+                    mb = tl.maximum(mb, block_max)
+                elif v0 < tgt:
+                    mb = tl.maximum(mb, tl.max(tl.where(cols < tgt, x, float("-inf")), 0))
             if PRED:  # a block's first maximum, kept only where it beats every earlier column
-                idx = tl.where(tl.max(x, 0) > m, v0 + tl.argmax(x, 0, tie_break_left=True), idx)
+                idx = tl.where(block_max > m, v0 + tl.argmax(x, 0, tie_break_left=True), idx)
             m = m_new
             if SMOOTHING or MEAN:
                 sx += tl.sum(x0, 0)
