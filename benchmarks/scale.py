@@ -35,9 +35,13 @@ Every rank builds the whole model with the same seed on its GPU (16 GB for the 8
 for the 30B-A3B one, in bf16), so every contender trains the same weights, and shards it before
 the steps. NVLink multicast stays off (set before torch is imported).
 
-Writes ``scale.json`` into ``--out`` after every run and prints the table last. torchtitan's own
-Llama-3 8B recipe, the issue's anchor, is run beside it with torchtitan's launcher (see
-docs/benchmarks.md), not from here.
+Writes ``scale.json`` into ``--out`` after every run and prints the table last. ``--profile``
+also records one more step of each run with torch.profiler on every rank and writes rank 0's
+tables into ``--out/profile_{model}_{engine}_{contender}.txt``: GPU time by kernel class
+(collectives included) against the step's span, and the ops by GPU and by host time.
+
+torchtitan's own Llama-3 8B recipe, the issue's anchor, is run beside it with torchtitan's
+launcher (see docs/benchmarks.md), not from here.
 """
 
 from __future__ import annotations
@@ -301,9 +305,40 @@ class Runner:
         result = dict(losses=losses, fused=all(fused), step_s=step_s,
                       tokens_per_s_per_gpu=tokens_per_gpu, peak_gib=max(peaks),
                       peak_gib_per_gpu=peaks)  # fmt: skip
+        if self.args.profile:
+            self.profile(f"{name}_{engine}_{contender}", train, opt, batch)
         result["max_seq"] = self.longest(train, opt, vocab, dp_rank)
         del model, opt, batch, train
         return result
+
+    def profile(self, label: str, train, opt, batch) -> None:
+        """One more step under torch.profiler on every rank (the collectives need them all);
+        rank 0 writes its tables to ``--out/profile_{label}.txt``."""
+        from torch.profiler import ProfilerActivity, profile
+        from train_step import kernel_time_by_class
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=activities) as prof:
+            self.step(train, opt, batch)
+        if self.rank != 0:
+            return
+        events = prof.key_averages()
+        sections = [
+            f"== top ops by host time (self)\n{events.table('self_cpu_time_total', row_limit=30)}"
+        ]
+        if self.cuda:
+            sections[:0] = [
+                f"== GPU time by kernel class (rank 0)\n{kernel_time_by_class(prof)}",
+                f"== top ops by GPU time\n{events.table('device_time_total', row_limit=30)}",
+            ]
+        header = (
+            f"one step of {label} on rank 0 of {self.world}, {self.args.batch} x"
+            f" {self.args.seq} tokens per data-parallel rank, after the timed steps\n\n"
+        )
+        path = self.args.out / f"profile_{label}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(header + "\n\n".join(sections) + "\n")
+        print(f"wrote {path}", flush=True)
 
     def longest(self, train, opt, vocab: int, dp_rank: int) -> int | None:
         """The longest sequence (doubling from ``--seq``) whose step runs on every rank."""
@@ -406,6 +441,7 @@ def parse_args(argv=None):
     p.add_argument("--max-seq-doublings", type=int, default=2)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (plumbing; with --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes")
+    p.add_argument("--profile", action="store_true", help="profile one more step of each run")
     return p.parse_args(argv)
 
 

@@ -837,6 +837,7 @@ def worker(job: dict[str, Any]) -> None:
 # (attention first: cuDNN's and flash-attention's kernels carry "sm90_" or "cutlass" too; cuDNN's
 # attention backward has two helpers, the rows' dO . O and dQ's conversion to 16 bits).
 KERNEL_CLASSES = (
+    ("collectives (NCCL)", ("nccl",)),
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "dot_do_o", "convert_dq")),
     (
         "matrix products",

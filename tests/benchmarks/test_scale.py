@@ -48,6 +48,28 @@ def test_scale_benchmark_runs_fsdp2_and_tensor_parallel_on_cpu(tmp_path):
         assert all(r["tokens_per_s_per_gpu"] > 0 and r["max_seq"] >= 32 for r in by.values())
 
 
+def test_profile_writes_rank_zeros_tables_of_one_more_step(tmp_path):
+    """``--profile``: one more step of each run under torch.profiler on every rank (its
+    collectives need them all), rank 0's tables in ``profile_{model}_{engine}_{contender}.txt``;
+    the step recorded is a training step (the head's fused loss, the optimizer)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(SCRIPT), "--cpu", "--tiny", "--models", "llama3_8b", "--engines", "tp",
+        "--contenders", "surgery", "--seq", "32", "--warmup", "0", "--steps", "1",
+        "--max-seq-doublings", "0", "--profile", "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("profile_*")) == [
+        "profile_llama3_8b_tp_surgery.txt"
+    ]
+    text = (tmp_path / "profile_llama3_8b_tp_surgery.txt").read_text()
+    assert text.startswith("one step of llama3_8b_tp_surgery on rank 0 of 2, 1 x 32 tokens")
+    assert "== top ops by host time (self)" in text
+    assert "Optimizer.step#AdamW.step" in text
+    assert "VocabParallel" in text, text[:3000]
+
+
 def test_a_liger_run_leaves_transformers_modeling_module_as_it_was(monkeypatch):
     """Liger's instance patch swaps the classes of transformers' modeling file for the whole
     process: the runner puts them back after a Liger run, so the contenders after it build

@@ -98,6 +98,7 @@ def test_kernel_time_by_class_sums_each_class_and_the_idle_gaps():
         events=lambda: [
             event("aten::mm", 0, 5000, DeviceType.CPU),  # host event: not a kernel
             event("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 0, 4000),
+            event("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 1000, 2000),  # another stream
             event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 3000, 5000),  # overlaps
             event("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>", 5000, 5500),
             event("rms_norm_fwd_kernel", 6000, 7000),  # after 0.5 ms idle
@@ -106,8 +107,9 @@ def test_kernel_time_by_class_sums_each_class_and_the_idle_gaps():
     )
     table = train_step.kernel_time_by_class(prof)
     assert table.splitlines()[0] == "GPU span 7.50 ms, busy 7.00 ms, idle 0.50 ms (6.7%)"
-    rows = {line[:40].strip(): line[40:].split() for line in table.splitlines()[2:7]}
+    rows = {line[:40].strip(): line[40:].split() for line in table.splitlines()[2:8]}
     assert rows["matrix products"] == ["4.00", "53.3"]
+    assert rows["collectives (NCCL)"] == ["1.00", "13.3"]
     assert rows["attention"] == ["2.50", "33.3"]
     assert rows["other (Triton kernels and the rest)"] == ["1.00", "13.3"]
     assert rows["PyTorch elementwise and reductions"] == ["0.50", "6.7"]
