@@ -24,6 +24,7 @@ from surgery.forwards.head import LM_HEAD_ATTR, head_takes_loss, rows_sharded
 from surgery.forwards.layers import EMBEDDING_ATTR, MLP_ATTR, NORM_ATTR, plain_linear, share_input
 from surgery.forwards.multimodal import text_model
 from surgery.forwards.recompute import RECOMPUTE_ATTR
+from surgery.forwards.tensor_parallel import TP_LINEAR_ATTR
 from surgery.integrations.fla import fla_status
 from surgery.models import ArchitectureSpec
 from surgery.options import PatchOptions
@@ -172,6 +173,12 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         return "base model forward: transformers' own, handing its layers " + (
             ", ".join(given) or "nothing more"
         )
+    if TP_LINEAR_ATTR in attrs:
+        style = attrs[TP_LINEAR_ATTR].style
+        collective = (
+            "the input's gradient all-reduced" if style == "colwise" else "the output all-reduced"
+        )
+        return f"{style} tensor-parallel projection on its local shards ({collective})"
     if EMBEDDING_ATTR in attrs:
         return "input embedding: weight gradient in one op, torch's eager kernel (also compiled)"
     if VISION_ATTENTION_ATTR in attrs:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["SharedMask", "shared_sdpa_mask", "zero_unattended_rows"]
 
@@ -86,5 +87,7 @@ def zero_unattended_rows(
     bias, the bias's gradient sums the same terms in another order (the unattended rows' apart).
     """
     bias = getattr(o_proj, "bias", None)
+    if isinstance(bias, DTensor):  # row-wise tensor parallelism's replicated bias: every rank's
+        bias = bias.to_local()  # output is the whole, a plain tensor
     # torch.where rather than masked_fill: a third less time forward and backward on CUDA.
     return torch.where(unattended, 0.0 if bias is None else bias.to(output.dtype), output)

@@ -50,6 +50,11 @@ from surgery.forwards.layers import (
 )
 from surgery.forwards.multimodal import language_model, text_model
 from surgery.forwards.recompute import RECOMPUTE_ATTR, RecomputePlan
+from surgery.forwards.tensor_parallel import (
+    TP_LINEAR_ATTR,
+    local_shards,
+    tensor_parallel_linear_forward,
+)
 from surgery.models import ArchitectureSpec
 from surgery.options import PatchOptions
 from surgery.patching.experts_install import batched_experts_swaps
@@ -137,13 +142,18 @@ def plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> lis
         *batched_experts_swaps(modules, text.config, spec, options),  # Llama 4's experts
         *_model_swaps(lm, text, text_name, modules, spec, options, wrapper),
     ]
-    # A module transformers' tensor parallelism sharded keeps its forward (no kernel of ours runs
-    # on its local shards yet), except the lm_head, whose loss is vocabulary-parallel.
+    # A module transformers' tensor parallelism sharded keeps its forward, except the lm_head,
+    # whose loss is vocabulary-parallel, and the projections sharded column- or row-wise, which
+    # run on their local shards (surgery.forwards.tensor_parallel).
     wanted = [
         w
         for w in wanted
         if w[2] is lm_head_forward or not tensor_parallel_forward(w[1].__dict__.get("forward"))
     ]
+    for name, module in modules:
+        shards = local_shards(module)
+        if shards is not None:
+            wanted.append((name, module, tensor_parallel_linear_forward, {TP_LINEAR_ATTR: shards}))
     swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
     return [swap for swap in swaps if swap is not None]
 

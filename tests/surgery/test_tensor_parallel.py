@@ -1,6 +1,7 @@
 """A model loaded with transformers' tensor parallelism (``from_pretrained(tp_plan="auto")``, two
 gloo ranks on CPU) and then patched: the lm_head's loss is vocabulary-parallel (no logits in
-training, no rank gathers the head), the modules transformers sharded keep its forward, every other
+training, no rank gathers the head), the projections transformers sharded column- and row-wise run
+on their local shards (biases too), the other modules it sharded keep its forward, every other
 kernel runs; loss and every parameter's gradient (each rank's shard) equal transformers' own
 tensor-parallel model's, and the options' loss equals the unsharded patched model's. A model
 parallelised by hand with torch's ``parallelize_module``, patched before or after, and with FSDP2
@@ -8,6 +9,7 @@ on a second mesh dimension (four ranks): the same against the unpatched model.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -83,19 +85,29 @@ def _compare(path: str) -> dict:
         )
     surgery.unpatch(patched)
     result["restored"] = patched.lm_head.__dict__["forward"].__qualname__
+    projection = patched.model.layers[0].self_attn.q_proj
+    result["restored_projection"] = projection.__dict__["forward"].__qualname__
     return result
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     paths = []
-    for arch in ARCHS:
+    # Llama with biases on every projection: column-wise ones sharded, row-wise ones replicated.
+    biases = dict(attention_bias=True, mlp_bias=True)
+    for name, arch, extra in [*((a, a, {}) for a in ARCHS), ("llama-bias", "llama", biases)]:
         # 98 rows: whole shards of 49 (transformers 5.17 refuses a gathered head that does not
         # divide by the ranks).
         config = sized_config(arch, vocab_size=98)
+        config.update(extra)
         torch.manual_seed(0)
         model = SPECS[arch].causal_lm_class()(config)
-        path = tmp_path_factory.mktemp(arch)
+        if extra:  # biases drawn (transformers' initialisation zeroes them)
+            with torch.no_grad():
+                for bias in (p for n, p in model.named_parameters() if n.endswith(".bias")):
+                    bias.normal_(0.0, 0.05)
+            assert model.model.layers[0].mlp.down_proj.bias.abs().min() > 0
+        path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         paths.append(str(path))
     return paths
@@ -111,8 +123,15 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             assert r["head_sharded"] and r["head_rows"] == 49, where
             assert not r["logits_in_training"], where
             assert "lm_head: vocab_parallel_linear_cross_entropy" in r["describe"], r["describe"]
-            assert "sharded by transformers' tensor parallelism" in r["describe"], r["describe"]
-            assert r["restored"].endswith("install_forward.<locals>.tp_forward"), where
+            layers = 2  # five projections column-wise and two row-wise in each layer
+            for line in (
+                rf"Linear +x{5 * layers} +colwise tensor-parallel projection on its local shards",
+                rf"Linear +x{2 * layers} +rowwise tensor-parallel projection on its local shards",
+                r"Embedding +x1 +sharded by transformers' tensor parallelism",
+            ):
+                assert re.search(line, r["describe"]), r["describe"]
+            for key in ("restored", "restored_projection"):
+                assert r[key].endswith("install_forward.<locals>.tp_forward"), (where, key)
             for key in ("loss", "sequence_loss", "sequence_z_loss", "eval_logits"):
                 if not r[key] <= 1e-5:
                     failed.append(f"{where} {key} {r[key]:.2e}")

@@ -1,0 +1,161 @@
+"""The projections transformers' tensor parallelism sharded, run on their local shards.
+
+Under ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`` transformers
+shards each projection's weight as a DTensor and sets a forward on the instance
+(``TensorParallelLayer.install_forward``) that wraps the input into a DTensor, runs
+``nn.Linear.forward`` through DTensor's dispatch and unwraps the output. In training every
+projection pays that dispatch on the host (sharding propagation, redistributes, the DTensor
+autograd wrappers): on an 8B model at one 8192-token row per rank the step was bound by the host,
+not by the GPU (``benchmarks/scale.py --profile``, docs/benchmarks.md).
+
+For the two styles of transformers' plans whose arithmetic is a plain local product, this forward
+does the same arithmetic on the shards with one collective where the layout needs it, as
+Megatron's column- and row-parallel linears do:
+
+- column-wise (``"colwise"``: the weight's rows and the bias sharded, ``Shard(0)``; the input
+  replicated; the output this rank's slice of the features): ``x @ W_r.T + b_r``; backward, the
+  input's gradient is all-reduced over the group (each rank holds its rows' part of it);
+- row-wise (``"rowwise"``: the weight's columns sharded, ``Shard(1)``, the bias replicated; the
+  input this rank's slice of the features): ``all_reduce(x_r @ W_r.T) + b``; backward, the
+  output's gradient is the same on every rank and passes through.
+
+The weights stay the DTensor parameters transformers made (``to_local`` is differentiable: their
+gradients are DTensors of the same placements, as with transformers' forward), so optimizers,
+checkpoints and ``unpatch`` see what they saw. Anything else (other styles, a mesh of more than one
+dimension, a quantized layer, an input that is already a DTensor) keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from surgery.patching.foreign import tensor_parallel_forward
+
+__all__ = [
+    "TP_LINEAR_ATTR",
+    "LocalShards",
+    "local_shards",
+    "tensor_parallel_linear_forward",
+]
+
+TP_LINEAR_ATTR = "_surgery_tensor_parallel_linear"
+"""Instance attribute of a patched projection: its ``LocalShards``."""
+
+
+class LocalShards(NamedTuple):
+    """How a projection transformers sharded runs on its shards: ``style`` ``"colwise"`` or
+    ``"rowwise"``, over the process ``group`` of the weight's one-dimensional mesh; ``previous``
+    is transformers' forward, kept for an input this forward does not take (a DTensor)."""
+
+    style: str
+    group: Any
+    previous: Any
+
+
+def _closure(function) -> dict[str, Any]:
+    cells = function.__closure__ or ()
+    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, cells)}
+
+
+def local_shards(module: nn.Module) -> LocalShards | None:
+    """The ``LocalShards`` of ``module`` when transformers' tensor parallelism sharded it in one of
+    the two styles this forward computes on the shards, else None: an ``nn.Linear`` (its own class,
+    no hooks), its forward transformers' ``tp_forward`` of a ``ColwiseParallel`` (replicated
+    input, output sharded on the features) or a ``RowwiseParallel`` (input sharded on the
+    features, output replicated) that returns plain tensors, its weight a DTensor sharded so on a
+    one-dimensional mesh, and not one of transformers' quantized layers."""
+    forward = module.__dict__.get("forward")
+    if type(module) is not nn.Linear or not tensor_parallel_forward(forward):
+        return None
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return None
+    if getattr(module, "_hf_quantized_needs_local_tp", False):
+        return None
+    from transformers.distributed import tensor_parallel as tp
+
+    layout = _closure(forward).get("self")
+    weight, bias = module.weight, module.bias
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+        return None
+    if type(layout) is tp.ColwiseParallel:
+        style, placement = "colwise", Shard(0)
+        layouts = (Replicate(), Shard(-1))
+        bias_ok = bias is None or (isinstance(bias, DTensor) and bias.placements == (Shard(0),))
+    elif type(layout) is tp.RowwiseParallel:
+        style, placement = "rowwise", Shard(1)
+        layouts = (Shard(-1), Replicate())
+        bias_ok = bias is None or (isinstance(bias, DTensor) and bias.placements == (Replicate(),))
+    else:
+        return None
+    if (
+        getattr(layout, "use_local_output", False) is not True
+        or (getattr(layout, "input_layouts", None), getattr(layout, "output_layouts", None))
+        != layouts
+        or weight.placements != (placement,)
+        or not bias_ok
+    ):
+        return None
+    return LocalShards(style, weight.device_mesh.get_group(), forward)
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward, the gradient summed over ``group`` (a column-parallel
+    projection's replicated input: each rank's rows give their part of its gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # the engine's may be shared
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllReduce(torch.autograd.Function):
+    """The sum over ``group`` (a row-parallel projection's partial outputs); backward, the
+    gradient of the replicated sum, the same on every rank, passes through."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        # In place on the product's own output (its backward keeps its inputs, not it).
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_parallel_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear``'s forward on this rank's shards (see the module docstring); what
+    transformers' forward returns, a plain tensor: this rank's slice of the output features
+    (column-wise) or the whole output (row-wise)."""
+    shards: LocalShards = self.__dict__[TP_LINEAR_ATTR]
+    if isinstance(input, DTensor):
+        return shards.previous(input)
+    weight = self.weight.to_local()
+    if shards.style == "colwise":
+        if torch.is_grad_enabled() and input.requires_grad:
+            input = _AllReduceGrad.apply(input, shards.group)
+        return F.linear(input, weight, _local(self.bias))
+    partial = F.linear(input, weight)
+    if torch.is_grad_enabled():
+        output = _AllReduce.apply(partial, shards.group)
+    else:
+        output = partial
+        dist.all_reduce(output, group=shards.group)
+    return output if self.bias is None else output + _local(self.bias)
