@@ -6,7 +6,10 @@ FSDP2's unsharding all run as in the original forward. It reads the weights of p
 itself (``plain_linear``: an ``nn.Linear`` of its own class, without hooks or a partitioned
 weight), inside the module whose call unsharded them, as ``nn.Linear`` would: a bias-free
 ``down_proj``'s (for ``gated_linear``) and, through ``projections`` (also the attention's
-q/k/v), those of layers that share one input (``share_input``, ``shared_input_linear``).
+q/k/v), those of layers that share one input (``share_input``, ``shared_input_linear``). Under
+transformers' tensor parallelism, ``projections`` computes column-parallel projections on their
+local shards, their input's gradient all-reduced once for the group
+(``surgery.forwards.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import inspect
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from surgery.forwards import recompute
 from surgery.forwards.recompute import RECOMPUTE_ATTR, RecomputePlan
+from surgery.forwards.tensor_parallel import all_reduce_grad, local_tensor, shared_column_group
 from surgery.kernels import embedding, gated_activation, rms_norm
 from surgery.kernels.gated_activation import gated_activation_fwd, gated_linear, gated_linear_fuses
 from surgery.kernels.rms_norm import rms_norm_fwd
@@ -124,26 +129,41 @@ def plain_linear(linear: nn.Module | None, bias: bool = False) -> bool:
 
 def share_input(linears) -> bool:
     """Whether ``linears`` (the layers over one input) may run through ``shared_input_linear``:
-    several, all ``plain_linear`` (biases allowed). ``projections`` adds what a call decides."""
-    return len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)
+    several, all ``plain_linear`` (biases allowed), or all column-parallel on their local shards
+    over one group (``shared_column_group``). ``projections`` adds what a call decides."""
+    return (len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)) or (
+        shared_column_group(linears) is not None
+    )
 
 
 def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``; where they ``share_input``, are of ``x``'s
     dtype, and a gradient is to be taken outside autocast, through ``shared_input_linear``: the
     same outputs, and the input's gradient summed inside the matrix products of the backward
-    instead of by adds after them."""
+    instead of by adds after them. Column-parallel projections on their local shards over one
+    group (``surgery.forwards.tensor_parallel``) compute on those shards, their input's gradient
+    all-reduced once for all of them."""
+    group = None if isinstance(x, DTensor) else shared_column_group(linears)
+    if group is not None:
+        x = all_reduce_grad(x, group)
+        weights = [local_tensor(m.weight) for m in linears]
+        biases = [local_tensor(m.bias) for m in linears]
+    elif share_input(linears):
+        weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+    else:
+        return tuple(m(x) for m in linears)
     if (
-        share_input(linears)
-        and torch.is_grad_enabled()
+        torch.is_grad_enabled()
         and not torch.is_autocast_enabled(x.device.type)
         and all(
-            m.weight.dtype == x.dtype and (m.bias is None or m.bias.dtype == x.dtype)
-            for m in linears
+            w.dtype == x.dtype and (b is None or b.dtype == x.dtype)
+            for w, b in zip(weights, biases)
         )
     ):
-        return shared_input_linear(x, [m.weight for m in linears], [m.bias for m in linears])
-    return tuple(m(x) for m in linears)
+        return shared_input_linear(x, weights, biases)
+    if group is None:
+        return tuple(m(x) for m in linears)
+    return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
 
 def _fused_down(module: nn.Module, plan: RecomputePlan, gate, up) -> bool:

@@ -40,7 +40,10 @@ from surgery.patching.foreign import tensor_parallel_forward
 __all__ = [
     "TP_LINEAR_ATTR",
     "LocalShards",
+    "all_reduce_grad",
     "local_shards",
+    "local_tensor",
+    "shared_column_group",
     "tensor_parallel_linear_forward",
 ]
 
@@ -136,8 +139,28 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor (differentiably), anything else as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """``x``, its gradient summed over ``group`` in the backward (when one is taken)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllReduceGrad.apply(x, group)
+    return x
+
+
+def shared_column_group(linears) -> Any:
+    """The process group when ``linears`` (layers over one input: q/k/v, gate and up) are several
+    projections patched to run column-wise on their local shards over one group, else None: their
+    input's gradient is then all-reduced once for all of them (``surgery.forwards.layers.
+    projections``) rather than once each."""
+    shards = [m.__dict__.get(TP_LINEAR_ATTR) for m in linears]
+    if len(shards) < 2 or any(s is None or s.style != "colwise" for s in shards):
+        return None
+    group = shards[0].group
+    return group if all(s.group is group for s in shards) else None
 
 
 def tensor_parallel_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -149,13 +172,11 @@ def tensor_parallel_linear_forward(self: nn.Linear, input: torch.Tensor) -> torc
         return shards.previous(input)
     weight = self.weight.to_local()
     if shards.style == "colwise":
-        if torch.is_grad_enabled() and input.requires_grad:
-            input = _AllReduceGrad.apply(input, shards.group)
-        return F.linear(input, weight, _local(self.bias))
+        return F.linear(all_reduce_grad(input, shards.group), weight, local_tensor(self.bias))
     partial = F.linear(input, weight)
     if torch.is_grad_enabled():
         output = _AllReduce.apply(partial, shards.group)
     else:
         output = partial
         dist.all_reduce(output, group=shards.group)
-    return output if self.bias is None else output + _local(self.bias)
+    return output if self.bias is None else output + local_tensor(self.bias)

@@ -9,7 +9,9 @@ on a second mesh dimension (four ranks): the same against the unpatched model.""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,25 @@ def _grad_errors(reference, patched) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def _counted_all_reduces():
+    """The all-reduces the local-shard projections issue (``surgery.forwards.tensor_parallel``),
+    one list entry each."""
+    from surgery.forwards import tensor_parallel
+
+    calls, real = [], tensor_parallel.dist
+
+    def all_reduce(tensor, group=None):
+        calls.append(tensor.shape)
+        return real.all_reduce(tensor, group=group)
+
+    tensor_parallel.dist = types.SimpleNamespace(all_reduce=all_reduce)
+    try:
+        yield calls
+    finally:
+        tensor_parallel.dist = real
+
+
 def _compare(path: str) -> dict:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
@@ -57,8 +78,9 @@ def _compare(path: str) -> dict:
     labels[0, :4] = -100
     want = reference(input_ids=ids, labels=labels)
     want.loss.backward()
-    got = patched(input_ids=ids, labels=labels)
-    got.loss.backward()
+    with _counted_all_reduces() as projection_all_reduces:
+        got = patched(input_ids=ids, labels=labels)
+        got.loss.backward()
     grads = _grad_errors(reference, patched)
     head = patched.lm_head.weight
     result = dict(
@@ -68,6 +90,7 @@ def _compare(path: str) -> dict:
         head_rows=_local(head).shape[0],
         head_sharded=type(head).__name__ == "DTensor",
         describe=str(surgery.describe(patched)),
+        projection_all_reduces=len(projection_all_reduces),
     )
     # The per-sequence mean with z-loss on a packed row, against the unsharded patched model.
     options = dict(loss_reduction="sequence", z_loss_scale=1e-2)
@@ -128,8 +151,13 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
                 rf"Linear +x{5 * layers} +colwise tensor-parallel projection on its local shards",
                 rf"Linear +x{2 * layers} +rowwise tensor-parallel projection on its local shards",
                 r"Embedding +x1 +sharded by transformers' tensor parallelism",
+                r"q/k/v share their input \(shared_input_linear\)",
+                r"gate/up sharing their input \(shared_input_linear\)",
             ):
                 assert re.search(line, r["describe"]), r["describe"]
+            # A layer's forward: o_proj's and down_proj's outputs; its backward: q/k/v's input
+            # gradient and gate/up's, each group's once (not once per projection).
+            assert r["projection_all_reduces"] == 4 * layers, (where, r["projection_all_reduces"])
             for key in ("restored", "restored_projection"):
                 assert r[key].endswith("install_forward.<locals>.tp_forward"), (where, key)
             for key in ("loss", "sequence_loss", "sequence_z_loss", "eval_logits"):
