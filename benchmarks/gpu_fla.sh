@@ -15,7 +15,8 @@
 #   echo /.fla1/ >> .git/info/exclude; echo /.fla2/ >> .git/info/exclude
 # Then the first call (carry .fla1) runs `source benchmarks/gpu_fla.sh 1`, and the next one
 # (carry .fla2) `source benchmarks/gpu_fla.sh 2`, which installs everything into /tmp/site2;
-# every later call of that machine only `source benchmarks/gpu_fla.sh` to use it.
+# every later call of that machine only `source benchmarks/gpu_fla.sh use` to use it (an argument
+# other than 1 or 2: a bare `source` inside a script passes on that script's own arguments).
 #
 # TileLang compiles fla's backward kernels on first use (the fp32 ones several minutes each), and
 # its cache lives in /tmp, lost with the machine. `fla_save_cache` (after the fla tests) writes it
@@ -25,9 +26,11 @@ TILELANG=tilelang-0.1.15-cp39-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.w
 if [ "$1" = 1 ]; then
     mkdir -p /tmp/fla_wheels && cp .fla1/* /tmp/fla_wheels/ || return 1
 elif [ "$1" = 2 ]; then
-    cat /tmp/fla_wheels/tilelang.part.aa .fla2/tilelang.part.ab > "/tmp/fla_wheels/$TILELANG" \
-        && rm /tmp/fla_wheels/tilelang.part.aa && cp .fla2/*.whl /tmp/fla_wheels/ \
-        && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    if [ ! -f "/tmp/fla_wheels/$TILELANG" ]; then  # not yet joined (a second call skips it)
+        cat /tmp/fla_wheels/tilelang.part.aa .fla2/tilelang.part.ab > "/tmp/fla_wheels/$TILELANG" \
+            && rm /tmp/fla_wheels/tilelang.part.aa || return 1
+    fi
+    cp .fla2/*.whl /tmp/fla_wheels/ && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --target /tmp/site2 /tmp/fla_wheels/*.whl || return 1
     if [ -f .fla2/tilelang_cache.tar.gz ]; then
         tar xzf .fla2/tilelang_cache.tar.gz -C /tmp && echo "TileLang cache unpacked"

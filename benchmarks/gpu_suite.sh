@@ -38,7 +38,7 @@ else
         --target /tmp/site .whl2/*.whl || echo "whl2 install failed"
     [ -d /tmp/site/surgery ] || { echo "machine lost: /tmp/site missing (run stage 1 again)"; exit 1; }
     export PYTHONPATH=/tmp/site REPO=$(pwd)
-    source benchmarks/gpu_fla.sh
+    source benchmarks/gpu_fla.sh use  # an argument: a bare `source` would pass on this script's "2"
     cd /tmp/w || exit 1
     A="tests/surgery/test_linear_attention_fla.py tests/surgery/test_gpu.py tests/models/test_vision_attention.py tests/models/test_llama4.py"
     B="tests/surgery/test_compile.py tests/surgery/test_autocast.py tests/models/test_multimodal.py"
