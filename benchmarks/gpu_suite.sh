@@ -1,12 +1,12 @@
 # The whole `pytest -m gpu` suite on the GPU machine, in two back-to-back calls of one warm
 # machine (flash-linear-attention's wheels travel in two halves: benchmarks/gpu_fla.sh).
 #
-# Here, before: our wheel and the peers' in .whl (benchmarks/gpu_prelude.sh), DeepSpeed's
-# pure-Python wheel and its pydantic stack in .whl2 (docs/training.md says how), .fla1/.fla2
+# Here, before: our wheel and the peers' in .whl (benchmarks/gpu_prelude.sh), .fla1/.fla2
 # (benchmarks/gpu_fla.sh; put the last run's tilelang_cache.tar.gz into .fla2: it saves minutes).
-# Then, within 30 s of each other (the machine keeps /tmp while it stays warm):
+# No GPU test needs DeepSpeed (its tests run on CPU), and beside .fla2 its wheels no longer fit in
+# one call's 64 MiB. Then, within 30 s of each other (the machine keeps /tmp while it stays warm):
 #   run(carry=[".whl", ".fla1"], command="bash benchmarks/gpu_suite.sh 1")
-#   run(carry=[".whl2", ".fla2"], command="bash benchmarks/gpu_suite.sh 2")
+#   run(carry=[".fla2"], command="bash benchmarks/gpu_suite.sh 2")
 # Everything lands flat in $OUT (the device tool may not bring back subfolders). With two GPUs the
 # compile tests run on the second beside the rest (about 200 s for call 1 on an H200 x2, against
 # about 270 s on one), and call 2 splits the fla tests over both (about 400 s with the cache).
@@ -25,7 +25,7 @@ if [ "$STAGE" = 1 ]; then
     ( CUDA_VISIBLE_DEVICES=$LAST timeout 420 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
         tests/surgery/test_compile.py > "$OUT/suite_compile.txt" 2>&1
       echo "exit status $?" >> "$OUT/suite_compile.txt" ) &
-    timeout 420 python3 -m pytest -m gpu -q -rxX -n 6 -p no:cacheprovider tests \
+    timeout 420 python3 -m pytest -m gpu -q -rsxX -n 6 -p no:cacheprovider tests \
         --ignore=tests/surgery/test_compile.py --ignore=tests/benchmarks > "$OUT/suite_rest.txt" 2>&1
     echo "exit status $?" >> "$OUT/suite_rest.txt"
     wait
@@ -34,8 +34,6 @@ if [ "$STAGE" = 1 ]; then
     grep -hE "^(FAILED|ERROR)" "$OUT"/suite_*.txt | head -20
 else
     source benchmarks/gpu_fla.sh 2 || echo "fla part 2 install failed"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl2/*.whl || echo "whl2 install failed"
     [ -d /tmp/site/surgery ] || { echo "machine lost: /tmp/site missing (run stage 1 again)"; exit 1; }
     export PYTHONPATH=/tmp/site REPO=$(pwd)
     source benchmarks/gpu_fla.sh use  # an argument: a bare `source` would pass on this script's "2"
