@@ -143,7 +143,9 @@ def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...
     instead of by adds after them. Column-parallel projections on their local shards over one
     group (``surgery.forwards.tensor_parallel``) compute on those shards, their input's gradient
     all-reduced once for all of them."""
-    group = None if isinstance(x, DTensor) else shared_column_group(linears)
+    if isinstance(x, DTensor):  # a layout hook's input: each projection's own forward takes it
+        return tuple(m(x) for m in linears)
+    group = shared_column_group(linears)
     if group is not None:
         x = all_reduce_grad(x, group)
         weights = [local_tensor(m.weight) for m in linears]

@@ -151,13 +151,29 @@ def all_reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+def _runs_this_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run ``tensor_parallel_linear_forward`` and nothing else:
+    still its forward (no other code replaced it since the patch), no hook of its own or global
+    one (hooks added after the patch must run, so such a projection is called, not read)."""
+    module_hooks = torch.nn.modules.module
+    return (
+        getattr(module.__dict__.get("forward"), "__func__", None) is tensor_parallel_linear_forward
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._backward_hooks or module._backward_pre_hooks)
+        and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
+    )
+
+
 def shared_column_group(linears) -> Any:
     """The process group when ``linears`` (layers over one input: q/k/v, gate and up) are several
-    projections patched to run column-wise on their local shards over one group, else None: their
-    input's gradient is then all-reduced once for all of them (``surgery.forwards.layers.
-    projections``) rather than once each."""
+    projections patched to run column-wise on their local shards over one group, each still
+    running that forward alone (no hook since), else None: their input's gradient is then
+    all-reduced once for all of them (``surgery.forwards.layers.projections``) rather than once
+    each."""
     shards = [m.__dict__.get(TP_LINEAR_ATTR) for m in linears]
     if len(shards) < 2 or any(s is None or s.style != "colwise" for s in shards):
+        return None
+    if not all(_runs_this_forward(m) for m in linears):
         return None
     group = shards[0].group
     return group if all(s.group is group for s in shards) else None
@@ -179,4 +195,7 @@ def tensor_parallel_linear_forward(self: nn.Linear, input: torch.Tensor) -> torc
     else:
         output = partial
         dist.all_reduce(output, group=shards.group)
-    return output if self.bias is None else output + local_tensor(self.bias)
+    if self.bias is None:
+        return output
+    # In the product's dtype, as nn.Linear's under autocast (a no-op outside it).
+    return output + local_tensor(self.bias).to(output.dtype)

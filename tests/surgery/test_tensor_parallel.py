@@ -61,6 +61,48 @@ def _counted_all_reduces():
         tensor_parallel.dist = real
 
 
+def _projection_calls(reference, patched) -> dict:
+    """What calling the local-shard projections keeps of transformers' forward: a hook added
+    after the patch runs (q/k/v then leave the shared path); a DTensor input (a layout hook's)
+    gives what transformers' forward gives; under autocast, the outputs are in its dtype."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from surgery.forwards.layers import projections
+
+    got, want = patched.model.layers[0], reference.model.layers[0]
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, patched.config.hidden_size)
+    hooked = []
+    handles = [
+        m.register_forward_hook(lambda module, args, output, name=name: hooked.append(name))
+        for name, m in (("q", got.self_attn.q_proj), ("k", got.self_attn.k_proj))
+    ]
+    try:
+        with torch.no_grad():
+            projections(x, got.self_attn.q_proj, got.self_attn.k_proj, got.self_attn.v_proj)
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = ("gate_proj", "up_proj")
+    mesh = got.mlp.gate_proj.weight.device_mesh
+    dx = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    outputs = projections(dx, *(getattr(got.mlp, n) for n in names))
+    wanted = [getattr(want.mlp, n)(x) for n in names]
+    shard = torch.randn(2, 3, _local(got.mlp.down_proj.weight).shape[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = [
+            got.mlp.down_proj(shard),
+            *projections(x, *(getattr(got.mlp, n) for n in names)),
+        ]
+        autocast_wanted = [want.mlp.down_proj(shard), *(getattr(want.mlp, n)(x) for n in names)]
+    return dict(
+        hooked=sorted(hooked),
+        mlp_columns=shard.shape[-1],
+        dtensor_input=max((a - b).abs().max().item() for a, b in zip(outputs, wanted)),
+        autocast_dtypes=[(str(a.dtype), str(b.dtype)) for a, b in zip(autocast, autocast_wanted)],
+    )
+
+
 def _compare(path: str) -> dict:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
@@ -106,6 +148,7 @@ def _compare(path: str) -> dict:
         result["eval_logits"] = (
             (patched(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item()
         )
+    result.update(_projection_calls(reference, patched))
     surgery.unpatch(patched)
     result["restored"] = patched.lm_head.__dict__["forward"].__qualname__
     projection = patched.model.layers[0].self_attn.q_proj
@@ -116,8 +159,9 @@ def _compare(path: str) -> dict:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     paths = []
-    # Llama with biases on every projection: column-wise ones sharded, row-wise ones replicated.
-    biases = dict(attention_bias=True, mlp_bias=True)
+    # Llama with biases on every projection (column-wise ones sharded, row-wise ones replicated)
+    # and an MLP width the ranks do not divide (local gate/up rows and down columns 19 and 18).
+    biases = dict(attention_bias=True, mlp_bias=True, intermediate_size=37)
     for name, arch, extra in [*((a, a, {}) for a in ARCHS), ("llama-bias", "llama", biases)]:
         # 98 rows: whole shards of 49 (transformers 5.17 refuses a gathered head that does not
         # divide by the ranks).
@@ -158,6 +202,9 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             # A layer's forward: o_proj's and down_proj's outputs; its backward: q/k/v's input
             # gradient and gate/up's, each group's once (not once per projection).
             assert r["projection_all_reduces"] == 4 * layers, (where, r["projection_all_reduces"])
+            assert r["hooked"] == ["k", "q"], (where, r["hooked"])
+            assert r["dtensor_input"] <= 1e-6, (where, r["dtensor_input"])
+            assert all(a == b == "torch.bfloat16" for a, b in r["autocast_dtypes"]), (where, r)
             for key in ("restored", "restored_projection"):
                 assert r[key].endswith("install_forward.<locals>.tp_forward"), (where, key)
             for key in ("loss", "sequence_loss", "sequence_z_loss", "eval_logits"):
@@ -167,6 +214,7 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             if not r["grads"][worst] <= 1e-5:
                 failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
     assert not failed, "\n".join(failed)
+    assert [r["llama-bias0"]["mlp_columns"] for r in per_rank] == [19, 18]
 
 
 def _by_hand(arch: str) -> dict:
