@@ -21,8 +21,11 @@ Megatron's column- and row-parallel linears do:
 
 The weights stay the DTensor parameters transformers made (``to_local`` is differentiable: their
 gradients are DTensors of the same placements, as with transformers' forward), so optimizers,
-checkpoints and ``unpatch`` see what they saw. Anything else (other styles, a mesh of more than one
-dimension, a quantized layer, an input that is already a DTensor) keeps transformers' forward.
+checkpoints and ``unpatch`` see what they saw. With transformers' FSDP2 over the tensor
+parallelism (``DistributedConfig(tp_size=..., fsdp_size=...)``, an (fsdp, tp) mesh) the same runs
+on the ``tp`` dimension, FSDP2 having gathered the other before the forward. Anything else (other
+styles, other meshes, a quantized layer, an input that is already a DTensor) keeps transformers'
+forward.
 """
 
 from __future__ import annotations
@@ -66,13 +69,28 @@ def _closure(function) -> dict[str, Any]:
     return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, cells)}
 
 
+def _tensor_parallel_placement(t: torch.Tensor | None) -> Any:
+    """How ``t`` is laid out over the tensor-parallel ranks: its placement on a one-dimensional
+    mesh, or on the ``"tp"`` dimension of transformers' (fsdp, tp) mesh (FSDP2 over tensor
+    parallelism, ``DistributedConfig(tp_size=..., fsdp_size=...)``: FSDP2 gathers the other
+    dimension before the forward); None for anything else."""
+    if not isinstance(t, DTensor):
+        return None
+    mesh = t.device_mesh
+    if mesh.ndim == 1:
+        return t.placements[0]
+    names = mesh.mesh_dim_names or ()
+    return t.placements[names.index("tp")] if "tp" in names else None
+
+
 def local_shards(module: nn.Module) -> LocalShards | None:
     """The ``LocalShards`` of ``module`` when transformers' tensor parallelism sharded it in one of
     the two styles this forward computes on the shards, else None: an ``nn.Linear`` (its own class,
     no hooks), its forward transformers' ``tp_forward`` of a ``ColwiseParallel`` (replicated
     input, output sharded on the features) or a ``RowwiseParallel`` (input sharded on the
-    features, output replicated) that returns plain tensors, its weight a DTensor sharded so on a
-    one-dimensional mesh, and not one of transformers' quantized layers."""
+    features, output replicated) that returns plain tensors, over a one-dimensional mesh (the
+    ``"tp"`` dimension of a larger one), its weight a DTensor sharded so, and not one of
+    transformers' quantized layers."""
     forward = module.__dict__.get("forward")
     if type(module) is not nn.Linear or not tensor_parallel_forward(forward):
         return None
@@ -82,29 +100,29 @@ def local_shards(module: nn.Module) -> LocalShards | None:
         return None
     from transformers.distributed import tensor_parallel as tp
 
-    layout = _closure(forward).get("self")
-    weight, bias = module.weight, module.bias
-    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+    closure = _closure(forward)
+    layout, mesh = closure.get("self"), closure.get("mesh")
+    if mesh is None or not (mesh.ndim == 1 or "tp" in (mesh.mesh_dim_names or ())):
         return None
     if type(layout) is tp.ColwiseParallel:
-        style, placement = "colwise", Shard(0)
+        style, weight_placement, bias_placement = "colwise", Shard(0), Shard(0)
         layouts = (Replicate(), Shard(-1))
-        bias_ok = bias is None or (isinstance(bias, DTensor) and bias.placements == (Shard(0),))
     elif type(layout) is tp.RowwiseParallel:
-        style, placement = "rowwise", Shard(1)
+        style, weight_placement, bias_placement = "rowwise", Shard(1), Replicate()
         layouts = (Shard(-1), Replicate())
-        bias_ok = bias is None or (isinstance(bias, DTensor) and bias.placements == (Replicate(),))
     else:
         return None
     if (
         getattr(layout, "use_local_output", False) is not True
         or (getattr(layout, "input_layouts", None), getattr(layout, "output_layouts", None))
         != layouts
-        or weight.placements != (placement,)
-        or not bias_ok
+        or _tensor_parallel_placement(module.weight) != weight_placement
+        or (module.bias is not None and _tensor_parallel_placement(module.bias) != bias_placement)
     ):
         return None
-    return LocalShards(style, weight.device_mesh.get_group(), forward)
+    # The group transformers' own forward reduces over (its tp_forward's mesh).
+    group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+    return LocalShards(style, group, forward)
 
 
 class _AllReduceGrad(torch.autograd.Function):

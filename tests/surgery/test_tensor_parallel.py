@@ -434,3 +434,68 @@ def test_tensor_parallel_head_under_fsdp2_on_a_second_mesh_dimension(tmp_path):
         if not r["grads"][worst] <= 1e-5:
             failed.append(f"rank {rank} gradient of {worst} {r['grads'][worst]:.2e}")
     assert not failed, "\n".join(failed)
+
+
+def _tp_plan_fsdp_worker(rank: int, port: int, out: str, cases: list) -> None:
+    """Four ranks: transformers' tensor parallelism with its FSDP2 over it
+    (``DistributedConfig(tp_size=2, fsdp_size=2)``, an (fsdp, tp) mesh), unpatched and patched;
+    every parameter's whole gradient."""
+    import surgery
+
+    def compute():
+        from transformers import AutoModelForCausalLM, DistributedConfig
+
+        def load():
+            config = DistributedConfig(tp_plan="auto", tp_size=2, fsdp_size=2)
+            return AutoModelForCausalLM.from_pretrained(cases[0], distributed_config=config,
+                                                        dtype=torch.float32).train()  # fmt: skip
+
+        runs, described = {}, ""
+        for patched in (False, True):
+            model = load()
+            if patched:
+                surgery.patch(model)
+                described = str(surgery.describe(model))
+            # Each FSDP rank its own batch; the two tensor-parallel ranks of it the same.
+            mesh = model.model.layers[0].self_attn.q_proj.weight.device_mesh
+            g = torch.Generator().manual_seed(mesh.get_local_rank("fsdp"))
+            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+            output = model(input_ids=ids, labels=ids)
+            output.loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            runs[patched] = (output.loss.item(), output.logits is None, grads)
+        (want, _, want_grads), (got, no_logits, got_grads) = runs[False], runs[True]
+        return dict(
+            loss=abs(got - want),
+            no_logits=no_logits,
+            describe=described,
+            grads={
+                n: ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
+                for n, w in want_grads.items()
+            },
+        )
+
+    gloo_rank(rank, port, 4, out, compute)
+
+
+def test_tensor_parallel_projections_under_transformers_fsdp2(checkpoints, tmp_path):
+    """transformers' tensor parallelism with its FSDP2 over a second mesh dimension (2 x 2, the
+    biased Llama with its unevenly sharded MLP): the projections run on their local shards of
+    the (fsdp, tp) mesh's ``tp`` dimension, reducing over the tensor-parallel pair only; every
+    rank's loss and every parameter's whole gradient equal the unpatched model's."""
+    biased = next(p for p in checkpoints if Path(p).name.startswith("llama-bias"))
+    per_rank = run_ranks(_tp_plan_fsdp_worker, 4, tmp_path, [biased])
+    failed = []
+    for rank, r in enumerate(per_rank):
+        assert r["no_logits"], rank
+        for line in (
+            r"Linear +x10 +colwise tensor-parallel projection on its local shards",
+            r"Linear +x4 +rowwise tensor-parallel projection on its local shards",
+        ):
+            assert re.search(line, r["describe"]), r["describe"]
+        if not r["loss"] <= 1e-5:
+            failed.append(f"rank {rank} loss {r['loss']:.2e}")
+        worst = max(r["grads"], key=r["grads"].get)
+        if not r["grads"][worst] <= 1e-5:
+            failed.append(f"rank {rank} gradient of {worst} {r['grads'][worst]:.2e}")
+    assert not failed, "\n".join(failed)
