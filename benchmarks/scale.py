@@ -19,9 +19,11 @@ Engines:
   and the head tensor-parallel over ``tp`` with torch's ``parallelize_module`` (torchtitan's Llama
   plan: q/k/v, gate and up column-wise, o and down row-wise, the head column-wise), FSDP2 over
   ``dp``. Dense models only (the experts have no plan here);
-- ``tp_plan``: transformers' own tensor parallelism over every rank (``from_pretrained(...,
-  tp_plan="auto")`` of a checkpoint rank 0 writes once into ``--checkpoint-dir``: the model's own
-  plan, the head's logits gathered on every rank), no data parallelism. Dense models only.
+- ``tp_plan``: transformers' own tensor parallelism (``from_pretrained(..., distributed_config=
+  DistributedConfig(tp_plan="auto", tp_size=--tp, fsdp_size=ranks / --tp))`` of a checkpoint rank
+  0 writes once into ``--checkpoint-dir``: the model's own plan, the head's logits gathered on
+  every rank), with transformers' FSDP2 over the other mesh dimension when ``--tp`` is below the
+  number of ranks. Dense models only.
 
 Contenders: ``unpatched``, ``liger`` (``_apply_liger_kernel_to_instance``: its fused loss reads
 the whole head weight, so it cannot run under ``tp`` or ``tp_plan``) and ``surgery``
@@ -194,7 +196,9 @@ class Runner:
             # AdamW's multi-tensor path refuses on a GPU ("got mixed torch.Tensor and DTensor",
             # H200 x2): one parameter at a time.
             opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-            return model, opt, torch.Tensor.backward, 0, 1
+            dp_size = self.world // self.args.tp
+            dp_rank = self.mesh2d["dp"].get_local_rank() if dp_size > 1 else 0
+            return model, opt, torch.Tensor.backward, dp_rank, dp_size
         model = build_model(name, self.args.tiny, self.device)
         prepare_contender(model, contender, self.surgery)
         if engine == "accelerate":
@@ -223,8 +227,11 @@ class Runner:
             build_model(name, self.args.tiny, self.device).save_pretrained(path)
             self._clean()
         dist.barrier()
-        tp = DistributedConfig(tp_plan="auto")  # tp_plan= itself: deprecated since 5.17
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=tp,
+        # tp_plan= itself: deprecated since 5.17. With --tp below the ranks, transformers' FSDP2
+        # over the rest ((fsdp, tp) mesh, ranks 2f + t: the data-parallel rank the mesh2d's).
+        tp, fsdp = self.args.tp, self.world // self.args.tp
+        config = DistributedConfig(tp_plan="auto", tp_size=tp, fsdp_size=fsdp)
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                      dtype=torch.bfloat16)  # fmt: skip
         return model.train()
 

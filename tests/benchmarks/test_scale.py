@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
 
 
@@ -46,6 +48,28 @@ def test_scale_benchmark_runs_fsdp2_and_tensor_parallel_on_cpu(tmp_path):
             for got, want in zip(by[contender]["losses"], by["unpatched"]["losses"], strict=True):
                 assert abs(got - want) <= 1e-3 * want, (engine, contender, got, want)
         assert all(r["tokens_per_s_per_gpu"] > 0 and r["max_seq"] >= 32 for r in by.values())
+
+
+def test_transformers_tensor_parallelism_with_its_fsdp2_on_four_cpu_ranks(tmp_path):
+    """``--engines tp_plan --tp 2`` on four ranks: transformers' tensor parallelism over pairs,
+    its FSDP2 over the two pairs, each pair its own batch; surgery's head fused, its losses the
+    unpatched model's."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+        str(SCRIPT), "--cpu", "--tiny", "--models", "llama3_8b", "--engines", "tp_plan",
+        "--contenders", "unpatched,surgery", "--tp", "2", "--seq", "32", "--warmup", "0",
+        "--steps", "2", "--max-seq-doublings", "0", "--out", str(tmp_path),
+        "--checkpoint-dir", str(tmp_path / "checkpoints"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {r["contender"]: r for r in json.loads((tmp_path / "scale.json").read_text())["runs"]}
+    assert runs["surgery"]["fused"] and not runs["unpatched"]["fused"]
+    for got, want in zip(runs["surgery"]["losses"], runs["unpatched"]["losses"], strict=True):
+        assert abs(got - want) <= 1e-3 * want, (got, want)
+    # Two data-parallel pairs of 32 tokens over four GPUs: 16 tokens a GPU a step.
+    for r in runs.values():
+        assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(16)
 
 
 def test_profile_writes_rank_zeros_tables_of_one_more_step(tmp_path):
