@@ -23,7 +23,7 @@ Engines:
   DistributedConfig(tp_plan="auto", tp_size=--tp, fsdp_size=ranks / --tp))`` of a checkpoint rank
   0 writes once into ``--checkpoint-dir``: the model's own plan, the head's logits gathered on
   every rank), with transformers' FSDP2 over the other mesh dimension when ``--tp`` is below the
-  number of ranks. Dense models only.
+  number of ranks. MoE models too (transformers' plan shards their experts).
 
 Contenders: ``unpatched``, ``liger`` (``_apply_liger_kernel_to_instance``: its fused loss reads
 the whole head weight, so it cannot run under ``tp`` or ``tp_plan``) and ``surgery``
@@ -177,7 +177,7 @@ class Runner:
         optimizer, the backward to call and the data-parallel rank and size."""
         from torch.distributed.fsdp import fully_shard
 
-        if engine in ("tp", "tp_plan") and not MODELS[name]["dense"]:
+        if engine == "tp" and not MODELS[name]["dense"]:
             raise Unavailable(f"the {engine} engine runs dense models only")
         if engine in ("tp", "tp_plan") and contender == "liger":
             raise Unavailable(

@@ -3,9 +3,11 @@ gloo ranks on CPU) and then patched: the lm_head's loss is vocabulary-parallel (
 training, no rank gathers the head), the projections transformers sharded column- and row-wise run
 on their local shards (biases too), the other modules it sharded keep its forward, every other
 kernel runs; loss and every parameter's gradient (each rank's shard) equal transformers' own
-tensor-parallel model's, and the options' loss equals the unsharded patched model's. A model
-parallelised by hand with torch's ``parallelize_module``, patched before or after, and with FSDP2
-on a second mesh dimension (four ranks): the same against the unpatched model."""
+tensor-parallel model's (Llama, Qwen3, Qwen3-MoE, whose experts transformers shards and surgery's
+grouped kernel runs inside), and the options' loss equals the unsharded patched model's; with
+transformers' FSDP2 over it (four ranks), equal the unpatched model's. A model parallelised by hand
+with torch's ``parallelize_module``, patched before or after, and with FSDP2 on a second mesh
+dimension (four ranks): the same against the unpatched model."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from tests.models.tiny import SPECS, sized_config
 from tests.utils import gloo_rank, run_ranks
 
 WORLD = 2
-ARCHS = ["llama", "qwen3"]
+ARCHS = ["llama", "qwen3", "qwen3_moe"]  # Qwen3-MoE: a dense layer, then one of experts
 
 
 def _worker(rank: int, port: int, out: str, cases: list) -> None:
@@ -69,7 +71,8 @@ def _projection_calls(reference, patched) -> dict:
 
     from surgery.forwards.layers import projections
 
-    got, want = patched.model.layers[0], reference.model.layers[0]
+    dense = next(i for i, layer in enumerate(patched.model.layers) if hasattr(layer.mlp, "up_proj"))
+    got, want = patched.model.layers[dense], reference.model.layers[dense]
     torch.manual_seed(2)
     x = torch.randn(2, 3, patched.config.hidden_size)
     hooked = []
@@ -133,6 +136,8 @@ def _compare(path: str) -> dict:
         head_sharded=type(head).__name__ == "DTensor",
         describe=str(surgery.describe(patched)),
         projection_all_reduces=len(projection_all_reduces),
+        layers=len(patched.model.layers),
+        dense_mlps=sum(hasattr(layer.mlp, "up_proj") for layer in patched.model.layers),
     )
     # The per-sequence mean with z-loss on a packed row, against the unsharded patched model.
     options = dict(loss_reduction="sequence", z_loss_scale=1e-2)
@@ -190,10 +195,14 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             assert r["head_sharded"] and r["head_rows"] == 49, where
             assert not r["logits_in_training"], where
             assert "lm_head: vocab_parallel_linear_cross_entropy" in r["describe"], r["describe"]
-            layers = 2  # five projections column-wise and two row-wise in each layer
+            # q/k/v column-wise and o row-wise in each layer, gate/up and down in each dense MLP
+            # (an MoE layer's experts are transformers' to shard: surgery's kernel runs inside).
+            layers, dense = r["layers"], r["dense_mlps"]
+            assert layers == 2 and dense == (1 if name.startswith("qwen3_moe") else 2), where
+            colwise, rowwise = 3 * layers + 2 * dense, layers + dense
             for line in (
-                rf"Linear +x{5 * layers} +colwise tensor-parallel projection on its local shards",
-                rf"Linear +x{2 * layers} +rowwise tensor-parallel projection on its local shards",
+                rf"Linear +x{colwise} +colwise tensor-parallel projection on its local shards",
+                rf"Linear +x{rowwise} +rowwise tensor-parallel projection on its local shards",
                 r"Embedding +x1 +sharded by transformers' tensor parallelism",
                 r"q/k/v share their input \(shared_input_linear\)",
                 r"gate/up sharing their input \(shared_input_linear\)",
@@ -201,7 +210,8 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
                 assert re.search(line, r["describe"]), r["describe"]
             # A layer's forward: o_proj's and down_proj's outputs; its backward: q/k/v's input
             # gradient and gate/up's, each group's once (not once per projection).
-            assert r["projection_all_reduces"] == 4 * layers, (where, r["projection_all_reduces"])
+            count = r["projection_all_reduces"]
+            assert count == 2 * layers + 2 * dense, (where, count)
             assert r["hooked"] == ["k", "q"], (where, r["hooked"])
             assert r["dtensor_input"] <= 1e-6, (where, r["dtensor_input"])
             assert all(a == b == "torch.bfloat16" for a, b in r["autocast_dtypes"]), (where, r)
