@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from surgery.attention.forward import BINDING_ATTR
 from surgery.attention.linear import LINEAR_ATTENTION_ATTR
@@ -192,6 +193,16 @@ def _installed(module: nn.Module, state: PatchState) -> str:
     return "a surgery forward"
 
 
+def _torch_tensor_parallel(module: nn.Module) -> bool:
+    """Whether torch's ``parallelize_module`` sharded ``module``: DTensor parameters of its own and
+    the layout hooks ``distribute_module`` registers (FSDP2's hooks sit on the module it wraps,
+    and its parameters are gathered into plain tensors inside the forward)."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False)) and any(
+        getattr(hook, "__module__", "").startswith("torch.distributed.tensor") for hook in hooks
+    )
+
+
 def _left_alone_because(
     module: nn.Module, lm: nn.Module, under_head: set[int], state: PatchState, fallback: bool
 ) -> str:
@@ -206,6 +217,8 @@ def _left_alone_because(
         return "loss-only fallback: transformers' own forward"
     if tensor_parallel_forward(module.__dict__.get("forward")):
         return "sharded by transformers' tensor parallelism: its own forward on the shards"
+    if _torch_tensor_parallel(module):
+        return "sharded by torch's tensor parallelism (parallelize_module): DTensor's forward"
     spec: ArchitectureSpec = state.spec
     options = state.options
     if not any(module is m for m in text_model(lm, spec)[0].modules()):

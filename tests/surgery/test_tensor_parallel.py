@@ -280,6 +280,7 @@ def _by_hand(arch: str) -> dict:
             logits_in_training=got.logits is not None,
             head_rows=_local(patched.lm_head.weight).shape[0],
             eval_logits=logits.item(),
+            describe=str(surgery.describe(patched)),
         )
     return results
 
@@ -372,6 +373,9 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
             where = f"rank {rank}, patched {order} parallelize_module:"
             assert r["head_rows"] == (49, 48)[rank], where
             assert not r["logits_in_training"], where
+            # The 14 projections keep torch's forward, and describe says why.
+            line = r"Linear +x14 +sharded by torch's tensor parallelism \(parallelize_module\)"
+            assert re.search(line, r["describe"]), r["describe"]
             for key in ("loss", "eval_logits"):
                 if not r[key] <= 1e-5:
                     failed.append(f"{where} {key} {r[key]:.2e}")
@@ -416,10 +420,12 @@ def _two_dimensional_worker(rank: int, port: int, out: str, cases: list) -> None
             output.loss.backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             runs[patched] = (output.loss.item(), output.logits is None, grads)
+        described = str(surgery.describe(model))
         (want, _, want_grads), (got, no_logits, got_grads) = runs[False], runs[True]
         result = dict(
             loss=abs(got - want),
             no_logits=no_logits,
+            describe=described,
             grads={
                 n: ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
                 for n, w in want_grads.items()
@@ -438,6 +444,9 @@ def test_tensor_parallel_head_under_fsdp2_on_a_second_mesh_dimension(tmp_path):
     failed = []
     for rank, r in enumerate(per_rank):
         assert r["no_logits"], rank
+        # FSDP2's DTensor parameters are not tensor parallelism: the projections are plain linears.
+        assert "tensor parallelism" not in r["describe"], r["describe"]
+        assert re.search(r"Linear +x14 +no surgery kernel", r["describe"]), r["describe"]
         if not r["loss"] <= 1e-5:
             failed.append(f"rank {rank} loss {r['loss']:.2e}")
         worst = max(r["grads"], key=r["grads"].get)
