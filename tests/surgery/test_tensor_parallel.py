@@ -12,6 +12,7 @@ dimension (four ranks): the same against the unpatched model."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 import types
 from pathlib import Path
@@ -23,6 +24,11 @@ from tests.models.tiny import SPECS, sized_config
 from tests.utils import gloo_rank, run_ranks
 
 WORLD = 2
+# Whether transformers' tensor parallelism shards a width the ranks do not divide (5.24, not 5.17).
+UNEVEN = hasattr(
+    importlib.import_module("transformers.distributed.tensor_parallel").TensorParallelLayer,
+    "_from_local_last_dim_shard",
+)
 ARCHS = ["llama", "qwen3", "qwen3_moe"]  # Qwen3-MoE: a dense layer, then one of experts
 
 
@@ -166,8 +172,11 @@ def _compare(path: str) -> dict:
 def checkpoints(tmp_path_factory):
     paths = []
     # Llama with biases on every projection (column-wise ones sharded, row-wise ones replicated)
-    # and an MLP width the ranks do not divide (local gate/up rows and down columns 19 and 18).
-    biases = dict(attention_bias=True, mlp_bias=True, intermediate_size=37)
+    # and, where transformers shards unevenly (5.24; 5.17's own forward cannot), an MLP width
+    # the ranks do not divide (local gate/up rows and down columns 19 and 18).
+    biases = dict(attention_bias=True, mlp_bias=True)
+    if UNEVEN:
+        biases["intermediate_size"] = 37
     for name, arch, extra in [*((a, a, {}) for a in ARCHS), ("llama-bias", "llama", biases)]:
         # 98 rows: whole shards of 49 (transformers 5.17 refuses a gathered head that does not
         # divide by the ranks).
@@ -231,7 +240,8 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             if not r["grads"][worst] <= 1e-5:
                 failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
     assert not failed, "\n".join(failed)
-    assert [r["llama-bias0"]["mlp_columns"] for r in per_rank] == [19, 18]
+    if UNEVEN:
+        assert [r["llama-bias0"]["mlp_columns"] for r in per_rank] == [19, 18]
 
 
 def _by_hand(arch: str) -> dict:
@@ -476,6 +486,17 @@ def _tp_plan_fsdp_worker(rank: int, port: int, out: str, cases: list) -> None:
             return AutoModelForCausalLM.from_pretrained(cases[0], distributed_config=config,
                                                         dtype=torch.float32).train()  # fmt: skip
 
+        # transformers' own loading first, before surgery takes any part: 5.17 fails on some ranks
+        # (DtensorShardOperation) or shards for tensor parallelism alone. Every rank agrees.
+        try:
+            fsdp = type(load()).__name__.startswith("FSDP")
+            error = "" if fsdp else "from_pretrained applied no FSDP2"
+        except Exception as err:
+            error = f"from_pretrained failed: {type(err).__name__}: {err}"
+        loaded = torch.tensor(0 if error else 1)
+        torch.distributed.all_reduce(loaded, op=torch.distributed.ReduceOp.MIN)
+        if not loaded.item():
+            return dict(unsupported=error or "another rank could not load it")
         runs, described = {}, ""
         for patched in (False, True):
             model = load()
@@ -506,11 +527,16 @@ def _tp_plan_fsdp_worker(rank: int, port: int, out: str, cases: list) -> None:
 
 def test_tensor_parallel_projections_under_transformers_fsdp2(checkpoints, tmp_path):
     """transformers' tensor parallelism with its FSDP2 over a second mesh dimension (2 x 2, the
-    biased Llama with its unevenly sharded MLP): the projections run on their local shards of
-    the (fsdp, tp) mesh's ``tp`` dimension, reducing over the tensor-parallel pair only; every
-    rank's loss and every parameter's whole gradient equal the unpatched model's."""
+    biased Llama, its MLP unevenly sharded where transformers can): the projections run on their
+    local shards of the (fsdp, tp) mesh's ``tp`` dimension, reducing over the tensor-parallel pair
+    only; every rank's loss and every parameter's whole gradient equal the unpatched model's."""
     biased = next(p for p in checkpoints if Path(p).name.startswith("llama-bias"))
     per_rank = run_ranks(_tp_plan_fsdp_worker, 4, tmp_path, [biased])
+    unsupported = sorted({r["unsupported"] for r in per_rank if "unsupported" in r})
+    if unsupported:
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__}: {'; '.join(unsupported)[:300]}")
     failed = []
     for rank, r in enumerate(per_rank):
         assert r["no_logits"], rank
