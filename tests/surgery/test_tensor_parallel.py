@@ -112,6 +112,22 @@ def _projection_calls(reference, patched) -> dict:
     )
 
 
+def _over_budget(where: str, r: dict, keys=("loss",)) -> list[str]:
+    """What of a run's result ``r`` is over 1e-5: the ``keys`` and the worst of its ``grads``."""
+    failed = [f"{where} {key} {r[key]:.2e}" for key in keys if not r[key] <= 1e-5]
+    worst = max(r["grads"], key=r["grads"].get)
+    if not r["grads"][worst] <= 1e-5:
+        failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
+    return failed
+
+
+def _whole_grad_errors(got: dict, want: dict) -> dict[str, float]:
+    """Each whole gradient of ``got`` against ``want``: the largest difference over the largest
+    value."""
+    return {n: ((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
+            for n, w in want.items()}  # fmt: skip
+
+
 def _compare(path: str) -> dict:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
@@ -233,12 +249,9 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             assert all(a == b == "torch.bfloat16" for a, b in r["autocast_dtypes"]), (where, r)
             for key in ("restored", "restored_projection"):
                 assert r[key].endswith("install_forward.<locals>.tp_forward"), (where, key)
-            for key in ("loss", "sequence_loss", "sequence_z_loss", "eval_logits"):
-                if not r[key] <= 1e-5:
-                    failed.append(f"{where} {key} {r[key]:.2e}")
-            worst = max(r["grads"], key=r["grads"].get)
-            if not r["grads"][worst] <= 1e-5:
-                failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
+            failed += _over_budget(
+                where, r, ("loss", "sequence_loss", "sequence_z_loss", "eval_logits")
+            )
     assert not failed, "\n".join(failed)
     if UNEVEN:
         assert [r["llama-bias0"]["mlp_columns"] for r in per_rank] == [19, 18]
@@ -351,12 +364,7 @@ def _trl_by_hand(arch: str) -> dict:
               for f in (*outputs, "loss")}  # fmt: skip
     top1 = got.is_top1[got.label_mask.bool()]
     errors["is_top1 not seen both ways"] = float(not 0 < top1.sum() < top1.numel())
-    errors.update(
-        {
-            f"grad {n}": ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
-            for n, w in want_grads.items()
-        }
-    )
+    errors.update({f"grad {n}": e for n, e in _whole_grad_errors(got_grads, want_grads).items()})
     return errors
 
 
@@ -393,12 +401,7 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
             # The 14 projections keep torch's forward, and describe says why.
             line = r"Linear +x14 +sharded by torch's tensor parallelism \(parallelize_module\)"
             assert re.search(line, r["describe"]), r["describe"]
-            for key in ("loss", "eval_logits"):
-                if not r[key] <= 1e-5:
-                    failed.append(f"{where} {key} {r[key]:.2e}")
-            worst = max(r["grads"], key=r["grads"].get)
-            if not r["grads"][worst] <= 1e-5:
-                failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
+            failed += _over_budget(where, r, ("loss", "eval_logits"))
     assert not failed, "\n".join(failed)
 
 
@@ -443,10 +446,7 @@ def _two_dimensional_worker(rank: int, port: int, out: str, cases: list) -> None
             loss=abs(got - want),
             no_logits=no_logits,
             describe=described,
-            grads={
-                n: ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
-                for n, w in want_grads.items()
-            },
+            grads=_whole_grad_errors(got_grads, want_grads),
         )
         return result
 
@@ -464,11 +464,7 @@ def test_tensor_parallel_head_under_fsdp2_on_a_second_mesh_dimension(tmp_path):
         # FSDP2's DTensor parameters are not tensor parallelism: the projections are plain linears.
         assert "tensor parallelism" not in r["describe"], r["describe"]
         assert re.search(r"Linear +x14 +no surgery kernel", r["describe"]), r["describe"]
-        if not r["loss"] <= 1e-5:
-            failed.append(f"rank {rank} loss {r['loss']:.2e}")
-        worst = max(r["grads"], key=r["grads"].get)
-        if not r["grads"][worst] <= 1e-5:
-            failed.append(f"rank {rank} gradient of {worst} {r['grads'][worst]:.2e}")
+        failed += _over_budget(f"rank {rank}", r)
     assert not failed, "\n".join(failed)
 
 
@@ -516,10 +512,7 @@ def _tp_plan_fsdp_worker(rank: int, port: int, out: str, cases: list) -> None:
             loss=abs(got - want),
             no_logits=no_logits,
             describe=described,
-            grads={
-                n: ((got_grads[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
-                for n, w in want_grads.items()
-            },
+            grads=_whole_grad_errors(got_grads, want_grads),
         )
 
     gloo_rank(rank, port, 4, out, compute)
@@ -545,9 +538,5 @@ def test_tensor_parallel_projections_under_transformers_fsdp2(checkpoints, tmp_p
             r"Linear +x4 +rowwise tensor-parallel projection on its local shards",
         ):
             assert re.search(line, r["describe"]), r["describe"]
-        if not r["loss"] <= 1e-5:
-            failed.append(f"rank {rank} loss {r['loss']:.2e}")
-        worst = max(r["grads"], key=r["grads"].get)
-        if not r["grads"][worst] <= 1e-5:
-            failed.append(f"rank {rank} gradient of {worst} {r['grads'][worst]:.2e}")
+        failed += _over_budget(f"rank {rank}", r)
     assert not failed, "\n".join(failed)
