@@ -196,9 +196,8 @@ class Runner:
             # AdamW's multi-tensor path refuses on a GPU ("got mixed torch.Tensor and DTensor",
             # H200 x2): one parameter at a time.
             opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-            dp_size = self.world // self.args.tp
-            dp_rank = self.mesh2d["dp"].get_local_rank() if dp_size > 1 else 0
-            return model, opt, torch.Tensor.backward, dp_rank, dp_size
+            dp = self.mesh2d["dp"]  # transformers' fsdp dimension, ranked as it ranks it
+            return model, opt, torch.Tensor.backward, dp.get_local_rank(), dp.size()
         model = build_model(name, self.args.tiny, self.device)
         prepare_contender(model, contender, self.surgery)
         if engine == "accelerate":
@@ -228,7 +227,7 @@ class Runner:
             self._clean()
         dist.barrier()
         # tp_plan= itself: deprecated since 5.17. With --tp below the ranks, transformers' FSDP2
-        # over the rest ((fsdp, tp) mesh, ranks 2f + t: the data-parallel rank the mesh2d's).
+        # over the rest (an (fsdp, tp) mesh, rank f * tp + t, as mesh2d's (dp, tp)).
         tp, fsdp = self.args.tp, self.world // self.args.tp
         config = DistributedConfig(tp_plan="auto", tp_size=tp, fsdp_size=fsdp)
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,

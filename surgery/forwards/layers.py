@@ -30,6 +30,7 @@ from surgery.kernels.gated_activation import gated_activation_fwd, gated_linear,
 from surgery.kernels.rms_norm import rms_norm_fwd
 from surgery.kernels.shared_input_linear import shared_input_linear
 from surgery.models import RMSNormStyle
+from surgery.patching.foreign import hooked
 
 __all__ = [
     "EMBEDDING_ATTR",
@@ -114,14 +115,11 @@ def plain_linear(linear: nn.Module | None, bias: bool = False) -> bool:
     DeepSpeed's gathers), a forward of the instance's own (accelerate's) or a weight that is not a
     plain tensor (ZeRO-3 partitions, DTensors). Anything else (a LoRA layer, a quantized linear)
     is called."""
-    module_hooks = torch.nn.modules.module
     return (
         type(linear) is nn.Linear
         and (bias or linear.bias is None)
         and "forward" not in linear.__dict__
-        and not (linear._forward_hooks or linear._forward_pre_hooks)
-        and not (linear._backward_hooks or linear._backward_pre_hooks)
-        and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
+        and not hooked(linear)
         and not hasattr(linear.weight, "ds_id")
         and not isinstance(linear.weight, DTensor)
     )
@@ -131,9 +129,11 @@ def share_input(linears) -> bool:
     """Whether ``linears`` (the layers over one input) may run through ``shared_input_linear``:
     several, all ``plain_linear`` (biases allowed), or all column-parallel on their local shards
     over one group (``shared_column_group``). ``projections`` adds what a call decides."""
-    return (len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)) or (
-        shared_column_group(linears) is not None
-    )
+    return _plain_projections(linears) or shared_column_group(linears) is not None
+
+
+def _plain_projections(linears) -> bool:
+    return len(linears) > 1 and all(plain_linear(m, bias=True) for m in linears)
 
 
 def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -150,7 +150,7 @@ def projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...
         x = all_reduce_grad(x, group)
         weights = [local_tensor(m.weight) for m in linears]
         biases = [local_tensor(m.bias) for m in linears]
-    elif share_input(linears):
+    elif _plain_projections(linears):
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     else:
         return tuple(m(x) for m in linears)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from surgery.patching.foreign import tensor_parallel_forward
+from surgery.patching.foreign import hooked, tensor_parallel_forward
 
 __all__ = [
     "TP_LINEAR_ATTR",
@@ -173,13 +173,8 @@ def _runs_this_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` would run ``tensor_parallel_linear_forward`` and nothing else:
     still its forward (no other code replaced it since the patch), no hook of its own or global
     one (hooks added after the patch must run, so such a projection is called, not read)."""
-    module_hooks = torch.nn.modules.module
-    return (
-        getattr(module.__dict__.get("forward"), "__func__", None) is tensor_parallel_linear_forward
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (module._backward_hooks or module._backward_pre_hooks)
-        and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
-    )
+    forward = getattr(module.__dict__.get("forward"), "__func__", None)
+    return forward is tensor_parallel_linear_forward and not hooked(module)
 
 
 def shared_column_group(linears) -> Any:

@@ -46,6 +46,7 @@ __all__ = [
     "ForwardSlot",
     "find_forward_slot",
     "foreign_kernel_modules",
+    "hooked",
     "library_of",
     "restore_forward",
     "tensor_parallel_forward",
@@ -208,6 +209,21 @@ def restore_forward(module: nn.Module, installed: Any, previous: Any) -> bool:
 def _is_instance_forward(reference: _Reference, module: nn.Module) -> bool:
     """Whether ``reference`` is the module instance's own ``forward`` attribute."""
     return reference.holder is module.__dict__ and reference.key == "forward"
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks besides its forward: forward, pre-forward, backward or
+    pre-backward hooks of its own, or global forward ones (DeepSpeed's gathers). A forward that
+    reads such a module's weights instead of calling it would skip them."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+    )
 
 
 def tensor_parallel_forward(forward: Any) -> bool:
