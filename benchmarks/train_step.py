@@ -369,7 +369,8 @@ CONTENDERS = ["unpatched", "surgery", "liger"]
 # no host read; before it was the default, this run was "surgery" against "surgery_skip_ignored").
 # surgery_inductor_norm / _inductor_mlp: surgery leaving the RMSNorm / the gated MLP to
 # transformers (and so to Inductor when compiled); surgery_no_recompute: no recompute of the MLP
-# product and the norm output (compile studies, issue 18).
+# product and the norm output (compile studies, issue 18); surgery_eager_attention: Gemma 2's
+# softcapped attention through the eager function (flex_attention=False).
 # unpatched_grouped_mm: transformers with grouped_mm experts asked for (MoE models).
 SURGERY_CONTENDERS = {
     "surgery": {},
@@ -378,6 +379,7 @@ SURGERY_CONTENDERS = {
     "surgery_inductor_norm": {"rms_norm": False},
     "surgery_inductor_mlp": {"gated_mlp": False},
     "surgery_no_recompute": {"recompute_mlp_product": False, "recompute_norm_output": False},
+    "surgery_eager_attention": {"flex_attention": False},
 }
 EXTRA_CONTENDERS = [
     "liger_rope_flce",

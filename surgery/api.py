@@ -129,6 +129,7 @@ def patch(
     padding_free: bool = True,
     eager_attention_recompute: bool = True,
     varlen_attention: bool = True,
+    flex_attention: bool = True,
     experts_implementation: str | None = "auto",
     fallback: str | None = None,
     strict: bool = True,

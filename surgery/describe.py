@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from surgery.attention.forward import BINDING_ATTR
+from surgery.attention.forward import BINDING_ATTR, read_path
 from surgery.attention.linear import LINEAR_ATTENTION_ATTR
 from surgery.attention.vision import VISION_ATTENTION_ATTR
 from surgery.forwards.base_model import BASE_MODEL_ATTR, BaseModelNeeds
@@ -138,6 +138,13 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         names = ("q_proj",) if getattr(module, "is_kv_shared_layer", False) else QKV
         if _share_input(module, names):
             what += "; q/k/v share their input (shared_input_linear)"
+        binding = attrs[BINDING_ATTR]
+        softcap = any(
+            name == "softcap" and read_path(module, path) is not None
+            for name, path in binding.spec.attention_kwargs
+        )
+        if binding.flex and softcap and module.config._attn_implementation == "eager":
+            what += "; softcapped attention through flex attention (CUDA, 16-bit, no cached keys)"
         return what
     if NORM_ATTR in attrs:
         style = attrs[NORM_ATTR]

@@ -6,7 +6,8 @@ frequencies); the attention reads the frequencies from it at call time instead o
 tables it produced.
 
 Packed batches through flash attention's varlen kernel: ``surgery.attention.varlen``; the shared
-sdpa mask: ``surgery.attention.shared_mask``; the lean eager attention: ``surgery.attention.eager``.
+sdpa mask: ``surgery.attention.shared_mask``; the lean eager attention: ``surgery.attention.eager``;
+softcapped eager attention through flex attention: ``surgery.attention.flex``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from surgery.attention.chunked import (
     is_chunked_layer,
 )
 from surgery.attention.eager import lean_eager_attention
+from surgery.attention.flex import flex_runs, flex_softcap_attention
 from surgery.attention.linear import DOCUMENTS_KWARG
 from surgery.attention.shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
 from surgery.attention.unpadding import (
@@ -90,6 +92,8 @@ class AttentionBinding:
     (an ``mrope`` spec whose rotary module's layout was not recognised) transformers' cos/sin."""
     lean_eager: bool = True
     """Run the eager implementation through ``lean_eager_attention``."""
+    flex: bool = False
+    """Run a softcapped eager attention through ``flex_softcap_attention`` where it can."""
 
 
 BINDING_ATTR = "_surgery_attention"
@@ -261,11 +265,23 @@ def attention_forward(
         # Each chunk of a document attends causally to itself: the documents' chunks, found
         # once per forward (none: the masked path).
         packed = packed.chunks
+    direct = None  # the attention's (b, t, heads, d) output where it runs without a mask tensor
     if packed is not None and cache is None and _varlen_runs(self, query, value, dropout, extra):
-        attn_output = varlen_attention(
+        direct = varlen_attention(
             query, key, value, packed, self.scaling, extra.get("sliding_window")
         )
-        attn_output = attn_output.reshape(*input_shape, -1)
+    elif (
+        binding.flex
+        and query.shape[-2] == key.shape[-2]  # no cached keys: training, a loss call, a prefill
+        and unpadded is None
+        and self.config._attn_implementation == "eager"
+        and flex_runs(self, query, dropout, extra)
+    ):
+        direct = flex_softcap_attention(
+            self, query, key, value, attention_mask, self.scaling, extra["softcap"]
+        )
+    if direct is not None:
+        attn_output = direct.reshape(*input_shape, -1)
         if gate is not None:
             attn_output = attn_output * torch.sigmoid(gate)
         return self.o_proj(attn_output), None

@@ -177,6 +177,7 @@ def _layer_swaps(
             fallback_rope=spec.rotary_pos_emb(),
             share_mask=options.share_attention_mask,
             lean_eager=options.eager_attention_recompute and spec.eager_softmax_fp32,
+            flex=options.flex_attention,
             mrope=mrope_layout(getattr(text, spec.rotary_attr)) if spec.mrope else None,
         )
         generic = mla_attention_forward if spec.latent_attention else attention_forward

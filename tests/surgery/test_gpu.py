@@ -237,3 +237,37 @@ def test_varlen_attention_within_budget(arch, monkeypatch):
     assert any(w != (-1, 0) for w in windows) == (arch != "llama"), windows
     assert_close_budget(loss, ref_loss, masked_loss, torch.bfloat16, what=f"{arch} loss")
     assert_close_budget(grads, ref_grads, masked_grads, torch.bfloat16, what=f"{arch} grads")
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_flex_attention_within_budget(kind, monkeypatch):
+    """``flex_attention``: Gemma 2's softcapped attention through torch's compiled flex kernels,
+    bf16, against the fp32 reference (unpatched, eager) within the budget of the eager
+    attention's bf16 run (the option off); flex really ran in every layer (the rows are longer
+    than the sliding window of 64, so its layers cut the blocks), training through its backward.
+    Rows that attend to nothing stay with the eager function (``test_flex_attention.py``)."""
+    import surgery.attention.forward as attention_forward
+
+    calls = []
+    real = attention_forward.flex_softcap_attention
+
+    def recording(*args, **kwargs):
+        output = real(*args, **kwargs)
+        calls.append(output is not None)
+        return output
+
+    monkeypatch.setattr(attention_forward, "flex_softcap_attention", recording)
+    fp32 = gpu_model("gemma2", attn="eager")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in (301, 270, 250)]
+    # right padding shorter than the window: every layer's rows attend to some key
+    batch = (packed_batch(seqs) if kind == "packed" else padded_batch(seqs)).to("cuda")
+    assert unpatched_packs_exactly("gemma2")
+    ref_loss, ref_grads = step(fp32, batch, use_cache=False)
+    eager_loss, eager_grads = step(surgery.patch(bf16, flex_attention=False), batch)
+    assert calls == []
+    loss, grads = step(surgery.patch(copy.deepcopy(bf16)), batch)
+    assert calls == [True] * fp32.config.num_hidden_layers
+    assert_close_budget(loss, ref_loss, eager_loss, torch.bfloat16, what=f"gemma2 {kind} loss")
+    assert_close_budget(grads, ref_grads, eager_grads, torch.bfloat16, what=f"gemma2 {kind} grads")

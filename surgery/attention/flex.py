@@ -1,0 +1,147 @@
+"""Softcapped eager attention (Gemma 2's) through torch's flex attention.
+
+transformers runs Gemma 2 with ``attn_implementation="eager"``, as sdpa has no attention-logit
+softcap: its eager function materialises the (batch, heads, seq, seq) scores, their tanh, the mask
+added and the fp32 softmax, several passes over the square per layer. With ``flex_attention`` (the
+option) such an attention, where the keys are the queries' own (training, a loss call, a
+prefill; not a decoding step) and no attention weights are asked for, runs
+transformers' ``flex_attention_forward`` instead (imported: the softcap as flex's score modifier,
+flex compiled once by transformers) over a ``BlockMask`` made from the eager mask transformers
+built: the scores stay in the kernel, in fp32, and blocks the mask leaves out are skipped.
+
+The eager mask (batch or 1, 1, q, kv) is boolean or additive with 0 where attended and the dtype's
+lowest value elsewhere (what transformers' eager masks hold). It becomes a block mask once per mask
+tensor, cached on it as the shared sdpa mask is: every layer of one forward (one mask per layer
+type) and its backward use the one; its mask function reads the boolean mask inside the blocks the
+mask cuts, blocks it leaves out are skipped. Two masks stay with the eager function, which one read
+of the mask on the host per mask tensor tells: additive values other than those two (a bias), and a
+query row that attends to no key (left padding; a padded position whose sliding window holds only
+padding). There the finite eager mask spreads the softmax evenly over every key, and its gradient
+reaches the queries and keys through scores the forward rounded away, where flex gives zeros: a
+left-padded batch trains its last padded position (it predicts the first real token), so the
+attention of such a batch is transformers' eager one, bit for bit, as without the option.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["flex_mask", "flex_runs", "flex_softcap_attention"]
+
+FLEX_MASK_ATTR = "_surgery_flex_mask"
+BLOCK = 128
+"""flex attention's default block size, to which the mask is padded."""
+
+
+DEVICES = ("cuda",)
+"""Where flex runs: its compiled kernels are GPU kernels (on CPU the eager function is as good)."""
+DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes flex runs in: in fp32 its products may take TF32, which the eager function's do not
+(by default), so an fp32 model keeps the eager function."""
+
+
+def flex_runs(module: nn.Module, query: torch.Tensor, dropout: float, extra: dict) -> bool:
+    """Whether this call of a softcapped eager attention runs ``flex_softcap_attention``: a
+    softcap, a tensor on one of ``DEVICES`` in one of ``DTYPES``, no attention dropout, no
+    attention weights asked for (``output_attentions``: transformers' output collector), not
+    while ``torch.compile`` traces (the mask's check reads it on the host), flex attention in
+    torch. The caller checks the option and that the keys are the queries' own (no cached ones:
+    a decoding step keeps the eager function)."""
+    return (
+        extra.get("softcap") is not None
+        and query.device.type in DEVICES
+        and query.dtype in DTYPES
+        and not dropout
+        and not _attentions_wanted()
+        and not torch.compiler.is_compiling()
+        and _flex_available()
+    )
+
+
+def _flex_available() -> bool:
+    try:
+        from transformers.integrations.flex_attention import flex_attention_forward  # noqa: F401
+        from transformers.utils import is_torch_flex_attn_available
+    except ImportError:
+        return False
+    return is_torch_flex_attn_available()
+
+
+def _attentions_wanted() -> bool:
+    """Whether the model call asked for the attention weights (``output_attentions``), which
+    transformers gathers from the attention modules' outputs while its collector is active."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # no collector to ask: assume they are wanted, the eager path gives them
+        return True
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
+def flex_mask(mask: torch.Tensor, kv_len: int):
+    """The ``BlockMask`` of an eager (batch or 1, 1, q, >= kv_len) mask, built once per mask
+    tensor and ``kv_len`` and cached on the mask; None for a mask that stays with the eager
+    function (the module docstring: a bias, a row attending to no key, a mask per head). One read
+    of the mask on the host per mask tensor."""
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    cached = getattr(mask, FLEX_MASK_ATTR, None)
+    if cached is not None and cached[0] == kv_len:
+        return cached[1]
+    sliced = mask[:, 0, :, :kv_len]
+    if sliced.dtype == torch.bool:
+        allowed, masks_only = sliced, sliced.new_ones(())
+    else:
+        allowed = sliced == 0
+        lowest = torch.finfo(sliced.dtype).min
+        masks_only = (allowed | (sliced == lowest) | (sliced == -torch.inf)).all()
+    every_row = allowed.any(dim=-1).all()
+    takes = bool(torch.stack([masks_only, every_row]).all())  # the one host read
+    built = _block_mask(allowed) if takes else None
+    setattr(mask, FLEX_MASK_ATTR, (kv_len, built))
+    return built
+
+
+def _block_mask(allowed: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, q_len, kv_len = allowed.shape
+    # Padded to whole blocks (False): the mask function may be asked for positions in the last
+    # blocks beyond the sequence.
+    pad_q, pad_kv = -q_len % BLOCK, -kv_len % BLOCK
+    padded = nn.functional.pad(allowed, (0, pad_kv, 0, pad_q), value=False).contiguous()
+
+    def mask_mod(b, h, q, kv):
+        return padded[b, q, kv]
+
+    return create_block_mask(
+        mask_mod, batch, None, q_len, kv_len, device=allowed.device, BLOCK_SIZE=BLOCK
+    )
+
+
+def flex_softcap_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+) -> torch.Tensor | None:
+    """The eager function's softcapped attention over (batch, heads, seq, head_dim) query, key
+    and value (key and value with their own, fewer, heads) under ``attention_mask`` (None: every
+    key attended, as the eager function does without one), through transformers'
+    ``flex_attention_forward``: (batch, seq, heads, head_dim), the eager function's layout. None
+    where the mask stays with the eager function (``flex_mask``): the caller runs that."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    block_mask = None
+    if attention_mask is not None:
+        block_mask = flex_mask(attention_mask, key.shape[-2])
+        if block_mask is None:
+            return None
+    output, _ = flex_attention_forward(
+        module, query, key, value, block_mask, scaling=scaling, softcap=softcap
+    )
+    return output

@@ -1,0 +1,196 @@
+"""``flex_attention``: Gemma 2's softcapped eager attention through torch's flex attention.
+
+On this machine flex runs forward only (torch's flex attention has no CPU backward) and in its
+uncompiled reference form, in fp32: the forward of every batch layout against the eager attention
+(the option off, itself bit for bit transformers' eager: ``test_eager_attention.py``) and against
+unpatched transformers, which masks stay with the eager function, one block mask per mask tensor,
+and where the option does not apply. The GPU tests (``test_gpu.py``) train through the compiled
+kernels in bf16 against the fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.integrations.flex_attention as transformers_flex
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+import surgery
+import surgery.attention.flex as flex
+import surgery.attention.forward as attention_forward
+from tests.models.tiny import (
+    left_padded_batch,
+    packed_batch,
+    padded_batch,
+    sequences,
+    tiny_model,
+    twin,
+)
+
+LENGTHS = [9, 6, 3]  # longer than the tiny config's sliding window (5)
+SHORT_PADDING = [9, 7, 6]  # right-padded, no row padded beyond the window
+LAYERS = 4
+
+
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """flex on CPU tensors in fp32 through its uncompiled form; the list of what each call of
+    ``flex_softcap_attention`` did (True: ran flex; False: handed the mask back)."""
+    monkeypatch.setattr(flex, "DEVICES", ("cpu",))
+    monkeypatch.setattr(flex, "DTYPES", (torch.float32,))
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", uncompiled)
+    calls = []
+    real = attention_forward.flex_softcap_attention
+
+    def recording(*args, **kwargs):
+        output = real(*args, **kwargs)
+        calls.append(output is not None)
+        return output
+
+    monkeypatch.setattr(attention_forward, "flex_softcap_attention", recording)
+    return calls
+
+
+def gemma2(**overrides):
+    types = ["sliding_attention", "full_attention"] * (LAYERS // 2)
+    model = tiny_model("gemma2", attn="eager", num_hidden_layers=LAYERS, layer_types=types,
+                       **overrides)  # fmt: skip
+    return model.train()
+
+
+def forward(model, batch: dict):
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+    return out.loss, out.hidden_states[-1]
+
+
+def batch_of(kind: str) -> dict:
+    seqs = sequences(LENGTHS)
+    if kind == "right-padded":
+        return padded_batch(sequences(SHORT_PADDING)).kwargs()
+    if kind == "right-padded beyond the window":
+        return padded_batch(seqs).kwargs()
+    if kind == "packed":  # through position ids: transformers' block-diagonal eager mask
+        return packed_batch(seqs).kwargs()
+    if kind == "left-padded":
+        return left_padded_batch(seqs).kwargs()
+    ids = torch.cat(seqs)[None].repeat(2, 1)
+    batch = {"input_ids": ids, "labels": ids}
+    if kind == "mask of ones":
+        batch["attention_mask"] = torch.ones_like(ids)
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["no mask", "mask of ones", "right-padded", "packed"])
+def test_forward_equals_the_eager_attention(flex_calls, kind):
+    """Every layer runs flex (sliding and full layers, the rows longer than the window), and the
+    loss and last hidden states equal the eager attention's (the option off) and, where transformers
+    computes the same attention (all but packed batches, whose documents surgery keeps apart),
+    unpatched transformers' eager model's, within fp32 rounding."""
+    model = gemma2()
+    reference = twin(model)
+    eager = surgery.patch(twin(model), flex_attention=False)
+    surgery.patch(model)
+    batch = batch_of(kind)
+    loss, hidden = forward(model, batch)
+    assert flex_calls == [True] * LAYERS
+    want_loss, want_hidden = forward(eager, batch)
+    assert flex_calls == [True] * LAYERS  # the option off: not asked
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    if kind != "packed":
+        transformers_loss, transformers_hidden = forward(reference, batch)
+        torch.testing.assert_close(loss, transformers_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(hidden, transformers_hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "runs"),
+    [("left-padded", [False] * LAYERS), ("right-padded beyond the window", [False, True] * 2)],
+)
+def test_rows_attending_to_nothing_stay_with_the_eager_function(flex_calls, kind, runs):
+    """Left padding's padded positions attend to no key, and in the sliding layers so do right
+    padding's positions more than a window past a row's last real token: those layers' masks
+    go back to the eager function (whose softmax spreads such a row over every key), the others
+    run flex; the forward is the option off's (bit for bit where no layer ran flex)."""
+    model = gemma2()
+    eager = surgery.patch(twin(model), flex_attention=False)
+    surgery.patch(model)
+    batch = batch_of(kind)
+    loss, hidden = forward(model, batch)
+    assert flex_calls == runs
+    want_loss, want_hidden = forward(eager, batch)
+    if not any(runs):
+        assert torch.equal(loss, want_loss) and torch.equal(hidden, want_hidden)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_which_masks_flex_takes():
+    """Boolean and transformers' additive masks (0 / lowest, or -inf) become block masks, cached
+    on the mask per key length; a bias, a row attending to nothing or a mask per head do not."""
+    T = 7
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(2, 1, T, T).clone()
+    lowest = torch.finfo(torch.float32).min
+    additive = torch.zeros(2, 1, T, T).masked_fill(~allowed, lowest)
+    for mask in (allowed, additive, torch.zeros(2, 1, T, T).masked_fill(~allowed, -torch.inf)):
+        block_mask = flex.flex_mask(mask, T)
+        assert isinstance(block_mask, BlockMask)
+        assert flex.flex_mask(mask, T) is block_mask
+        assert flex.flex_mask(mask, T - 1) is not block_mask
+        dense = block_mask.to_dense()  # (batch, heads, q blocks, kv blocks): one block here
+        assert dense.shape[:2] == (2, 1)
+    biased = additive.clone()
+    biased[0, 0, 3, 1] = -1.0
+    assert flex.flex_mask(biased, T) is None
+    unattended = allowed.clone()
+    unattended[1, 0, 0] = False
+    assert flex.flex_mask(unattended, T) is None
+    assert flex.flex_mask(allowed.expand(2, 4, T, T), T) is None
+
+
+def test_one_block_mask_per_mask_tensor(flex_calls, monkeypatch):
+    """One block mask per layer type (sliding and full) in a forward of four layers."""
+    built = []
+    real = flex._block_mask
+    monkeypatch.setattr(flex, "_block_mask", lambda allowed: built.append(1) or real(allowed))
+    model = surgery.patch(gemma2())
+    forward(model, batch_of("right-padded"))
+    assert flex_calls == [True] * LAYERS
+    assert len(built) == 2
+
+
+def test_where_the_option_does_not_apply(flex_calls):
+    """Decoding steps (cached keys), attention weights asked for, no softcap, the option off,
+    attention dropout in training: the eager function, and the weights come back."""
+    model = surgery.patch(gemma2())
+    batch = batch_of("no mask")
+    with torch.no_grad():
+        model.eval()
+        model.generate(batch["input_ids"], max_new_tokens=3, do_sample=False)
+    assert flex_calls == [True] * LAYERS  # the prefill alone
+    flex_calls.clear()
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], output_attentions=True, use_cache=False)
+    assert flex_calls == [] and len(out.attentions) == LAYERS
+    assert all(a is not None for a in out.attentions)
+    for options, overrides in (
+        ({"flex_attention": False}, {}),
+        ({}, {"attn_logit_softcapping": None}),
+        ({}, {"attention_dropout": 0.1}),
+    ):
+        model = surgery.patch(gemma2(**overrides), **options)
+        forward(model, batch)
+    assert flex_calls == []
+
+
+def test_describe_says_so():
+    """``describe`` names flex on a softcapped eager attention, and not with the option off or
+    without a softcap."""
+    line = "softcapped attention through flex attention"
+    assert line in str(surgery.describe(surgery.patch(gemma2())))
+    assert line not in str(surgery.describe(surgery.patch(gemma2(), flex_attention=False)))
+    assert line not in str(surgery.describe(surgery.patch(gemma2(attn_logit_softcapping=None))))
