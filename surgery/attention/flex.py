@@ -41,15 +41,22 @@ DTYPES = (torch.float16, torch.bfloat16)
 (by default), so an fp32 model keeps the eager function."""
 
 
+HEAD_DIMS = (16, 32, 64, 128, 256)
+"""The head sizes flex runs: Inductor's flex kernels refuse fewer than 16; Gemma 2's are 128 and 256
+(the benchmarks run 256, the GPU tests 32)."""
+
+
 def flex_runs(module: nn.Module, query: torch.Tensor, dropout: float, extra: dict) -> bool:
     """Whether this call of a softcapped eager attention runs ``flex_softcap_attention``: a
-    softcap, a tensor on one of ``DEVICES`` in one of ``DTYPES``, no attention dropout, no
-    attention weights asked for (``output_attentions``: transformers' output collector), not
-    while ``torch.compile`` traces (the mask's check reads it on the host), flex attention in
-    torch. The caller checks the option and that the keys are the queries' own (no cached ones:
-    a decoding step keeps the eager function)."""
+    softcap, a head size in ``HEAD_DIMS``, a tensor on one of ``DEVICES`` in one of ``DTYPES``,
+    no attention dropout, no attention weights asked for (``output_attentions``: transformers'
+    output collector), not while ``torch.compile`` traces (the mask's check reads it on the
+    host), flex attention in torch. The caller checks the option and that the keys are the
+    queries' own (no cached ones: a decoding step keeps the eager function)."""
+    head_dim = query.shape[-1]
     return (
         extra.get("softcap") is not None
+        and head_dim in HEAD_DIMS
         and query.device.type in DEVICES
         and query.dtype in DTYPES
         and not dropout

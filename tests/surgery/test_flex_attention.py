@@ -55,7 +55,9 @@ def flex_calls(monkeypatch):
 
 
 def gemma2(**overrides):
+    """A tiny Gemma 2 of four layers, sliding and full in turn, heads of 16 (flex's least)."""
     types = ["sliding_attention", "full_attention"] * (LAYERS // 2)
+    overrides = {"head_dim": 16, **overrides}
     model = tiny_model("gemma2", attn="eager", num_hidden_layers=LAYERS, layer_types=types,
                        **overrides)  # fmt: skip
     return model.train()
@@ -165,7 +167,8 @@ def test_one_block_mask_per_mask_tensor(flex_calls, monkeypatch):
 
 def test_where_the_option_does_not_apply(flex_calls):
     """Decoding steps (cached keys), attention weights asked for, no softcap, the option off,
-    attention dropout in training: the eager function, and the weights come back."""
+    attention dropout in training, heads under 16: the eager function, and the weights come
+    back."""
     model = surgery.patch(gemma2())
     batch = batch_of("no mask")
     with torch.no_grad():
@@ -181,6 +184,7 @@ def test_where_the_option_does_not_apply(flex_calls):
         ({"flex_attention": False}, {}),
         ({}, {"attn_logit_softcapping": None}),
         ({}, {"attention_dropout": 0.1}),
+        ({}, {"head_dim": 8}),  # under the 16 Inductor's flex kernels take
     ):
         model = surgery.patch(gemma2(**overrides), **options)
         forward(model, batch)

@@ -29,14 +29,17 @@ VOCAB = 32_000  # a real vocabulary size
 LENGTHS = [301, 200, 57]  # packed into one row of 558 tokens
 
 
-def gpu_model(arch: str, attn: str = "sdpa", dtype=torch.float32):
+def gpu_model(arch: str, attn: str = "sdpa", dtype=torch.float32, **size):
     config = sized_config(
         arch,
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        sliding_window=64,
-        max_position_embeddings=1024,
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "sliding_window": 64,
+            "max_position_embeddings": 1024,
+            **size,
+        },
     )
     torch.manual_seed(0)
     model = causal_lm_from_config(config, attn_implementation=attn_for(arch, attn))
@@ -257,7 +260,7 @@ def test_flex_attention_within_budget(kind, monkeypatch):
         return output
 
     monkeypatch.setattr(attention_forward, "flex_softcap_attention", recording)
-    fp32 = gpu_model("gemma2", attn="eager")
+    fp32 = gpu_model("gemma2", attn="eager", head_dim=32)  # flex takes heads of 16 and more
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in (301, 270, 250)]
