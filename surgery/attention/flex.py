@@ -111,20 +111,35 @@ def flex_mask(mask: torch.Tensor, kv_len: int):
 
 
 def _block_mask(allowed: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The ``BlockMask`` of a boolean (batch, q, kv) mask, read block by block: blocks with no
+    attended pair are left out, blocks all attended are full (no mask function), the rest partial
+    (the mask function reads the mask). Made from the mask directly (``BlockMask.from_kv_blocks``)
+    rather than by ``create_block_mask``, whose evaluation of a mask function indexing a tensor
+    makes a (q, kv) int64 index: 32 GiB at 65536 tokens."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     batch, q_len, kv_len = allowed.shape
     # Padded to whole blocks (False): the mask function may be asked for positions in the last
     # blocks beyond the sequence.
     pad_q, pad_kv = -q_len % BLOCK, -kv_len % BLOCK
     padded = nn.functional.pad(allowed, (0, pad_kv, 0, pad_q), value=False).contiguous()
+    blocks = padded.view(batch, padded.shape[1] // BLOCK, BLOCK, padded.shape[2] // BLOCK, BLOCK)
+    some = blocks.any(dim=4).any(dim=2)  # (batch, q blocks, kv blocks)
+    full = blocks.all(dim=4).all(dim=2)
+
+    def kv_blocks(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Per query block: how many kv blocks, and their indices first, in ascending order.
+        count = chosen.sum(dim=-1, dtype=torch.int32)[:, None]
+        order = torch.argsort(chosen.to(torch.int8), dim=-1, descending=True, stable=True)
+        return count, order.to(torch.int32)[:, None]
 
     def mask_mod(b, h, q, kv):
         return padded[b, q, kv]
 
-    return create_block_mask(
-        mask_mod, batch, None, q_len, kv_len, device=allowed.device, BLOCK_SIZE=BLOCK
-    )
+    return BlockMask.from_kv_blocks(
+        *kv_blocks(some & ~full), *kv_blocks(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )  # fmt: skip
 
 
 def flex_softcap_attention(

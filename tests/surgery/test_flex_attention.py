@@ -9,6 +9,8 @@ kernels in bf16 against the fp32 reference."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import transformers.integrations.flex_attention as transformers_flex
@@ -198,3 +200,36 @@ def test_describe_says_so():
     assert line in str(surgery.describe(surgery.patch(gemma2())))
     assert line not in str(surgery.describe(surgery.patch(gemma2(), flex_attention=False)))
     assert line not in str(surgery.describe(surgery.patch(gemma2(attn_logit_softcapping=None))))
+
+
+@pytest.mark.parametrize("length", [128, 300, 517])
+def test_block_mask_is_torchs(length):
+    """The block mask made from a mask directly equals torch's ``create_block_mask`` of the same
+    mask: which blocks are left out, partial and full, in the same order, over documents, a
+    sliding window, padding, and lengths that are not whole blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(length)
+    position = torch.arange(length)
+    causal = position[:, None] >= position[None, :]
+    window = position[:, None] - position[None, :] < 200
+    cuts = torch.randint(1, length, (3,), generator=g)
+    documents = (position[:, None] >= cuts).sum(-1)
+    same_document = documents[:, None] == documents[None, :]
+    real = position < length - 37  # right padding of the second row
+    allowed = torch.stack([causal & window & same_document, causal & real[None, :]])
+
+    def mask_mod(b, h, q, kv):
+        return allowed[b, q, kv]
+
+    want = create_block_mask(mask_mod, 2, None, length, length, device="cpu")
+    got = flex._block_mask(allowed)
+    assert got.seq_lengths == want.seq_lengths == (length, length)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for count, name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        counts = getattr(want, count)
+        for row in itertools.product(*(range(n) for n in counts.shape)):
+            n = int(counts[row])
+            assert torch.equal(getattr(got, name)[row][:n], getattr(want, name)[row][:n]), name
+    assert torch.equal(got.to_dense(), want.to_dense())
