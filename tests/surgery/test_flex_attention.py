@@ -33,17 +33,9 @@ SHORT_PADDING = [9, 7, 6]  # right-padded, no row padded beyond the window
 LAYERS = 4
 
 
-@pytest.fixture
-def flex_calls(monkeypatch):
-    """flex on CPU tensors in fp32 through its uncompiled form; the list of what each call of
-    ``flex_softcap_attention`` did (True: ran flex; False: handed the mask back)."""
-    monkeypatch.setattr(flex, "DEVICES", ("cpu",))
-    monkeypatch.setattr(flex, "DTYPES", (torch.float32,))
-
-    def uncompiled(query, key, value, training=False, **kwargs):
-        return flex_attention(query, key, value, **kwargs)
-
-    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", uncompiled)
+def recorded_flex_calls(monkeypatch) -> list[bool]:
+    """The list that records what each call of ``flex_softcap_attention`` does from now on
+    (True: ran flex; False: handed the mask back to the eager function)."""
     calls = []
     real = attention_forward.flex_softcap_attention
 
@@ -54,6 +46,19 @@ def flex_calls(monkeypatch):
 
     monkeypatch.setattr(attention_forward, "flex_softcap_attention", recording)
     return calls
+
+
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """flex on CPU tensors in fp32 through its uncompiled form; ``recorded_flex_calls``."""
+    monkeypatch.setattr(flex, "DEVICES", ("cpu",))
+    monkeypatch.setattr(flex, "DTYPES", (torch.float32,))
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", uncompiled)
+    return recorded_flex_calls(monkeypatch)
 
 
 def gemma2(**overrides):

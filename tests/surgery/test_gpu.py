@@ -249,17 +249,9 @@ def test_flex_attention_within_budget(kind, monkeypatch):
     attention's bf16 run (the option off); flex really ran in every layer (the rows are longer
     than the sliding window of 64, so its layers cut the blocks), training through its backward.
     Rows that attend to nothing stay with the eager function (``test_flex_attention.py``)."""
-    import surgery.attention.forward as attention_forward
+    from tests.surgery.test_flex_attention import recorded_flex_calls
 
-    calls = []
-    real = attention_forward.flex_softcap_attention
-
-    def recording(*args, **kwargs):
-        output = real(*args, **kwargs)
-        calls.append(output is not None)
-        return output
-
-    monkeypatch.setattr(attention_forward, "flex_softcap_attention", recording)
+    calls = recorded_flex_calls(monkeypatch)
     fp32 = gpu_model("gemma2", attn="eager", head_dim=32)  # flex takes heads of 16 and more
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     g = torch.Generator().manual_seed(5)
