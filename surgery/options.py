@@ -201,11 +201,12 @@ OPTIONS: tuple[Option, ...] = (
            "inside documents are computed."),
     Option("flex_attention", True, BOOL, _LAYOUT, False,
            'With `rope` and `attn_implementation="eager"` on a CUDA GPU, an attention with a '
-           "logit softcap (Gemma 2's) in a forward without KV cache or attention weights asked "
-           "for runs through torch's flex attention (transformers' `flex_attention_forward`, the "
-           "softcap its score modifier) over a block mask made once per forward from the eager "
-           "mask: the same attention without the (batch, heads, seq, seq) scores in memory, and "
-           "the blocks the mask leaves out skipped."),
+           "logit softcap (Gemma 2's) whose keys are its own queries' (training, a loss call, a "
+           "prefill; not a decoding step) and whose weights no one asked for runs through torch's "
+           "flex attention (transformers' `flex_attention_forward`, the softcap its score "
+           "modifier) over a block mask made once per forward from the eager mask: the same "
+           "attention without the (batch, heads, seq, seq) scores in memory, and the blocks the "
+           "mask leaves out skipped."),
     Option("experts_implementation", "auto", NAME, _KERNELS, True,
            "Mixture-of-experts models whose experts dispatch through transformers' experts "
            "implementations (`use_experts_implementation`), which one runs; `unpatch` puts the "

@@ -9,17 +9,20 @@ transformers' ``flex_attention_forward`` instead (imported: the softcap as flex'
 flex compiled once by transformers) over a ``BlockMask`` made from the eager mask transformers
 built: the scores stay in the kernel, in fp32, and blocks the mask leaves out are skipped.
 
-The eager mask (batch or 1, 1, q, kv) is boolean or additive with 0 where attended and the dtype's
-lowest value elsewhere (what transformers' eager masks hold). It becomes a block mask once per mask
-tensor, cached on it as the shared sdpa mask is: every layer of one forward (one mask per layer
-type) and its backward use the one; its mask function reads the boolean mask inside the blocks the
-mask cuts, blocks it leaves out are skipped. Two masks stay with the eager function, which one read
-of the mask on the host per mask tensor tells: additive values other than those two (a bias), and a
-query row that attends to no key (left padding; a padded position whose sliding window holds only
-padding). There the finite eager mask spreads the softmax evenly over every key, and its gradient
-reaches the queries and keys through scores the forward rounded away, where flex gives zeros: a
-left-padded batch trains its last padded position (it predicts the first real token), so the
-attention of such a batch is transformers' eager one, bit for bit, as without the option.
+The eager mask (batch, 1, q, kv), additive with 0 where attended and the dtype's lowest value (or
+-inf) elsewhere (what transformers' eager masks hold), becomes a block mask once per mask tensor,
+cached on it as the shared sdpa mask is: every layer of one forward (one mask per layer type) and
+its backward use the one (with a device map, a layer on another GPU than the mask gets a copy of it,
+and builds its own). Its mask function reads a boolean copy of the mask (kept while the mask lives)
+inside the blocks the mask cuts; blocks it leaves out are skipped. Masks of other shapes or dtypes
+stay with the eager function (one it broadcasts, one per head, a boolean one, which it adds to the
+scores), and so do two kinds that one read of the mask on the host per mask tells: additive values
+other than those two (a bias), and a query row that attends to no key (left padding; a padded
+position whose sliding window holds only padding). There the finite eager mask spreads the softmax
+evenly over every key, and its gradient reaches the queries and keys through scores the forward
+rounded away, where flex gives zeros: a left-padded batch trains its last padded position (it
+predicts the first real token), so the attention of such a batch is transformers' eager one, bit for
+bit, as without the option.
 """
 
 from __future__ import annotations
@@ -86,27 +89,31 @@ def _attentions_wanted() -> bool:
     return collected is not None and "attentions" in collected
 
 
-def flex_mask(mask: torch.Tensor, kv_len: int):
-    """The ``BlockMask`` of an eager (batch or 1, 1, q, >= kv_len) mask, built once per mask
-    tensor and ``kv_len`` and cached on the mask; None for a mask that stays with the eager
-    function (the module docstring: a bias, a row attending to no key, a mask per head). One read
-    of the mask on the host per mask tensor."""
-    if mask.dim() != 4 or mask.shape[1] != 1:
+def flex_mask(mask: torch.Tensor, batch: int, q_len: int, kv_len: int):
+    """The ``BlockMask`` of an additive eager (batch, 1, q_len, >= kv_len) mask, built once per
+    mask tensor, its version (an in-place refill builds anew) and ``kv_len``, and cached on the
+    mask; None for a mask that stays with the eager function (the module docstring: a bias, a row
+    attending to no key; and any other shape or dtype: a mask per head, one the eager function
+    broadcasts over the batch or the queries, a boolean one, which the eager function adds to the
+    scores rather than masks with). One read of the mask on the host per build."""
+    if mask.dtype == torch.bool or mask.shape[:3] != (batch, 1, q_len) or mask.dim() != 4:
         return None
+    try:
+        version = mask._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        version = None
+    key = (version, kv_len)
     cached = getattr(mask, FLEX_MASK_ATTR, None)
-    if cached is not None and cached[0] == kv_len:
+    if cached is not None and cached[0] == key:
         return cached[1]
     sliced = mask[:, 0, :, :kv_len]
-    if sliced.dtype == torch.bool:
-        allowed, masks_only = sliced, sliced.new_ones(())
-    else:
-        allowed = sliced == 0
-        lowest = torch.finfo(sliced.dtype).min
-        masks_only = (allowed | (sliced == lowest) | (sliced == -torch.inf)).all()
+    allowed = sliced == 0
+    lowest = torch.finfo(sliced.dtype).min
+    masks_only = (allowed | (sliced == lowest) | (sliced == -torch.inf)).all()
     every_row = allowed.any(dim=-1).all()
     takes = bool(torch.stack([masks_only, every_row]).all())  # the one host read
     built = _block_mask(allowed) if takes else None
-    setattr(mask, FLEX_MASK_ATTR, (kv_len, built))
+    setattr(mask, FLEX_MASK_ATTR, (key, built))
     return built
 
 
@@ -160,7 +167,8 @@ def flex_softcap_attention(
 
     block_mask = None
     if attention_mask is not None:
-        block_mask = flex_mask(attention_mask, key.shape[-2])
+        batch, _, q_len, _ = query.shape
+        block_mask = flex_mask(attention_mask, batch, q_len, key.shape[-2])
         if block_mask is None:
             return None
     output, _ = flex_attention_forward(

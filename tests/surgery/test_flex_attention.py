@@ -139,26 +139,38 @@ def test_rows_attending_to_nothing_stay_with_the_eager_function(flex_calls, kind
 
 
 def test_which_masks_flex_takes():
-    """Boolean and transformers' additive masks (0 / lowest, or -inf) become block masks, cached
-    on the mask per key length; a bias, a row attending to nothing or a mask per head do not."""
-    T = 7
-    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(2, 1, T, T).clone()
+    """transformers' additive masks (0 / lowest, or -inf) become block masks, cached on the mask
+    per key length and version (an in-place refill builds anew); a bias, a row attending to
+    nothing, a boolean mask (the eager function adds it), a mask per head and one the eager
+    function broadcasts over the batch or the queries do not."""
+    B, T = 2, 7
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T).clone()
     lowest = torch.finfo(torch.float32).min
-    additive = torch.zeros(2, 1, T, T).masked_fill(~allowed, lowest)
-    for mask in (allowed, additive, torch.zeros(2, 1, T, T).masked_fill(~allowed, -torch.inf)):
-        block_mask = flex.flex_mask(mask, T)
+    additive = torch.zeros(B, 1, T, T).masked_fill(~allowed, lowest)
+    for mask in (additive, torch.zeros(B, 1, T, T).masked_fill(~allowed, -torch.inf)):
+        block_mask = flex.flex_mask(mask, B, T, T)
         assert isinstance(block_mask, BlockMask)
-        assert flex.flex_mask(mask, T) is block_mask
-        assert flex.flex_mask(mask, T - 1) is not block_mask
-        dense = block_mask.to_dense()  # (batch, heads, q blocks, kv blocks): one block here
-        assert dense.shape[:2] == (2, 1)
+        assert torch.equal(block_mask.to_dense(), torch.ones(B, 1, 1, 1, dtype=torch.int32))
+        assert flex.flex_mask(mask, B, T, T) is block_mask
+        assert flex.flex_mask(mask, B, T, T - 1) is not block_mask
+    refilled = additive.clone()
+    first = flex.flex_mask(refilled, B, T, T)
+    refilled[1, 0, :, 1:] = lowest  # row 1 attends to its first token alone: still every row
+    second = flex.flex_mask(refilled, B, T, T)
+    assert second is not first and flex.flex_mask(refilled, B, T, T) is second
     biased = additive.clone()
     biased[0, 0, 3, 1] = -1.0
-    assert flex.flex_mask(biased, T) is None
-    unattended = allowed.clone()
-    unattended[1, 0, 0] = False
-    assert flex.flex_mask(unattended, T) is None
-    assert flex.flex_mask(allowed.expand(2, 4, T, T), T) is None
+    unattended = additive.clone()
+    unattended[1, 0, 0] = lowest
+    for mask, shape in (
+        (biased, (B, T)),
+        (unattended, (B, T)),
+        (allowed, (B, T)),
+        (additive.expand(B, 4, T, T), (B, T)),
+        (additive[:1], (B, T)),  # the eager function broadcasts it over the batch
+        (additive[:, :, -1:], (B, T)),  # over the queries
+    ):
+        assert flex.flex_mask(mask, *shape, T) is None
 
 
 def test_one_block_mask_per_mask_tensor(flex_calls, monkeypatch):
@@ -174,8 +186,8 @@ def test_one_block_mask_per_mask_tensor(flex_calls, monkeypatch):
 
 def test_where_the_option_does_not_apply(flex_calls):
     """Decoding steps (cached keys), attention weights asked for, no softcap, the option off,
-    attention dropout in training, heads under 16: the eager function, and the weights come
-    back."""
+    attention dropout, heads under 16: the eager function, the weights come back, and
+    ``describe`` names flex only where it runs."""
     model = surgery.patch(gemma2())
     batch = batch_of("no mask")
     with torch.no_grad():
@@ -187,6 +199,8 @@ def test_where_the_option_does_not_apply(flex_calls):
         out = model(input_ids=batch["input_ids"], output_attentions=True, use_cache=False)
     assert flex_calls == [] and len(out.attentions) == LAYERS
     assert all(a is not None for a in out.attentions)
+    line = "softcapped attention through flex attention"
+    assert line in str(surgery.describe(model))
     for options, overrides in (
         ({"flex_attention": False}, {}),
         ({}, {"attn_logit_softcapping": None}),
@@ -195,16 +209,8 @@ def test_where_the_option_does_not_apply(flex_calls):
     ):
         model = surgery.patch(gemma2(**overrides), **options)
         forward(model, batch)
+        assert line not in str(surgery.describe(model)), (options, overrides)
     assert flex_calls == []
-
-
-def test_describe_says_so():
-    """``describe`` names flex on a softcapped eager attention, and not with the option off or
-    without a softcap."""
-    line = "softcapped attention through flex attention"
-    assert line in str(surgery.describe(surgery.patch(gemma2())))
-    assert line not in str(surgery.describe(surgery.patch(gemma2(), flex_attention=False)))
-    assert line not in str(surgery.describe(surgery.patch(gemma2(attn_logit_softcapping=None))))
 
 
 @pytest.mark.parametrize("length", [128, 300, 517])
