@@ -199,7 +199,8 @@ class Runner:
             dp = self.mesh2d["dp"]  # transformers' fsdp dimension, ranked as it ranks it
             return model, opt, torch.Tensor.backward, dp.get_local_rank(), dp.size()
         model = build_model(name, self.args.tiny, self.device)
-        prepare_contender(model, contender, self.surgery)
+        if engine != "tp":
+            prepare_contender(model, contender, self.surgery)
         if engine == "accelerate":
             return self._accelerate(name, model)
         mesh, dp_rank, dp_size = self.mesh, self.rank, self.world
@@ -208,6 +209,9 @@ class Runner:
 
             plan = tensor_parallel_plan(model, vocab_sharded=contender == "loss_parallel")
             model = parallelize_module(model, self.mesh2d["tp"], plan)
+            # Patched after: surgery's projections then run on their local shards, torch's layout
+            # hooks lifted (surgery.forwards.tensor_parallel).
+            prepare_contender(model, contender, self.surgery)
             mesh = self.mesh2d["dp"]
             dp_rank, dp_size = mesh.get_local_rank(), mesh.size()
         for layer in model.model.layers:

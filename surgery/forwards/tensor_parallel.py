@@ -26,10 +26,21 @@ parallelism (``DistributedConfig(tp_size=..., fsdp_size=...)``, an (fsdp, tp) me
 on the ``tp`` dimension, FSDP2 having gathered the other before the forward. Anything else (other
 styles, other meshes, a quantized layer, an input that is already a DTensor) keeps transformers'
 forward.
+
+A model parallelised by hand with torch's ``parallelize_module`` (torchtitan's plans) keeps its
+projections' ``ColwiseParallel`` / ``RowwiseParallel`` in two layout hooks per module
+(``distribute_module``'s: the input made a DTensor before the forward, the output made local
+after), which run around any forward, so the same dispatch costs remain whatever the forward. When
+the hooks are exactly torch's for those two styles with their default layouts (replicated input,
+features-sharded output, local outputs; and the reverse), patching after the parallelisation lifts
+them from the module for as long as it is patched (``surgery.patching.swap``: ``unpatch`` puts
+them back in their order) and runs this forward, which does what they and ``nn.Linear`` did;
+patched before, torch's hooks wrap surgery's forward as they wrap any.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -55,13 +66,17 @@ TP_LINEAR_ATTR = "_surgery_tensor_parallel_linear"
 
 
 class LocalShards(NamedTuple):
-    """How a projection transformers sharded runs on its shards: ``style`` ``"colwise"`` or
-    ``"rowwise"``, over the process ``group`` of the weight's one-dimensional mesh; ``previous``
-    is transformers' forward, kept for an input this forward does not take (a DTensor)."""
+    """How a projection transformers (or torch's ``parallelize_module``) sharded runs on its
+    shards: ``style`` ``"colwise"`` or ``"rowwise"``, over the process ``group`` of the weight's
+    one-dimensional mesh; ``previous`` is transformers' forward, kept for an input this forward
+    does not take (a DTensor); ``lifted``, torch's layout hooks as (hook table, handle id, hook),
+    taken off the module while it is patched, and run around ``nn.Linear.forward`` for such an
+    input."""
 
     style: str
     group: Any
     previous: Any
+    lifted: tuple = ()
 
 
 def _closure(function) -> dict[str, Any]:
@@ -83,6 +98,17 @@ def _tensor_parallel_placement(t: torch.Tensor | None) -> Any:
     return t.placements[names.index("tp")] if "tp" in names else None
 
 
+_PLACEMENTS = {"colwise": (Shard(0), Shard(0)), "rowwise": (Shard(1), Replicate())}
+"""Each style's weight and bias placements."""
+
+
+def _sharded_so(module: nn.Module, style: str) -> bool:
+    weight, bias = _PLACEMENTS[style]
+    return _tensor_parallel_placement(module.weight) == weight and (
+        module.bias is None or _tensor_parallel_placement(module.bias) == bias
+    )
+
+
 def local_shards(module: nn.Module) -> LocalShards | None:
     """The ``LocalShards`` of ``module`` when transformers' tensor parallelism sharded it in one of
     the two styles this forward computes on the shards, else None: an ``nn.Linear`` (its own class,
@@ -90,8 +116,11 @@ def local_shards(module: nn.Module) -> LocalShards | None:
     input, output sharded on the features) or a ``RowwiseParallel`` (input sharded on the
     features, output replicated) that returns plain tensors, over a one-dimensional mesh (the
     ``"tp"`` dimension of a larger one), its weight a DTensor sharded so, and not one of
-    transformers' quantized layers."""
+    transformers' quantized layers. Or torch's ``parallelize_module`` sharded it so
+    (``_torch_local_shards``)."""
     forward = module.__dict__.get("forward")
+    if type(module) is nn.Linear and forward is None:
+        return _torch_local_shards(module)
     if type(module) is not nn.Linear or not tensor_parallel_forward(forward):
         return None
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
@@ -105,24 +134,92 @@ def local_shards(module: nn.Module) -> LocalShards | None:
     if mesh is None or not (mesh.ndim == 1 or "tp" in (mesh.mesh_dim_names or ())):
         return None
     if type(layout) is tp.ColwiseParallel:
-        style, weight_placement, bias_placement = "colwise", Shard(0), Shard(0)
-        layouts = (Replicate(), Shard(-1))
+        style, layouts = "colwise", (Replicate(), Shard(-1))
     elif type(layout) is tp.RowwiseParallel:
-        style, weight_placement, bias_placement = "rowwise", Shard(1), Replicate()
-        layouts = (Shard(-1), Replicate())
+        style, layouts = "rowwise", (Shard(-1), Replicate())
     else:
         return None
     if (
         getattr(layout, "use_local_output", False) is not True
         or (getattr(layout, "input_layouts", None), getattr(layout, "output_layouts", None))
         != layouts
-        or _tensor_parallel_placement(module.weight) != weight_placement
-        or (module.bias is not None and _tensor_parallel_placement(module.bias) != bias_placement)
+        or not _sharded_so(module, style)
     ):
         return None
     # The group transformers' own forward reduces over (its tp_forward's mesh).
     group = mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
     return LocalShards(style, group, forward)
+
+
+def _torch_local_shards(module: nn.Module) -> LocalShards | None:
+    """The ``LocalShards`` of an ``nn.Linear`` whose only hooks are the two that torch's
+    ``parallelize_module`` registers (``distribute_module``) for a ``ColwiseParallel`` or
+    ``RowwiseParallel`` with its default layouts and local outputs, on a one-dimensional mesh, its
+    weight a DTensor sharded so; else None. The hooks are read from their closures (the style's
+    input and output functions and their layouts, compared exactly): anything else (sequence
+    parallelism's layouts, DTensor outputs, hooks of other code beside them) keeps them."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if (
+        module._backward_hooks
+        or module._backward_pre_hooks
+        or module._forward_pre_hooks_with_kwargs
+        or module._forward_hooks_with_kwargs
+        or module._forward_hooks_always_called
+        or len(module._forward_pre_hooks) != 1
+        or len(module._forward_hooks) != 1
+    ):
+        return None
+    ((pre_id, pre),) = module._forward_pre_hooks.items()
+    ((post_id, post),) = module._forward_hooks.items()
+    if not (hasattr(pre, "__closure__") and hasattr(post, "__closure__")):
+        return None
+    before, after = _closure(pre), _closure(post)
+    mesh = before.get("device_mesh")
+    inputs, outputs = before.get("input_fn"), after.get("output_fn")
+    if (
+        mesh is None
+        or after.get("device_mesh") is not mesh
+        or mesh.ndim != 1
+        or not isinstance(inputs, functools.partial)
+        or not isinstance(outputs, functools.partial)
+        or inputs.keywords
+        or outputs.keywords
+    ):
+        return None
+    styles = (
+        ("colwise", ColwiseParallel, ((Replicate(),), (Replicate(),)), ((Shard(-1),), True)),
+        ("rowwise", RowwiseParallel, ((Shard(-1),), (Shard(-1),)), ((Replicate(),), True)),
+    )
+    for style, parallel, input_args, output_args in styles:
+        if (
+            inputs.func is parallel._prepare_input_fn
+            and outputs.func is parallel._prepare_output_fn
+            and inputs.args == input_args
+            and outputs.args == output_args
+            and _sharded_so(module, style)
+        ):
+            lifted = (("_forward_pre_hooks", pre_id, pre), ("_forward_hooks", post_id, post))
+            return LocalShards(style, mesh.get_group(), None, lifted)
+    return None
+
+
+def _through_lifted_hooks(module: nn.Module, lifted: tuple, input: Any) -> Any:
+    """What calling ``module`` did before its layout hooks were lifted: the pre-forward hooks on
+    the input, ``nn.Linear.forward``, the forward hooks on the output."""
+    args = (input,)
+    for table, _, hook in lifted:
+        if table == "_forward_pre_hooks":
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    output = nn.Linear.forward(module, *args)
+    for table, _, hook in lifted:
+        if table == "_forward_hooks":
+            result = hook(module, args, output)
+            if result is not None:
+                output = result
+    return output
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -198,6 +295,8 @@ def tensor_parallel_linear_forward(self: nn.Linear, input: torch.Tensor) -> torc
     (column-wise) or the whole output (row-wise)."""
     shards: LocalShards = self.__dict__[TP_LINEAR_ATTR]
     if isinstance(input, DTensor):
+        if shards.lifted:
+            return _through_lifted_hooks(self, shards.lifted, input)
         return shards.previous(input)
     weight = self.weight.to_local()
     if shards.style == "colwise":

@@ -154,8 +154,18 @@ def plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> lis
         shards = local_shards(module)
         if shards is not None:
             wanted.append((name, module, tensor_parallel_linear_forward, {TP_LINEAR_ATTR: shards}))
-    swaps = [plan_swap(module, fn, extra, name) for name, module, fn, extra in wanted]
+    swaps = [
+        plan_swap(module, fn, extra, name, _lifted_hooks(extra))
+        for name, module, fn, extra in wanted
+    ]
     return [swap for swap in swaps if swap is not None]
+
+
+def _lifted_hooks(extra: dict) -> tuple[tuple[str, int], ...]:
+    """The hooks a swap takes off its module: torch's layout hooks of a projection that runs on
+    its local shards (``LocalShards.lifted``)."""
+    shards = extra.get(TP_LINEAR_ATTR)
+    return () if shards is None else tuple((table, key) for table, key, _ in shards.lifted)
 
 
 def _layer_swaps(

@@ -43,21 +43,26 @@ ORIGINAL_ATTR = "_surgery_original_forward"
 @dataclass(frozen=True)
 class Installed:
     """What was installed on a module, what it replaced (``ForwardSlot.current``: None for the
-    class forward) and the names of the attributes added beside it."""
+    class forward), the names of the attributes added beside it, and the hooks taken off it as
+    (hook table, handle id, hook)."""
 
     value: Any
     previous: Any
     extra: tuple[str, ...] = ()
+    lifted: tuple[tuple[str, int, Callable], ...] = ()
 
 
 @dataclass
 class Swap:
-    """One planned swap: checked before anything is changed."""
+    """One planned swap: checked before anything is changed. ``lift``: hooks (hook table such as
+    ``"_forward_pre_hooks"``, handle id) the new forward does itself, taken off the module while
+    it is patched (torch's tensor-parallel layout hooks: ``surgery.forwards.tensor_parallel``)."""
 
     module: nn.Module
     function: Callable
     extra: dict[str, Any]
     slot: ForwardSlot
+    lift: tuple[tuple[str, int], ...] = ()
 
 
 def is_swapped(module: nn.Module) -> bool:
@@ -101,10 +106,12 @@ def check_signature(module: nn.Module, original: Callable, replacement: Callable
             )
 
 
-def plan_swap(module: nn.Module, function: Callable, extra: dict[str, Any], name: str):
-    """The swap of ``module``'s forward for ``function``, checked; None when already patched.
-    Raises ``ForeignForwardError`` for a forward other code installed that surgery cannot keep,
-    and ``RuntimeError`` for a signature this transformers version changed."""
+def plan_swap(module: nn.Module, function: Callable, extra: dict[str, Any], name: str,
+              lift: tuple[tuple[str, int], ...] = ()):  # fmt: skip
+    """The swap of ``module``'s forward for ``function`` (lifting the hooks ``lift`` names:
+    ``Swap``), checked; None when already patched. Raises ``ForeignForwardError`` for a forward
+    other code installed that surgery cannot keep, and ``RuntimeError`` for a signature this
+    transformers version changed."""
     if ORIGINAL_ATTR in module.__dict__:
         return None  # already patched: a no-op
     slot = find_forward_slot(module, name or "the model")
@@ -112,7 +119,7 @@ def plan_swap(module: nn.Module, function: Callable, extra: dict[str, Any], name
     if slot.wrapper == TENSOR_PARALLEL:  # (*args, **kwargs) around the module's own forward
         original = type(module).forward
     check_signature(module, original, function)
-    return Swap(module, function, extra, slot)
+    return Swap(module, function, extra, slot, lift)
 
 
 def apply_swaps(swaps: list[Swap]) -> None:
@@ -122,7 +129,10 @@ def apply_swaps(swaps: list[Swap]) -> None:
         for swap in swaps:
             module = swap.module
             value = swap.slot.install(swap.function)
-            module.__dict__[ORIGINAL_ATTR] = Installed(value, swap.slot.current, tuple(swap.extra))
+            lifted = tuple((t, key, getattr(module, t).pop(key)) for t, key in swap.lift)
+            module.__dict__[ORIGINAL_ATTR] = Installed(
+                value, swap.slot.current, tuple(swap.extra), lifted
+            )
             done.append(module)
             module.__dict__.update(swap.extra)
     except BaseException:
@@ -145,3 +155,11 @@ def restore_swap(module: nn.Module) -> None:
     del module.__dict__[ORIGINAL_ATTR]
     for name in installed.extra:
         module.__dict__.pop(name, None)
+    for table, key, hook in installed.lifted:
+        hooks = getattr(module, table)
+        hooks[key] = hook
+        # Back in registration order (handle ids grow with each registration), before any hook
+        # added while the module was patched.
+        ordered = sorted(hooks.items(), key=lambda item: item[0])
+        hooks.clear()
+        hooks.update(ordered)

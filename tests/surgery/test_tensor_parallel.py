@@ -297,22 +297,65 @@ def _by_hand(arch: str) -> dict:
     want.loss.backward()
     with torch.no_grad():
         want_logits = reference(input_ids=ids).logits
+
+    def hooks(model):  # each projection's forward hooks, pre and post
+        return [
+            (len(m._forward_pre_hooks), len(m._forward_hooks))
+            for n, m in model.named_modules()
+            if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)
+        ]
+
     results = {}
     for order, patched in (("after", surgery.patch(build())), ("before", build(True))):
-        got = patched(input_ids=ids, labels=labels)
-        got.loss.backward()
+        with _counted_all_reduces() as reduces:
+            got = patched(input_ids=ids, labels=labels)
+            got.loss.backward()
         grads = _grad_errors(reference, patched)
         with torch.no_grad():
             logits = (patched(input_ids=ids).logits - want_logits).abs().max()
+        lifted, described = hooks(patched), str(surgery.describe(patched))
+        dtensor_input = _dtensor_inputs(patched, reference, mesh)
+        surgery.unpatch(patched)
+        with torch.no_grad():
+            unpatched = (patched(input_ids=ids).logits - want_logits).abs().max()
         results[order] = dict(
             loss=abs(got.loss.item() - want.loss.item()),
             grads=grads,
             logits_in_training=got.logits is not None,
             head_rows=_local(patched.lm_head.weight).shape[0],
             eval_logits=logits.item(),
-            describe=str(surgery.describe(patched)),
+            describe=described,
+            all_reduces=len(reduces),
+            hooks_patched=lifted,
+            hooks_unpatched=hooks(patched) == hooks(reference),
+            unpatched_logits=unpatched.item(),
+            dtensor_input=dtensor_input,
         )
     return results
+
+
+def _dtensor_inputs(patched, reference, mesh) -> float:
+    """A DTensor input (a layout hook's before the projection) to a column- and a row-wise
+    projection of ``patched`` against ``reference``'s on the same values as a plain tensor: the
+    largest difference (infinite where one output is a DTensor and the other not)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    got, want = patched.model.layers[0].self_attn, reference.model.layers[0].self_attn
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, patched.config.hidden_size)
+    shard = torch.randn(2, 3, _local(got.o_proj.weight).shape[1])
+    with torch.no_grad():
+        pairs = [
+            (got.q_proj(DTensor.from_local(x, mesh, [Replicate()], run_check=False)),
+             want.q_proj(x)),
+            (got.o_proj(DTensor.from_local(shard, mesh, [Shard(-1)], run_check=False)),
+             want.o_proj(shard)),
+        ]  # fmt: skip
+    # The same values, as the same kind of tensor (the hooks' local outputs).
+    return max(
+        (_local(a) - _local(b)).abs().max().item() if type(a) is type(b) else float("inf")
+        for a, b in pairs
+    )
 
 
 def _whole_grad(p: torch.Tensor) -> torch.Tensor:
@@ -389,7 +432,10 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
     """``parallelize_module`` with torchtitan's column- and row-wise plan, the head's 97 rows
     unevenly sharded, patched before and after it: the patched head's loss is vocabulary-parallel
     (no logits in training); loss, every gradient shard and eval logits equal the unpatched
-    model's."""
+    model's. Patched after, the projections run on their local shards without torch's layout hooks
+    (lifted while patched, back after ``unpatch``), with transformers' plan's all-reduces (2 per
+    layer for q/k/v and o, 2 for gate/up and down); patched before, torch's hooks wrap surgery's
+    forward and the projections issue none of their own."""
     per_rank = run_ranks(_worker, WORLD, tmp_path, [("llama", "by_hand", "llama")])
     failed = []
     for rank, results in enumerate(per_rank):
@@ -398,10 +444,19 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
             where = f"rank {rank}, patched {order} parallelize_module:"
             assert r["head_rows"] == (49, 48)[rank], where
             assert not r["logits_in_training"], where
-            # The 14 projections keep torch's forward, and describe says why.
-            line = r"Linear +x14 +sharded by torch's tensor parallelism \(parallelize_module\)"
-            assert re.search(line, r["describe"]), r["describe"]
-            failed += _over_budget(where, r, ("loss", "eval_logits"))
+            layers = 2
+            if order == "after":
+                for style, count in (("colwise", 10), ("rowwise", 4)):
+                    line = rf"Linear +x{count} +{style} tensor-parallel projection on its local"
+                    assert re.search(line, r["describe"]), r["describe"]
+                assert r["hooks_patched"] == [(0, 0)] * 14, where
+                assert r["all_reduces"] == 4 * layers, where
+            else:
+                assert r["hooks_patched"] == [(1, 1)] * 14, where
+                assert r["all_reduces"] == 0, where
+            assert r["hooks_unpatched"], where
+            keys = ("loss", "eval_logits", "unpatched_logits", "dtensor_input")
+            failed += _over_budget(where, r, keys)
     assert not failed, "\n".join(failed)
 
 
