@@ -138,8 +138,9 @@ def patch(
 
     ``model`` is a supported transformers causal LM, or anything containing one (a ``PeftModel``).
     The options are ``surgery.options.OPTIONS`` (``docs/options.md``). Patching again with the
-    same options is a no-op (it also patches an lm_head copy that PEFT added since); with other
-    options the model is unpatched and patched anew. An unsupported model raises
+    same options leaves what is patched as it is and patches what appeared since (an lm_head copy
+    PEFT added, projections torch's ``parallelize_module`` sharded); with other options the model
+    is unpatched and patched anew. An unsupported model raises
     ``UnsupportedModelError`` naming the supported architectures, or with ``strict=False`` warns
     and returns the model untouched.
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from surgery.attention.shared_mask import tensor_version
+
 __all__ = ["flex_mask", "flex_runs", "flex_softcap_attention"]
 
 FLEX_MASK_ATTR = "_surgery_flex_mask"
@@ -98,11 +100,7 @@ def flex_mask(mask: torch.Tensor, batch: int, q_len: int, kv_len: int):
     scores rather than masks with). One read of the mask on the host per build."""
     if mask.dtype == torch.bool or mask.shape[:3] != (batch, 1, q_len) or mask.dim() != 4:
         return None
-    try:
-        version = mask._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        version = None
-    key = (version, kv_len)
+    key = (tensor_version(mask), kv_len)
     cached = getattr(mask, FLEX_MASK_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -29,7 +29,7 @@ from torch import nn
 
 from surgery.forwards.tensor_parallel import local_tensor
 
-__all__ = ["SharedMask", "shared_sdpa_mask", "zero_unattended_rows"]
+__all__ = ["SharedMask", "shared_sdpa_mask", "tensor_version", "zero_unattended_rows"]
 
 SHARED_MASK_ATTR = "_surgery_shared_mask"
 
@@ -46,10 +46,10 @@ class SharedMask:
 
 
 def shared_sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> SharedMask | None:
-    """The ``SharedMask`` of a boolean (batch, 1, q, kv) attention mask, built once per mask tensor
-    and ``dtype`` and cached on the mask; None for anything else (no mask, an additive one, one
-    mask per head), which goes to sdpa as is, and under ``torch.compile`` (the compiler sees the
-    whole graph).
+    """The ``SharedMask`` of a boolean (batch, 1, q, kv) attention mask, built once per mask tensor,
+    its version and ``dtype``, and cached on the mask; None for anything else (no mask, an additive
+    one, one mask per head), which goes to sdpa as is, and under ``torch.compile`` (the compiler
+    sees the whole graph).
 
     With ``additive`` in place of the boolean mask, sdpa gives every row that attends to some key
     the same attention, bit for bit (the masked weights underflow to exactly 0); the rows in
@@ -64,14 +64,26 @@ def shared_sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> SharedMas
         or torch.compiler.is_compiling()
     ):
         return None
-    shared = getattr(mask, SHARED_MASK_ATTR, None)
-    if shared is None or shared.additive.dtype != dtype:
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        additive.masked_fill_(mask.logical_not(), torch.finfo(dtype).min)
-        unattended = mask.any(dim=-1).logical_not_().transpose(1, 2)
-        shared = SharedMask(additive, unattended)
-        setattr(mask, SHARED_MASK_ATTR, shared)
+    version = tensor_version(mask)
+    cached = getattr(mask, SHARED_MASK_ATTR, None)
+    if cached is not None and cached[0] == version and cached[1].additive.dtype == dtype:
+        return cached[1]
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    additive.masked_fill_(mask.logical_not(), torch.finfo(dtype).min)
+    unattended = mask.any(dim=-1).logical_not_().transpose(1, 2)
+    shared = SharedMask(additive, unattended)
+    setattr(mask, SHARED_MASK_ATTR, (version, shared))
     return shared
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by each in-place change), for a cache kept on the tensor
+    to tell a refilled tensor from the one it was built from; None for an inference-mode tensor,
+    which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def zero_unattended_rows(

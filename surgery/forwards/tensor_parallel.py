@@ -33,8 +33,8 @@ projections' ``ColwiseParallel`` / ``RowwiseParallel`` in two layout hooks per m
 after), which run around any forward, so the same dispatch costs remain whatever the forward. When
 the hooks are exactly torch's for those two styles with their default layouts (replicated input,
 features-sharded output, local outputs; and the reverse), patching after the parallelisation lifts
-them from the module for as long as it is patched (``surgery.patching.swap``: ``unpatch`` puts
-them back in their order) and runs this forward, which does what they and ``nn.Linear`` did;
+them for as long as it is patched (``surgery.patching.swap``: a no-op stands in their place, and
+``unpatch`` puts them back) and runs this forward, which does what they and ``nn.Linear`` did;
 patched before, torch's hooks wrap surgery's forward as they wrap any.
 """
 
@@ -70,13 +70,17 @@ class LocalShards(NamedTuple):
     shards: ``style`` ``"colwise"`` or ``"rowwise"``, over the process ``group`` of the weight's
     one-dimensional mesh; ``previous`` is transformers' forward, kept for an input this forward
     does not take (a DTensor); ``lifted``, torch's layout hooks as (hook table, handle id, hook),
-    taken off the module while it is patched, and run around ``nn.Linear.forward`` for such an
-    input."""
+    lifted from the module while it is patched (``surgery.patching.swap``), and run around
+    ``nn.Linear.forward`` for such an input. A deep copy of a patched model shares it."""
 
     style: str
     group: Any
     previous: Any
     lifted: tuple = ()
+
+    def __deepcopy__(self, memo) -> LocalShards:
+        # A process group cannot be copied, and a copy of the model reduces over the same ranks.
+        return self
 
 
 def _closure(function) -> dict[str, Any]:

@@ -48,6 +48,7 @@ __all__ = [
     "foreign_kernel_modules",
     "hooked",
     "library_of",
+    "lifted_hook",
     "restore_forward",
     "tensor_parallel_forward",
 ]
@@ -211,14 +212,27 @@ def _is_instance_forward(reference: _Reference, module: nn.Module) -> bool:
     return reference.holder is module.__dict__ and reference.key == "forward"
 
 
+def lifted_hook(*args) -> None:
+    """What stands in a hook table for a hook surgery lifted while the module is patched (its
+    forward does what the hook did: ``surgery.patching.swap``): it returns None, which leaves the
+    inputs or the output as they are. Standing in the lifted hook's place keeps the table's order
+    and handles as the caller knows them."""
+    return None
+
+
 def hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` runs hooks besides its forward: forward, pre-forward, backward or
-    pre-backward hooks of its own, or global forward ones (DeepSpeed's gathers). A forward that
-    reads such a module's weights instead of calling it would skip them."""
+    pre-backward hooks of its own (not counting ``lifted_hook``), or global forward ones
+    (DeepSpeed's gathers). A forward that reads such a module's weights instead of calling it
+    would skip them."""
     hooks = nn.modules.module
+
+    def runs(table) -> bool:
+        return any(hook is not lifted_hook for hook in table.values())
+
     return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
+        runs(module._forward_hooks)
+        or runs(module._forward_pre_hooks)
         or module._backward_hooks
         or module._backward_pre_hooks
         or hooks._global_forward_hooks

@@ -21,6 +21,7 @@ from surgery.patching.foreign import (
     TENSOR_PARALLEL,
     ForwardSlot,
     find_forward_slot,
+    lifted_hook,
     restore_forward,
 )
 from surgery.patching.signature import generic_name
@@ -43,7 +44,7 @@ ORIGINAL_ATTR = "_surgery_original_forward"
 @dataclass(frozen=True)
 class Installed:
     """What was installed on a module, what it replaced (``ForwardSlot.current``: None for the
-    class forward), the names of the attributes added beside it, and the hooks taken off it as
+    class forward), the names of the attributes added beside it, and the hooks lifted from it as
     (hook table, handle id, hook)."""
 
     value: Any
@@ -55,8 +56,11 @@ class Installed:
 @dataclass
 class Swap:
     """One planned swap: checked before anything is changed. ``lift``: hooks (hook table such as
-    ``"_forward_pre_hooks"``, handle id) the new forward does itself, taken off the module while
-    it is patched (torch's tensor-parallel layout hooks: ``surgery.forwards.tensor_parallel``)."""
+    ``"_forward_pre_hooks"``, handle id) the new forward does itself, lifted while the module is
+    patched (torch's tensor-parallel layout hooks: ``surgery.forwards.tensor_parallel``): in the
+    table ``lifted_hook`` stands in the hook's place, so hooks others add or remove meanwhile keep
+    their order and handles, and ``unpatch`` puts the hook back in its place (unless its handle
+    was removed meanwhile)."""
 
     module: nn.Module
     function: Callable
@@ -129,7 +133,9 @@ def apply_swaps(swaps: list[Swap]) -> None:
         for swap in swaps:
             module = swap.module
             value = swap.slot.install(swap.function)
-            lifted = tuple((t, key, getattr(module, t).pop(key)) for t, key in swap.lift)
+            lifted = tuple((t, key, getattr(module, t)[key]) for t, key in swap.lift)
+            for table, key in swap.lift:
+                getattr(module, table)[key] = lifted_hook
             module.__dict__[ORIGINAL_ATTR] = Installed(
                 value, swap.slot.current, tuple(swap.extra), lifted
             )
@@ -157,9 +163,5 @@ def restore_swap(module: nn.Module) -> None:
         module.__dict__.pop(name, None)
     for table, key, hook in installed.lifted:
         hooks = getattr(module, table)
-        hooks[key] = hook
-        # Back in registration order (handle ids grow with each registration), before any hook
-        # added while the module was patched.
-        ordered = sorted(hooks.items(), key=lambda item: item[0])
-        hooks.clear()
-        hooks.update(ordered)
+        if hooks.get(key) is lifted_hook:
+            hooks[key] = hook

@@ -158,6 +158,10 @@ def test_helper_values_and_pass_through():
     assert torch.equal(shared.unattended, torch.tensor([[[False], [False], [True]]]))
     assert shared_sdpa_mask(mask, torch.bfloat16) is shared  # cached on the mask
     assert shared_sdpa_mask(mask, torch.float32).additive.dtype == torch.float32  # dtype change
+    refilled = shared_sdpa_mask(mask, torch.float32)
+    mask[0, 0, 2, 1] = True  # refilled in place: built anew
+    again = shared_sdpa_mask(mask, torch.float32)
+    assert again is not refilled and again.additive[0, 0, 2, 1] == 0 and not again.unattended.any()
     per_head = torch.ones(1, 2, 2, 2, dtype=torch.bool)
     for other in (None, torch.zeros(1, 1, 2, 2), torch.ones(2, 2, dtype=torch.bool), per_head):
         assert shared_sdpa_mask(other, torch.float32) is None

@@ -12,6 +12,7 @@ dimension (four ranks): the same against the unpatched model."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import re
 import types
@@ -298,9 +299,14 @@ def _by_hand(arch: str) -> dict:
     with torch.no_grad():
         want_logits = reference(input_ids=ids).logits
 
-    def hooks(model):  # each projection's forward hooks, pre and post
+    from surgery.patching.foreign import lifted_hook
+
+    def hooks(model):  # each projection's forward hooks that run, pre and post
+        def running(table):
+            return sum(hook is not lifted_hook for hook in table.values())
+
         return [
-            (len(m._forward_pre_hooks), len(m._forward_hooks))
+            (running(m._forward_pre_hooks), running(m._forward_hooks))
             for n, m in model.named_modules()
             if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)
         ]
@@ -315,7 +321,19 @@ def _by_hand(arch: str) -> dict:
             logits = (patched(input_ids=ids).logits - want_logits).abs().max()
         lifted, described = hooks(patched), str(surgery.describe(patched))
         dtensor_input = _dtensor_inputs(patched, reference, mesh)
+        copied = copy.deepcopy(patched)  # its own copy, reducing over the same ranks
+        copied.zero_grad(set_to_none=True)
+        copy_loss = copied(input_ids=ids, labels=labels).loss
+        # A hook put first while patched stays before torch's once they are back.
+        seen = []
+        q_proj = patched.model.layers[0].self_attn.q_proj
+        handle = q_proj.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen.append(type(args[0]).__name__), prepend=True
+        )
         surgery.unpatch(patched)
+        with torch.no_grad():
+            q_proj(torch.randn(1, 2, config.hidden_size))
+        handle.remove()
         with torch.no_grad():
             unpatched = (patched(input_ids=ids).logits - want_logits).abs().max()
         results[order] = dict(
@@ -330,6 +348,8 @@ def _by_hand(arch: str) -> dict:
             hooks_unpatched=hooks(patched) == hooks(reference),
             unpatched_logits=unpatched.item(),
             dtensor_input=dtensor_input,
+            copy_loss=abs(copy_loss.item() - want.loss.item()),
+            prepended_hook_saw=seen,
         )
     return results
 
@@ -432,10 +452,11 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
     """``parallelize_module`` with torchtitan's column- and row-wise plan, the head's 97 rows
     unevenly sharded, patched before and after it: the patched head's loss is vocabulary-parallel
     (no logits in training); loss, every gradient shard and eval logits equal the unpatched
-    model's. Patched after, the projections run on their local shards without torch's layout hooks
-    (lifted while patched, back after ``unpatch``), with transformers' plan's all-reduces (2 per
-    layer for q/k/v and o, 2 for gate/up and down); patched before, torch's hooks wrap surgery's
-    forward and the projections issue none of their own."""
+    model's, and a deep copy's loss too. Patched after, the projections run on their local shards
+    without torch's layout hooks (lifted while patched, back after ``unpatch``, a hook prepended
+    meanwhile before them), with transformers' plan's all-reduces (2 per layer for q/k/v and o, 2
+    for gate/up and down); patched before, torch's hooks wrap surgery's forward and the
+    projections issue none of their own."""
     per_rank = run_ranks(_worker, WORLD, tmp_path, [("llama", "by_hand", "llama")])
     failed = []
     for rank, results in enumerate(per_rank):
@@ -455,7 +476,8 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
                 assert r["hooks_patched"] == [(1, 1)] * 14, where
                 assert r["all_reduces"] == 0, where
             assert r["hooks_unpatched"], where
-            keys = ("loss", "eval_logits", "unpatched_logits", "dtensor_input")
+            assert r["prepended_hook_saw"] == ["Tensor"], where  # before torch's layout hook
+            keys = ("loss", "eval_logits", "unpatched_logits", "dtensor_input", "copy_loss")
             failed += _over_budget(where, r, keys)
     assert not failed, "\n".join(failed)
 
