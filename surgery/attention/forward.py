@@ -265,7 +265,7 @@ def attention_forward(
         # Each chunk of a document attends causally to itself: the documents' chunks, found
         # once per forward (none: the masked path).
         packed = packed.chunks
-    direct = None  # the attention's (b, t, heads, d) output where it runs without a mask tensor
+    direct = None  # the (b, t, heads, d) output where no transformers attention function runs
     if packed is not None and cache is None and _varlen_runs(self, query, value, dropout, extra):
         direct = varlen_attention(
             query, key, value, packed, self.scaling, extra.get("sliding_window")

@@ -144,7 +144,8 @@ def plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> lis
     ]
     # A module transformers' tensor parallelism sharded keeps its forward, except the lm_head,
     # whose loss is vocabulary-parallel, and the projections sharded column- or row-wise, which
-    # run on their local shards (surgery.forwards.tensor_parallel).
+    # run on their local shards (surgery.forwards.tensor_parallel), as do those torch's
+    # parallelize_module sharded so (their layout hooks lifted while patched).
     wanted = [
         w
         for w in wanted
@@ -162,8 +163,8 @@ def plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> lis
 
 
 def _lifted_hooks(extra: dict) -> tuple[tuple[str, int], ...]:
-    """The hooks a swap takes off its module: torch's layout hooks of a projection that runs on
-    its local shards (``LocalShards.lifted``)."""
+    """The hooks a swap lifts from its module (``Swap.lift``): torch's layout hooks of a
+    projection that runs on its local shards (``LocalShards.lifted``)."""
     shards = extra.get(TP_LINEAR_ATTR)
     return () if shards is None else tuple((table, key) for table, key, _ in shards.lifted)
 
