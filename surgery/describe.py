@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from surgery.attention.flex import HEAD_DIMS
+from surgery.attention.flex import flex_layer
 from surgery.attention.forward import BINDING_ATTR, read_path
 from surgery.attention.linear import LINEAR_ATTENTION_ATTR
 from surgery.attention.vision import VISION_ATTENTION_ATTR
@@ -140,12 +140,9 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         if _share_input(module, names):
             what += "; q/k/v share their input (shared_input_linear)"
         binding = attrs[BINDING_ATTR]
-        softcap = any(
-            name == "softcap" and read_path(module, path) is not None
-            for name, path in binding.spec.attention_kwargs
-        )
-        flex = binding.flex and softcap and module.config._attn_implementation == "eager"
-        if flex and module.head_dim in HEAD_DIMS and not module.attention_dropout:
+        paths = dict(binding.spec.attention_kwargs)
+        softcap = read_path(module, paths["softcap"]) if "softcap" in paths else None
+        if flex_layer(module, binding.flex, softcap) and not module.attention_dropout:
             what += "; softcapped attention through flex attention (CUDA, 16-bit, no cached keys)"
         return what
     if NORM_ATTR in attrs:

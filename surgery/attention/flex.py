@@ -32,7 +32,7 @@ from torch import nn
 
 from surgery.attention.shared_mask import tensor_version
 
-__all__ = ["flex_mask", "flex_runs", "flex_softcap_attention"]
+__all__ = ["flex_layer", "flex_mask", "flex_runs", "flex_softcap_attention"]
 
 FLEX_MASK_ATTR = "_surgery_flex_mask"
 BLOCK = 128
@@ -51,18 +51,27 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 (the benchmarks run 256, the GPU tests 32)."""
 
 
-def flex_runs(module: nn.Module, query: torch.Tensor, dropout: float, extra: dict) -> bool:
-    """Whether this call of a softcapped eager attention runs ``flex_softcap_attention``: a
-    softcap, a head size in ``HEAD_DIMS``, a tensor on one of ``DEVICES`` in one of ``DTYPES``,
-    no attention dropout, no attention weights asked for (``output_attentions``: transformers'
-    output collector), not while ``torch.compile`` traces (the mask's check reads it on the
-    host), flex attention in torch. The caller checks the option and that the keys are the
-    queries' own (no cached ones: a decoding step keeps the eager function)."""
-    head_dim = query.shape[-1]
+def flex_layer(module: nn.Module, wanted: bool, softcap: float | None) -> bool:
+    """Whether an attention layer is one flex may run, whatever the call: the option asks for it
+    (``wanted``, ``AttentionBinding.flex``), transformers' eager implementation, a ``softcap``, a
+    head size in ``HEAD_DIMS``. The attention forward and ``describe`` both ask; what a call adds
+    is ``flex_runs``."""
     return (
-        extra.get("softcap") is not None
-        and head_dim in HEAD_DIMS
-        and query.device.type in DEVICES
+        wanted
+        and softcap is not None
+        and module.config._attn_implementation == "eager"
+        and getattr(module, "head_dim", None) in HEAD_DIMS
+    )
+
+
+def flex_runs(query: torch.Tensor, dropout: float) -> bool:
+    """Whether this call of a ``flex_layer`` runs ``flex_softcap_attention``: a tensor on one of
+    ``DEVICES`` in one of ``DTYPES``, no attention dropout, no attention weights asked for
+    (``output_attentions``: transformers' output collector), not while ``torch.compile`` traces
+    (the mask's check reads it on the host), flex attention in torch. The caller checks that the
+    keys are the queries' own (no cached ones: a decoding step keeps the eager function)."""
+    return (
+        query.device.type in DEVICES
         and query.dtype in DTYPES
         and not dropout
         and not _attentions_wanted()

@@ -28,7 +28,7 @@ from surgery.attention.chunked import (
     is_chunked_layer,
 )
 from surgery.attention.eager import lean_eager_attention
-from surgery.attention.flex import flex_runs, flex_softcap_attention
+from surgery.attention.flex import flex_layer, flex_runs, flex_softcap_attention
 from surgery.attention.linear import DOCUMENTS_KWARG
 from surgery.attention.shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
 from surgery.attention.unpadding import (
@@ -271,11 +271,10 @@ def attention_forward(
             query, key, value, packed, self.scaling, extra.get("sliding_window")
         )
     elif (
-        binding.flex
-        and query.shape[-2] == key.shape[-2]  # no cached keys: training, a loss call, a prefill
+        query.shape[-2] == key.shape[-2]  # no cached keys: training, a loss call, a prefill
         and unpadded is None
-        and self.config._attn_implementation == "eager"
-        and flex_runs(self, query, dropout, extra)
+        and flex_layer(self, binding.flex, extra.get("softcap"))
+        and flex_runs(query, dropout)
     ):
         direct = flex_softcap_attention(
             self, query, key, value, attention_mask, self.scaling, extra["softcap"]
