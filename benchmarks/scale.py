@@ -40,7 +40,8 @@ the steps. NVLink multicast stays off (set before torch is imported).
 Writes ``scale.json`` into ``--out`` after every run and prints the table last. ``--profile``
 also records one more step of each run with torch.profiler on every rank and writes rank 0's
 tables into ``--out/profile_{model}_{engine}_{contender}.txt``: GPU time by kernel class
-(collectives included) against the step's span, and the ops by GPU and by host time.
+(collectives included) against the step's span, the matrix products by operand shapes, and the
+ops by GPU and by host time.
 
 torchtitan's own Llama-3 8B recipe, the issue's anchor, is run beside it with torchtitan's
 launcher (see docs/benchmarks.md), not from here.
@@ -325,10 +326,10 @@ class Runner:
         """One more step under torch.profiler on every rank (the collectives need them all);
         rank 0 writes its tables to ``--out/profile_{label}.txt``."""
         from torch.profiler import ProfilerActivity, profile
-        from train_step import kernel_time_by_class
+        from train_step import kernel_time_by_class, products_by_shape
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=True) as prof:
             self.step(train, opt, batch)
         if self.rank != 0:
             return
@@ -339,6 +340,7 @@ class Runner:
         if self.cuda:
             sections[:0] = [
                 f"== GPU time by kernel class (rank 0)\n{kernel_time_by_class(prof)}",
+                f"== matrix products by shape (rank 0)\n{products_by_shape(prof)}",
                 f"== top ops by GPU time\n{events.table('device_time_total', row_limit=30)}",
             ]
         header = (
