@@ -40,8 +40,8 @@ the steps. NVLink multicast stays off (set before torch is imported).
 Writes ``scale.json`` into ``--out`` after every run and prints the table last. ``--profile``
 also records one more step of each run with torch.profiler on every rank and writes rank 0's
 tables into ``--out/profile_{model}_{engine}_{contender}.txt``: GPU time by kernel class
-(collectives included) against the step's span, the matrix products by operand shapes, and the
-ops by GPU and by host time.
+(collectives included) against the step's span, with the products' time beside a collective;
+the matrix products by operand shapes; the ops by GPU and by host time.
 
 torchtitan's own Llama-3 8B recipe, the issue's anchor, is run beside it with torchtitan's
 launcher (see docs/benchmarks.md), not from here.

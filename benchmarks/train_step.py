@@ -851,18 +851,47 @@ KERNEL_CLASSES = (
 )
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as ``intervals``."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(intervals: list[tuple[float, float]], union: list[tuple[float, float]]) -> float:
+    """The time of ``intervals`` (each counted whole) that falls inside the disjoint ``union``."""
+    import bisect
+
+    starts = [s for s, _ in union]
+    total = 0.0
+    for start, end in intervals:
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(union) and union[i][0] < end:
+            total += max(0.0, min(end, union[i][1]) - max(start, union[i][0]))
+            i += 1
+    return total
+
+
 def kernel_time_by_class(prof) -> str:
     """A table of the profiled kernels' GPU time by ``KERNEL_CLASSES`` (the rest: Triton kernels,
     ours, Liger's or inductor's, and anything unnamed there, listed by name), against the span
-    from the first kernel's start to the last one's end: what is not a matrix product, and how
-    long the GPU sat idle between kernels."""
+    from the first kernel's start to the last one's end: what is not a matrix product, how long
+    the GPU sat idle between kernels, and how much of the products ran while a collective did
+    (which shares the GPU's SMs with them: FSDP's and tensor parallelism's overlap). Ranges that
+    code marks on the GPU's timeline (``record_function``, FSDP's ``FSDP::all_gather``) are not
+    kernels and do not count."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
 
     spans, by_class, rest = [], defaultdict(float), defaultdict(float)
+    of_class = defaultdict(list)
     for ev in prof.events():
-        if ev.device_type != DeviceType.CUDA:
+        if ev.device_type != DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
             continue
         start, end = ev.time_range.start, ev.time_range.end
         spans.append((start, end))
@@ -872,18 +901,12 @@ def kernel_time_by_class(prof) -> str:
             rest[ev.name[:70]] += end - start
             cls = "other (Triton kernels and the rest)"
         by_class[cls] += end - start
+        of_class[cls].append((start, end))
     if not spans:
         return "no GPU kernels recorded\n"
-    spans.sort()
-    busy, cur_start, cur_end = 0.0, *spans[0]
-    for start, end in spans[1:]:  # the union of the kernels' intervals
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    span = cur_end - spans[0][0]  # to the latest end, which the last kernel to start need not have
+    union = _union(spans)
+    busy = sum(end - start for start, end in union)
+    span = union[-1][1] - union[0][0]  # disjoint and sorted: the last one ends last
     idle = span - busy
     lines = [
         f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms,"
@@ -892,6 +915,13 @@ def kernel_time_by_class(prof) -> str:
     ]
     for cls, us in sorted(by_class.items(), key=lambda kv: -kv[1]):
         lines.append(f"{cls:<40} {us / 1e3:9.2f} {100 * us / span:7.1f}")
+    products, collectives = "matrix products", "collectives (NCCL)"
+    if by_class[products] and by_class[collectives]:
+        beside = _overlap(of_class[products], _union(of_class[collectives]))
+        lines.append(
+            f"\nmatrix products while a collective ran: {beside / 1e3:.2f} ms of"
+            f" {by_class[products] / 1e3:.2f} ({100 * beside / by_class[products]:.1f}%)"
+        )
     lines.append("\nthe rest, by kernel name:")
     for name, us in sorted(rest.items(), key=lambda kv: -kv[1])[:25]:
         lines.append(f"  {name:<70} {us / 1e3:8.2f} ms")

@@ -89,10 +89,11 @@ def test_kernel_time_by_class_sums_each_class_and_the_idle_gaps():
 
     from torch.autograd import DeviceType
 
-    def event(name, start, end, device=DeviceType.CUDA):
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
         return SimpleNamespace(
-            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
-        )
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+            is_user_annotation=annotation,
+        )  # fmt: skip
 
     prof = SimpleNamespace(
         events=lambda: [
@@ -103,10 +104,14 @@ def test_kernel_time_by_class_sums_each_class_and_the_idle_gaps():
             event("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>", 5000, 5500),
             event("rms_norm_fwd_kernel", 6000, 7000),  # after 0.5 ms idle
             event("void at::native::vectorized_elementwise_kernel<8>", 7000, 7500),
+            # a range code marked on the GPU's timeline (FSDP's), over the idle gap: not a kernel
+            event("FSDP::all_gather (model.layers.4)", 4000, 8000, annotation=True),
         ]
     )
     table = train_step.kernel_time_by_class(prof)
     assert table.splitlines()[0] == "GPU span 7.50 ms, busy 7.00 ms, idle 0.50 ms (6.7%)"
+    assert "matrix products while a collective ran: 1.00 ms of 4.00 (25.0%)" in table
+    assert "FSDP::" not in table
     rows = {line[:40].strip(): line[40:].split() for line in table.splitlines()[2:8]}
     assert rows["matrix products"] == ["4.00", "53.3"]
     assert rows["collectives (NCCL)"] == ["1.00", "13.3"]
@@ -132,6 +137,30 @@ def test_kernel_time_span_ends_at_the_latest_end_when_kernels_overlap():
     )
     first = train_step.kernel_time_by_class(prof).splitlines()[0]
     assert first == "GPU span 10.00 ms, busy 10.00 ms, idle 0.00 ms (0.0%)"
+
+
+def test_products_beside_collectives_count_each_overlap_once():
+    """The products' time while a collective ran: overlapping collectives (two streams) count
+    once, a product spanning two of them counts both parts, one beside none counts nothing."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    prof = SimpleNamespace(
+        events=lambda: [
+            event("nvjet_a", 0, 10000),
+            event("ncclKernel_AllGather", 1000, 3000),
+            event("ncclKernel_ReduceScatter", 2000, 4000),  # overlaps the all-gather
+            event("ncclKernel_AllReduce", 6000, 7000),
+            event("nvjet_b", 12000, 13000),  # beside no collective
+        ]
+    )
+    table = train_step.kernel_time_by_class(prof)
+    assert "matrix products while a collective ran: 4.00 ms of 11.00 (36.4%)" in table
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "two", "1.5"])
