@@ -206,8 +206,7 @@ OPTIONS: tuple[Option, ...] = (
            "flex attention (transformers' `flex_attention_forward`, the softcap its score "
            "modifier) over a block mask made once per forward from the eager mask: the same "
            "attention without the (batch, heads, seq, seq) scores in memory, and the blocks the "
-           "mask leaves out skipped. Under `torch.compile` too (graph breaks allowed: the batch "
-           "is read once, docs/compile.md)."),
+           "mask leaves out skipped."),
     Option("experts_implementation", "auto", NAME, _KERNELS, True,
            "Mixture-of-experts models whose experts dispatch through transformers' experts "
            "implementations (`use_experts_implementation`), which one runs; `unpatch` puts the "

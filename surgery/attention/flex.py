@@ -23,13 +23,6 @@ evenly over every key, and its gradient reaches the queries and keys through sco
 rounded away, where flex gives zeros: a left-padded batch trains its last padded position (it
 predicts the first real token), so the attention of such a batch is transformers' eager one, bit for
 bit, as without the option.
-
-Under ``torch.compile`` a layer cannot read its mask on the host, nor cache on it. There the
-causal-LM forward reads the caller's batch once instead, in the deliberate graph break it already
-takes for its other host reads (``surgery.compiling``; not with ``fullgraph=True``, where the
-layers keep the eager function): ``batch_takes_flex`` tells from the caller's 2-D mask whether
-every layer's mask would pass the check, and hands the layers the verdict (``FLEX_KWARG``); each
-layer then builds its block mask inside the graph.
 """
 
 from __future__ import annotations
@@ -39,21 +32,9 @@ from torch import nn
 
 from surgery.attention.shared_mask import tensor_version
 
-__all__ = [
-    "FLEX_KWARG",
-    "batch_takes_flex",
-    "flex_layer",
-    "flex_mask",
-    "flex_model",
-    "flex_runs",
-    "flex_softcap_attention",
-]
+__all__ = ["flex_layer", "flex_mask", "flex_runs", "flex_softcap_attention"]
 
 FLEX_MASK_ATTR = "_surgery_flex_mask"
-FLEX_KWARG = "surgery_flex_checked"
-"""Keyword argument the causal-LM forward hands the layers under ``torch.compile``: True where it
-read the batch on the host (``batch_takes_flex``) and every mask the layers get takes flex, the
-check ``flex_mask`` makes itself in eager mode."""
 BLOCK = 128
 """flex attention's default block size, to which the mask is padded."""
 
@@ -83,39 +64,24 @@ def flex_layer(module: nn.Module, wanted: bool, softcap: float | None) -> bool:
     )
 
 
-def flex_model(config, spec, wanted: bool, attentions: bool) -> bool:
-    """Whether a model call's layers may run flex (what the causal-LM forward asks before it reads
-    a compiled batch for them): the option (``wanted``), transformers' eager implementation, a
-    softcap in the config (``spec.attention_kwargs``), no attention weights asked for
-    (``attentions``: ``output_attentions``), flex attention in torch."""
-    path = dict(spec.attention_kwargs).get("softcap")
+def flex_runs(query: torch.Tensor, dropout: float) -> bool:
+    """Whether this call of a ``flex_layer`` runs ``flex_softcap_attention``: a tensor on one of
+    ``DEVICES`` in one of ``DTYPES``, no attention dropout, no attention weights asked for
+    (``output_attentions``: transformers' output collector), not while ``torch.compile`` traces
+    (the mask's check reads it on the host; and dynamo drops the Python side effects that follow a
+    flex call in its graph, transformers' output collector's reset and cache updates among them:
+    ``test_flex_attention.py``), flex attention in torch. The caller checks that the
+    keys are the queries' own (no cached ones: a decoding step keeps the eager function)."""
     return (
-        wanted
-        and not attentions
-        and config._attn_implementation == "eager"
-        and path is not None
-        and getattr(config, path, None) is not None
+        query.device.type in DEVICES
+        and query.dtype in DTYPES
+        and not dropout
+        and not _attentions_wanted()
+        and not torch.compiler.is_compiling()
         and _flex_available()
     )
 
 
-def flex_runs(query: torch.Tensor, dropout: float, checked: bool = False) -> bool:
-    """Whether this call of a ``flex_layer`` runs ``flex_softcap_attention``: a tensor on one of
-    ``DEVICES`` in one of ``DTYPES``, no attention dropout, no attention weights asked for
-    (``output_attentions``: transformers' output collector), flex attention in torch, and while
-    ``torch.compile`` traces only where the causal-LM forward read the batch (``checked``, from
-    ``FLEX_KWARG``: the mask's own check reads it on the host). The caller checks that the keys
-    are the queries' own (no cached ones: a decoding step keeps the eager function)."""
-    if query.device.type not in DEVICES or query.dtype not in DTYPES or dropout:
-        return False
-    if torch.compiler.is_compiling():
-        # The causal-LM forward asked the rest (flex_model): the output collector's context
-        # variable cannot be traced.
-        return checked
-    return not _attentions_wanted() and _flex_available()
-
-
-@torch._dynamo.assume_constant_result  # a constant of the process: traced as its value
 def _flex_available() -> bool:
     try:
         from transformers.integrations.flex_attention import flex_attention_forward  # noqa: F401
@@ -136,19 +102,15 @@ def _attentions_wanted() -> bool:
     return collected is not None and "attentions" in collected
 
 
-def flex_mask(mask: torch.Tensor, batch: int, q_len: int, kv_len: int, checked: bool = False):
+def flex_mask(mask: torch.Tensor, batch: int, q_len: int, kv_len: int):
     """The ``BlockMask`` of an additive eager (batch, 1, q_len, >= kv_len) mask, built once per
     mask tensor, its version (an in-place refill builds anew) and ``kv_len``, and cached on the
     mask; None for a mask that stays with the eager function (the module docstring: a bias, a row
     attending to no key; and any other shape or dtype: a mask per head, one the eager function
     broadcasts over the batch or the queries, a boolean one, which the eager function adds to the
-    scores rather than masks with). One read of the mask on the host per build. While
-    ``torch.compile`` traces, no read and no cache: built in the graph where the causal-LM forward
-    read the batch (``checked``), else None."""
+    scores rather than masks with). One read of the mask on the host per build."""
     if mask.dtype == torch.bool or mask.shape[:3] != (batch, 1, q_len) or mask.dim() != 4:
         return None
-    if torch.compiler.is_compiling():
-        return _block_mask(mask[:, 0, :, :kv_len] == 0) if checked else None
     key = (tensor_version(mask), kv_len)
     cached = getattr(mask, FLEX_MASK_ATTR, None)
     if cached is not None and cached[0] == key:
@@ -162,31 +124,6 @@ def flex_mask(mask: torch.Tensor, batch: int, q_len: int, kv_len: int, checked: 
     built = _block_mask(allowed) if takes else None
     setattr(mask, FLEX_MASK_ATTR, (key, built))
     return built
-
-
-def batch_takes_flex(attention_mask: torch.Tensor | None, seq_len: int,
-                     sliding_window: int | None) -> bool:  # fmt: skip
-    """Whether every eager mask transformers builds for a training batch of ``seq_len`` tokens
-    from the caller's ``attention_mask`` takes flex (``flex_mask``'s check, made on the caller's
-    mask instead of each layer's): none (causal, or packed documents from the position ids: each
-    row attends at least to itself), or a 2-D padding mask of ``seq_len`` keys (transformers reads
-    it as booleans) under which no query attends to no key: no row starts with padding (a full
-    layer's first query sees only the first key) and, with a sliding window, no run of
-    ``sliding_window`` padded positions (a window of only padding). Anything else (a 4-D mask of
-    the caller's, prefix keys) stays with the eager function. One read on the host: the
-    causal-LM forward calls it under ``torch.compile``, where the layers cannot read their masks
-    (``surgery.compiling``)."""
-    if attention_mask is None:
-        return True
-    if attention_mask.dim() != 2 or attention_mask.shape[-1] != seq_len:
-        return False
-    attended = attention_mask.bool()
-    takes = attended[:, 0].all()
-    if sliding_window is not None and sliding_window <= seq_len:
-        # A run of `sliding_window` padded positions: a window of them holds no attended key.
-        windows = attended.to(torch.int32).unfold(-1, sliding_window, 1).sum(-1)
-        takes = takes & (windows > 0).all()
-    return bool(takes)  # the one host read
 
 
 def _block_mask(allowed: torch.Tensor):
@@ -229,20 +166,18 @@ def flex_softcap_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     softcap: float,
-    checked: bool = False,
 ) -> torch.Tensor | None:
     """The eager function's softcapped attention over (batch, heads, seq, head_dim) query, key
     and value (key and value with their own, fewer, heads) under ``attention_mask`` (None: every
     key attended, as the eager function does without one), through transformers'
     ``flex_attention_forward``: (batch, seq, heads, head_dim), the eager function's layout. None
-    where the mask stays with the eager function (``flex_mask``; ``checked``: the causal-LM
-    forward's verdict under ``torch.compile``): the caller runs that."""
+    where the mask stays with the eager function (``flex_mask``): the caller runs that."""
     from transformers.integrations.flex_attention import flex_attention_forward
 
     block_mask = None
     if attention_mask is not None:
         batch, _, q_len, _ = query.shape
-        block_mask = flex_mask(attention_mask, batch, q_len, key.shape[-2], checked)
+        block_mask = flex_mask(attention_mask, batch, q_len, key.shape[-2])
         if block_mask is None:
             return None
     output, _ = flex_attention_forward(

@@ -28,7 +28,7 @@ from surgery.attention.chunked import (
     is_chunked_layer,
 )
 from surgery.attention.eager import lean_eager_attention
-from surgery.attention.flex import FLEX_KWARG, flex_layer, flex_runs, flex_softcap_attention
+from surgery.attention.flex import flex_layer, flex_runs, flex_softcap_attention
 from surgery.attention.linear import DOCUMENTS_KWARG
 from surgery.attention.shared_mask import SharedMask, shared_sdpa_mask, zero_unattended_rows
 from surgery.attention.unpadding import (
@@ -261,7 +261,6 @@ def attention_forward(
     if kwargs.pop(CAUSAL_KWARG, False) and extra.get("sliding_window") is None and not chunked:
         attention_mask = None
     kwargs.pop(DOCUMENTS_KWARG, None)  # for the linear-attention layers of a hybrid model
-    flex_checked = kwargs.pop(FLEX_KWARG, False)  # the batch read for flex under torch.compile
     if chunked and packed is not None:
         # Each chunk of a document attends causally to itself: the documents' chunks, found
         # once per forward (none: the masked path).
@@ -275,10 +274,10 @@ def attention_forward(
         query.shape[-2] == key.shape[-2]  # no cached keys: training, a loss call, a prefill
         and unpadded is None
         and flex_layer(self, binding.flex, extra.get("softcap"))
-        and flex_runs(query, dropout, flex_checked)
+        and flex_runs(query, dropout)
     ):
         direct = flex_softcap_attention(
-            self, query, key, value, attention_mask, self.scaling, extra["softcap"], flex_checked
+            self, query, key, value, attention_mask, self.scaling, extra["softcap"]
         )
     if direct is not None:
         attn_output = direct.reshape(*input_shape, -1)

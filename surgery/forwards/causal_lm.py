@@ -37,11 +37,10 @@ from dataclasses import dataclass
 import torch
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
-from surgery.attention.flex import FLEX_KWARG, batch_takes_flex, flex_model
 from surgery.attention.forward import CAUSAL_KWARG
 from surgery.attention.linear import fla_kernels
 from surgery.attention.unpadding import Rolled, Unpadded
-from surgery.compiling import graph_break_allowed, host_read
+from surgery.compiling import graph_break_allowed
 from surgery.forwards.batch_layout import (
     Targets,
     bidirectional,
@@ -223,15 +222,6 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     # The shortcuts below read the batch on the host; under torch.compile that is one graph
     # break before the model, taken only where the caller allows breaks (surgery.compiling).
     host_reads = not torch.compiler.is_compiling() or graph_break_allowed()
-    # Compiled, Gemma 2's layers cannot read their masks for flex attention: the batch is read
-    # here, once (surgery.attention.flex); eager, each mask is read where it is used.
-    flex_checked = (
-        torch.compiler.is_compiling() and host_reads and step and cache is None
-        and flex_model(config, state.spec, options.flex_attention,
-                       kwargs.get("output_attentions", config.output_attentions))
-        and (attention_mask is None or _flex_batch(attention_mask, tokens.shape[1],
-                                                   getattr(config, "sliding_window", None)))
-    )  # fmt: skip
     # Tokens that transformers lets attend both ways (Gemma 3's images) rule out the causal
     # shortcuts: the attention then runs the mask the multimodal model built.
     causal = wrapper is None or not bidirectional(wrapper, kwargs, host_reads, config)
@@ -261,8 +251,6 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     unmasked = attention_mask is None and position_ids is None and cache is None
     if right_padded or padded_layout is not None or (unmasked and causal and plain_sdpa):
         kwargs[CAUSAL_KWARG] = True  # the attention layers without a sliding window: no mask
-    if flex_checked:
-        kwargs[FLEX_KWARG] = True
     if padded_layout is not None:  # the real tokens alone, or the rows rolled
         laid_out = laid_out_inputs(padded_layout, input_ids, inputs_embeds, targets)
         input_ids, inputs_embeds, targets, name = laid_out
@@ -290,10 +278,6 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     if request is not None and isinstance(output, state.output):  # not TRL's per-token outputs
         request.output = output
     return output
-
-
-_flex_batch = host_read(batch_takes_flex)
-"""``batch_takes_flex`` as a deliberate graph break under ``torch.compile``."""
 
 
 def _beside_embeddings(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -213,86 +213,55 @@ def test_where_the_option_does_not_apply(flex_calls):
     assert flex_calls == []
 
 
-KINDS = ["no mask", "mask of ones", "right-padded", "packed", "left-padded",
-         "right-padded beyond the window"]  # fmt: skip
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13's dynamo drops the Python side effects that follow a flex_attention call "
+    "in its graph; the day it keeps them, this passes (strict: CI fails) and flex can run under "
+    "torch.compile (docs/compile.md)",
+)
+def test_dynamo_keeps_side_effects_after_a_flex_call():
+    """Why a compiled step keeps the eager function: a mutation after ``flex_attention`` in a
+    compiled function is lost (transformers' output collector's reset, the layers' cache updates
+    are such mutations), where one before it is kept: an attribute of an instance of a class of
+    the program's own, as the collector is (a ``SimpleNamespace``'s are kept)."""
 
+    class State:
+        before = after = 0
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_compiled_forwards_read_of_the_batch_is_the_layers(flex_calls, kind):
-    """``batch_takes_flex``, the causal-LM forward's one read of the caller's batch under
-    ``torch.compile``, says yes exactly where every layer's own check of its mask takes flex
-    (``flex_mask``, eager), for each batch layout and for random padding masks."""
-    model = surgery.patch(gemma2())
-    window = model.config.sliding_window
-    batch = batch_of(kind)
-    forward(model, batch)
-    seq = batch["input_ids"].shape[1]
-    assert flex.batch_takes_flex(batch.get("attention_mask"), seq, window) == all(flex_calls)
-    g = torch.Generator().manual_seed(3)
-    for trial in range(12):
-        flex_calls.clear()
-        mask = (torch.rand(2, seq, generator=g) > 0.3 + 0.05 * trial).long()
-        mask[:, : trial % 2] = 1  # half of them with a real first token
-        forward(model, {"input_ids": batch["input_ids"][:2], "attention_mask": mask})
-        assert flex.batch_takes_flex(mask, seq, window) == all(flex_calls), mask
-    assert not flex.batch_takes_flex(torch.ones(2, 1, seq, seq), seq, window)  # a 4-D mask
-    assert not flex.batch_takes_flex(torch.ones(2, seq + 3), seq, window)  # prefix keys
+    state = State()
 
+    def attend(q):
+        state.before += 1
+        out = flex_attention(q, q, q)
+        state.after += 1
+        return out
 
-def compiled_flex_calls(model, batch: dict, flex_calls: list, **compile_options) -> list[bool]:
-    """What the layers did in a forward of ``model`` compiled by dynamo alone (the eager backend:
-    flex's CPU form has no backward, and its compiled CPU kernels are not what a user runs), on
-    a fresh dynamo: the flex calls its tracing made."""
     torch._dynamo.reset()
-    flex_calls.clear()
-    compiled = torch.compile(model, backend="eager", **compile_options)
     with torch.no_grad():
-        out = compiled(**batch, output_hidden_states=True)
-    return list(flex_calls), out.loss, out.hidden_states[-1]
+        torch.compile(attend, backend="eager")(torch.randn(1, 2, 128, 16))
+    assert (state.before, state.after) == (1, 1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_forward_runs_flex_where_the_batch_takes_it(flex_calls, kind):
-    """Under ``torch.compile`` (graph breaks allowed, as ``model.compile()``) every layer runs flex
-    on the batches whose masks take it, each building its block mask in the graph, and the eager
-    function on the rest (left padding, right padding beyond the window: no layer then, where
-    eager some layers do); with ``fullgraph=True`` (no host read) the eager function always. The
-    forward equals the option off's."""
+def test_compiled_step_keeps_the_eager_function_and_the_collector_clean(flex_calls):
+    """``model.compile()``: no layer runs flex (``flex_runs`` is off while dynamo traces), the
+    forward is the option off's, and transformers' output collector is reset after the call: the
+    next uncompiled forward returns its hidden states."""
+    from transformers.utils import output_capturing
+
     model = surgery.patch(gemma2())
     eager = surgery.patch(twin(model), flex_attention=False)
-    batch = batch_of(kind)
-    want_loss, want_hidden = forward(eager, batch)
-    seq = batch["input_ids"].shape[1]
-    takes = flex.batch_takes_flex(batch.get("attention_mask"), seq, model.config.sliding_window)
-    assert takes == (kind not in ("left-padded", "right-padded beyond the window"))
-    calls, loss, hidden = compiled_flex_calls(model, batch, flex_calls)
-    assert calls == [takes] * LAYERS if takes else calls == []
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
-    calls, loss, _ = compiled_flex_calls(model, batch, flex_calls, fullgraph=True)
-    assert calls == []
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
-
-
-def test_compiled_forward_reads_the_batch_once(flex_calls):
-    """The compiled forward's only graph break is its read of the batch (one per frame on the
-    stack), compiled once: a second batch of the same shape compiles nothing more."""
-    from torch._dynamo.utils import counters
-
-    model = surgery.patch(gemma2())
     batch = batch_of("right-padded")
+    want_loss, want_hidden = forward(eager, batch)
     torch._dynamo.reset()
-    counters.clear()
     compiled = torch.compile(model, backend="eager")
-    with torch.no_grad():  # no cache (a training step's): its first update recompiles
-        compiled(**batch, use_cache=False)
-        assert flex_calls == [True] * LAYERS
-        graphs = counters["stats"]["unique_graphs"]
-        flex_calls.clear()  # dynamo guards on the recording list
-        compiled(**batch_of("right-padded"), use_cache=False)
-    assert counters["stats"]["unique_graphs"] == graphs
-    reasons = list(counters["graph_break"])
-    assert reasons and all("batch_takes_flex" in reason for reason in reasons), reasons
+    with torch.no_grad():
+        loss = compiled(**batch, use_cache=False).loss
+    assert flex_calls == []
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    collector = output_capturing._active_collector
+    assert not getattr(collector, "compiling", False) and not getattr(collector, "global_var", None)
+    _, hidden = forward(eager, batch)
+    torch.testing.assert_close(hidden, want_hidden)
 
 
 @pytest.mark.parametrize("length", [128, 300, 517])
