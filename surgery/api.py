@@ -131,6 +131,7 @@ def patch(
     varlen_attention: bool = True,
     flex_attention: bool = True,
     experts_implementation: str | None = "auto",
+    tensor_parallel_projections: bool = True,
     fallback: str | None = None,
     strict: bool = True,
 ) -> M:

@@ -211,6 +211,11 @@ OPTIONS: tuple[Option, ...] = (
            "Mixture-of-experts models whose experts dispatch through transformers' experts "
            "implementations (`use_experts_implementation`), which one runs; `unpatch` puts the "
            "previous one back."),
+    Option("tensor_parallel_projections", True, BOOL, _KERNELS, False,
+           "Projections that transformers' tensor parallelism (`tp_plan`) or torch's "
+           "`parallelize_module` shards column- or row-wise run on their local shards, with the "
+           "all-reduces their layouts need issued by surgery, instead of through DTensor "
+           "(`surgery.forwards.tensor_parallel`)."),
 )  # fmt: skip
 """Every keyword option of ``surgery.patch``, in the order of its signature."""
 

@@ -143,15 +143,16 @@ def plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> lis
         *_model_swaps(lm, text, text_name, modules, spec, options, wrapper),
     ]
     # A module transformers' tensor parallelism sharded keeps its forward, except the lm_head,
-    # whose loss is vocabulary-parallel, and the projections sharded column- or row-wise, which
-    # run on their local shards (surgery.forwards.tensor_parallel), as do those torch's
-    # parallelize_module sharded so (their layout hooks lifted while patched).
+    # whose loss is vocabulary-parallel, and (tensor_parallel_projections) the projections
+    # sharded column- or row-wise, which run on their local shards
+    # (surgery.forwards.tensor_parallel), as do those torch's parallelize_module sharded so
+    # (their layout hooks lifted while patched).
     wanted = [
         w
         for w in wanted
         if w[2] is lm_head_forward or not tensor_parallel_forward(w[1].__dict__.get("forward"))
     ]
-    for name, module in modules:
+    for name, module in modules if options.tensor_parallel_projections else ():
         shards = local_shards(module)
         if shards is not None:
             wanted.append((name, module, tensor_parallel_linear_forward, {TP_LINEAR_ATTR: shards}))

@@ -150,8 +150,17 @@ def _compare(path: str) -> dict:
         got = patched(input_ids=ids, labels=labels)
         got.loss.backward()
     grads = _grad_errors(reference, patched)
+    # tensor_parallel_projections=False: the projections keep transformers' forward.
+    kept = surgery.patch(load(), tensor_parallel_projections=False).train()
+    with _counted_all_reduces() as kept_all_reduces:
+        kept_loss = kept(input_ids=ids, labels=labels).loss
+        kept_loss.backward()
+    kept_run = dict(loss=abs(kept_loss.item() - want.loss.item()),
+                    grads=_grad_errors(reference, kept), describe=str(surgery.describe(kept)),
+                    projection_all_reduces=len(kept_all_reduces))  # fmt: skip
     head = patched.lm_head.weight
     result = dict(
+        kept=kept_run,
         loss=abs(got.loss.item() - want.loss.item()),
         grads=grads,
         logits_in_training=got.logits is not None,
@@ -253,6 +262,13 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             failed += _over_budget(
                 where, r, ("loss", "sequence_loss", "sequence_z_loss", "eval_logits")
             )
+            kept = r["kept"]  # tensor_parallel_projections=False
+            assert "on its local shards" not in kept["describe"], kept["describe"]
+            assert kept["projection_all_reduces"] == 0, where
+            own = rf"Linear +x{colwise + rowwise} +sharded by transformers' tensor parallelism"
+            assert re.search(own, kept["describe"]), kept["describe"]
+            assert "lm_head: vocab_parallel_linear_cross_entropy" in kept["describe"], where
+            failed += _over_budget(where + " tensor_parallel_projections=False", kept)
     assert not failed, "\n".join(failed)
     if UNEVEN:
         assert [r["llama-bias0"]["mlp_columns"] for r in per_rank] == [19, 18]
@@ -312,7 +328,9 @@ def _by_hand(arch: str) -> dict:
         ]
 
     results = {}
-    for order, patched in (("after", surgery.patch(build())), ("before", build(True))):
+    kept = surgery.patch(build(), tensor_parallel_projections=False)
+    for order, patched in (("after", surgery.patch(build())), ("before", build(True)),
+                           ("after, tensor_parallel_projections=False", kept)):  # fmt: skip
         with _counted_all_reduces() as reduces:
             got = patched(input_ids=ids, labels=labels)
             got.loss.backward()
@@ -455,12 +473,12 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
     model's, and a deep copy's loss too. Patched after, the projections run on their local shards
     without torch's layout hooks (lifted while patched, back after ``unpatch``, a hook prepended
     meanwhile before them), with transformers' plan's all-reduces (2 per layer for q/k/v and o, 2
-    for gate/up and down); patched before, torch's hooks wrap surgery's forward and the
-    projections issue none of their own."""
+    for gate/up and down); patched before, or after with ``tensor_parallel_projections=False``,
+    torch's hooks wrap the projections and they issue none of their own."""
     per_rank = run_ranks(_worker, WORLD, tmp_path, [("llama", "by_hand", "llama")])
     failed = []
     for rank, results in enumerate(per_rank):
-        assert set(results["llama"]) == {"after", "before"}
+        assert len(results["llama"]) == 3
         for order, r in results["llama"].items():
             where = f"rank {rank}, patched {order} parallelize_module:"
             assert r["head_rows"] == (49, 48)[rank], where
@@ -475,6 +493,8 @@ def test_model_parallelised_by_hand_trains_like_the_unpatched_one(tmp_path):
             else:
                 assert r["hooks_patched"] == [(1, 1)] * 14, where
                 assert r["all_reduces"] == 0, where
+                line = r"Linear +x14 +sharded by torch's tensor parallelism \(parallelize_module\)"
+                assert order == "before" or re.search(line, r["describe"]), r["describe"]
             assert r["hooks_unpatched"], where
             assert r["prepended_hook_saw"] == ["Tensor"], where  # before torch's layout hook
             keys = ("loss", "eval_logits", "unpatched_logits", "dtensor_input", "copy_loss")
