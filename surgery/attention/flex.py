@@ -68,8 +68,8 @@ def flex_runs(query: torch.Tensor, dropout: float) -> bool:
     """Whether this call of a ``flex_layer`` runs ``flex_softcap_attention``: a tensor on one of
     ``DEVICES`` in one of ``DTYPES``, no attention dropout, no attention weights asked for
     (``output_attentions``: transformers' output collector), not while ``torch.compile`` traces
-    (the mask's check reads it on the host; and dynamo drops the Python side effects that follow a
-    flex call in its graph, transformers' output collector's reset and cache updates among them:
+    (the mask's check reads it on the host; and dynamo drops writes to Python objects that follow
+    a flex call in its graph, transformers' output collector's reset among them:
     ``test_flex_attention.py``), flex attention in torch. The caller checks that the
     keys are the queries' own (no cached ones: a decoding step keeps the eager function)."""
     return (

@@ -221,8 +221,8 @@ def test_where_the_option_does_not_apply(flex_calls):
 )
 def test_dynamo_keeps_side_effects_after_a_flex_call():
     """Why a compiled step keeps the eager function: a mutation after ``flex_attention`` in a
-    compiled function is lost (transformers' output collector's reset, the layers' cache updates
-    are such mutations), where one before it is kept: an attribute of an instance of a class of
+    compiled function is lost (transformers' output collector's reset is such a mutation), where
+    one before it is kept: an attribute of an instance of a class of
     the program's own, as the collector is (a ``SimpleNamespace``'s are kept)."""
 
     class State:
