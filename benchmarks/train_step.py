@@ -888,13 +888,11 @@ def kernel_time_by_class(prof) -> str:
 
     from torch.autograd import DeviceType
 
-    spans, by_class, rest = [], defaultdict(float), defaultdict(float)
-    of_class = defaultdict(list)
+    by_class, rest, of_class = defaultdict(float), defaultdict(float), defaultdict(list)
     for ev in prof.events():
         if ev.device_type != DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
             continue
         start, end = ev.time_range.start, ev.time_range.end
-        spans.append((start, end))
         name = ev.name.lower()
         cls = next((c for c, words in KERNEL_CLASSES if any(w in name for w in words)), None)
         if cls is None:
@@ -902,9 +900,9 @@ def kernel_time_by_class(prof) -> str:
             cls = "other (Triton kernels and the rest)"
         by_class[cls] += end - start
         of_class[cls].append((start, end))
-    if not spans:
+    if not of_class:
         return "no GPU kernels recorded\n"
-    union = _union(spans)
+    union = _union([interval for intervals in of_class.values() for interval in intervals])
     busy = sum(end - start for start, end in union)
     span = union[-1][1] - union[0][0]  # disjoint and sorted: the last one ends last
     idle = span - busy

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from surgery.attention.flex import flex_layer
-from surgery.attention.forward import BINDING_ATTR, read_path
+from surgery.attention.forward import BINDING_ATTR, attention_kwargs
 from surgery.attention.linear import LINEAR_ATTENTION_ATTR
 from surgery.attention.vision import VISION_ATTENTION_ATTR
 from surgery.forwards.base_model import BASE_MODEL_ATTR, BaseModelNeeds
@@ -140,8 +140,7 @@ def _installed(module: nn.Module, state: PatchState) -> str:
         if _share_input(module, names):
             what += "; q/k/v share their input (shared_input_linear)"
         binding = attrs[BINDING_ATTR]
-        paths = dict(binding.spec.attention_kwargs)
-        softcap = read_path(module, paths["softcap"]) if "softcap" in paths else None
+        softcap = attention_kwargs(module, binding.spec).get("softcap")
         if flex_layer(module, binding.flex, softcap) and not module.attention_dropout:
             what += "; softcapped attention through flex attention (CUDA, 16-bit, no cached keys)"
         return what

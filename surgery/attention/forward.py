@@ -60,6 +60,7 @@ __all__ = [
     "attention_forward",
     "attention_forward_for",
     "attention_interface",
+    "attention_kwargs",
     "flash_head_size",
     "lean_eager_attention",
     "mrope_layout",
@@ -106,6 +107,12 @@ CAUSAL_KWARG = "surgery_causal"
 (``PatchOptions.causal_right_padding``): layers without a sliding window then run sdpa causal and
 unmasked whatever mask the base model built (transformers builds a plain causal mask under
 ``torch.compile`` before torch 2.14 instead of letting sdpa's ``is_causal`` take it)."""
+
+
+def attention_kwargs(module: nn.Module, spec: ArchitectureSpec) -> dict:
+    """The attention's own arguments the spec names (``ArchitectureSpec.attention_kwargs``: a
+    sliding window, a softcap), read from ``module`` now: None where one is missing."""
+    return {name: read_path(module, path) for name, path in spec.attention_kwargs}
 
 
 def read_path(obj, path: str):
@@ -254,7 +261,7 @@ def attention_forward(
         shared_kv_states[_shared_kv_key(self, reading=False)] = key, value
 
     dropout = self.attention_dropout if self.training else 0.0
-    extra = {name: read_path(self, path) for name, path in spec.attention_kwargs}
+    extra = attention_kwargs(self, spec)
     packed: PackedSequences | None = kwargs.pop(PACKED_KWARG, None)
     chunked = is_chunked_layer(self, spec)  # Llama 4: a packed batch's chunks come with it
     attention_mask = chunked_layer_mask(chunked, attention_mask, cache, kwargs)
