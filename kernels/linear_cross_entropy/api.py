@@ -49,10 +49,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # `needs` is taken before apply(): inside forward grad mode is off, and needs_input_grad
         # does not see an outer torch.no_grad().
         need_dx, need_dw, need_db = needs
-        # Per-token losses whose upstream gradient was uniform last time: the gradients for a
-        # unit one on every token with a target, now (checked in the backward).
+        # Per-token losses whose upstream gradient was uniform last time: the gradients for the
+        # hint's guess of it on every token with a target, now (checked in the backward).
         speculate = weights is None and hint is not None and hint.uniform
-        grad_weights = (targets >= 0).to(torch.float32) if speculate else weights
+        guess = hint.guess(targets) if speculate else None
+        grad_weights = weights if guess is None else (targets >= 0).to(torch.float32) * guess
         eager = grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
         ce, zl, lse, dx, dw, db, entropy, *others = lce_fwd(
             x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
@@ -74,6 +75,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored,
                     transform)  # fmt: skip
         ctx.hint = hint if weights is None and not compiled else None
+        ctx.guess = guess
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*others)
         return *reduce_losses(ce, zl, weights), entropy, *others
@@ -93,15 +95,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.hint.uniform = False  # nothing to scale: the next forward computes no gradients
         elif ctx.hint is not None:
             # Per-token losses: the eager gradients hold for a uniform upstream gradient only.
-            uniform = _uniform_upstream(g_loss, targets)
-            ctx.hint.uniform = uniform is not None
+            uniform = ctx.hint.learn(g_loss, targets)
             if uniform is None:
                 eager = None  # recomputed below for the upstream gradient as it is
             else:
                 g_loss = uniform
         if eager is not None:
             if g_loss is not None:
-                # The stored gradients are for unit upstream gradient: scale in place.
+                # The stored gradients are for an upstream gradient of 1 (or of the hint's
+                # guess): scaled in place, a no-op on the device where the guess was right.
+                if ctx.guess is not None:
+                    g_loss = g_loss / ctx.guess
                 dx, dw, db = (scale_by_upstream_(t, g_loss) if t.numel() else None for t in eager)
             # z_loss and the entropy are usually only logged; a gradient reaching either on its
             # own is recomputed (the ce part is already in the eager gradients).
@@ -126,27 +130,57 @@ class UpstreamHint:
     """Shared by the calls of ``linear_log_probs`` in one training loop: whether the last
     backward's upstream gradient on the per-token losses was the same for every token with a
     target (``uniform``: None before any). When it was, the next forward computes the gradients
-    for a unit one at once, the eager schedule's three matrix products, and its backward scales
-    them; when it no longer is, that backward recomputes (four products in all, that once)."""
+    at once, the eager schedule's three matrix products, and its backward scales them; when it
+    no longer is, that backward recomputes (four products in all, that once).
+
+    The forward computes them for a guess of the upstream gradient, so that the backward's
+    scaling (a pass over the weight gradient, V x D read and written) is skipped on the device
+    where the guess holds: ``1 / (tokens with a target)`` where the last one was exactly that (a
+    token mean over the batch: TRL's SFT loss without gradient accumulation), else the last
+    value (a constant divisor). A wrong guess costs the scaling, never exactness."""
 
     def __init__(self) -> None:
         self.uniform: bool | None = None
+        self.last: torch.Tensor | None = None  # the last uniform value, 0-dim fp32, on the device
+        self.token_mean = False  # it was 1 / (tokens with a target) of its batch
 
     def __repr__(self) -> str:
-        return f"UpstreamHint(uniform={self.uniform})"
+        return f"UpstreamHint(uniform={self.uniform}, token_mean={self.token_mean})"
+
+    def guess(self, targets: torch.Tensor) -> torch.Tensor:
+        """The 0-dim fp32 upstream gradient the next backward is expected to bring (no host
+        read): 1 where nothing better is known."""
+        if self.token_mean:
+            return _reciprocal_count(targets)
+        if self.last is None:
+            return torch.ones((), dtype=torch.float32, device=targets.device)
+        return self.last
+
+    def learn(self, g: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Record the upstream gradient ``g`` of this backward; return its 0-dim value where it
+        is the same on every token with a target (0 where none has one), else None. One host
+        read."""
+        g = g.reshape(-1).to(torch.float32)
+        valid = targets >= 0
+        hi = torch.where(valid, g, float("-inf")).amax()
+        lo = torch.where(valid, g, float("inf")).amin()
+        checks = [hi == lo, ~valid.any(), hi == _reciprocal_count(targets),
+                  torch.isfinite(hi) & (hi != 0)]  # fmt: skip
+        same, none, token_mean, divisible = torch.stack(checks).tolist()  # the host read
+        value = g.new_zeros(()) if none else hi if same else None
+        self.uniform = value is not None
+        # A guess of 0 or inf could not be divided out in the backward: not kept.
+        usable = same and not none and divisible
+        self.last = hi.detach() if usable else None
+        self.token_mean = bool(usable and token_mean)
+        return value
 
 
-def _uniform_upstream(g: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-    """The 0-dim upstream gradient every token with a target has, or None if they differ (one
-    host read). No token with a target: 0."""
-    g = g.reshape(-1).to(torch.float32)
-    valid = targets >= 0
-    hi = torch.where(valid, g, float("-inf")).amax()
-    lo = torch.where(valid, g, float("inf")).amin()
-    same, none = torch.stack([hi == lo, ~valid.any()]).tolist()  # the host read
-    if none:
-        return g.new_zeros(())
-    return hi if same else None
+def _reciprocal_count(targets: torch.Tensor) -> torch.Tensor:
+    """1 / (tokens with a target), 0-dim fp32 (1 where none has), as a token mean's backward
+    divides: ``1.0 / count`` in fp32."""
+    count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
+    return torch.reciprocal(count)
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -274,6 +274,54 @@ def test_uniform_upstream_hint_takes_three_products_and_stays_exact(monkeypatch)
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
 
 
+def test_hint_guesses_a_token_mean_and_a_constant_divisor(monkeypatch):
+    """The gradients made in the forward are for the hint's guess of the upstream gradient, so
+    that the backward's scaling (a pass over the weight gradient) is a no-op on the device: a
+    token mean over batches of different masks (TRL's SFT loss, ``sum / label_mask.sum()``) and a
+    constant divisor are guessed exactly (the factor handed to the scaling is exactly 1); a
+    changed divisor, or a batch without targets, is scaled. Every step's gradients equal the
+    plain path's."""
+    import importlib
+
+    api = importlib.import_module("surgery.kernels.linear_cross_entropy.api")
+    factors = []
+    scale = api.scale_by_upstream_
+
+    def spy(t, g):
+        factors.append(float(g))
+        return scale(t, g)
+
+    monkeypatch.setattr(api, "scale_by_upstream_", spy)
+    x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    hint = UpstreamHint()
+    # (divisor of the summed loss: "mean" = the batch's tokens with a target; whether the
+    # guess holds, None where nothing is scaled: the first step recomputes)
+    steps = [("mean", None), ("mean", True), ("mean", True), (7.0, False), (7.0, True),
+             ("mean", False), ("mean", True), ("none", False), ("mean", False),
+             ("mean", True)]  # fmt: skip
+    for divisor, guessed in steps:
+        lab = labels.clone()
+        lab[torch.rand(lab.shape, generator=gen).to(DEVICE) < 0.3] = -100  # a new mask each step
+        if divisor == "none":
+            lab[:] = -100
+        out = linear_log_probs(x, w, lab, b, upstream=hint)
+        plain = linear_log_probs(x, w, lab, b)
+        d = divisor if isinstance(divisor, float) else (lab >= 0).sum().clamp(min=1)
+        factors.clear()
+        got = torch.autograd.grad(-out.log_probs.sum() / d, (x, w, b))
+        want = torch.autograd.grad(-plain.log_probs.sum() / d, (x, w, b))
+        if guessed is None:
+            assert factors == []
+        else:
+            assert len(factors) == 3 and all((f == 1.0) == guessed for f in factors), (
+                divisor,
+                factors,
+            )
+        for a, r in zip(got, want):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
+
+
 def _trl_chunked_log_probs():
     """TRL's own fused head function (its CUDA path), the peer on the GPU."""
     chunked = pytest.importorskip("trl.kernels.chunked_logprob")

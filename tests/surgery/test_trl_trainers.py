@@ -4,6 +4,7 @@ declaring the installed TRL release unchecked), and surgery's kernel is what ran
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import surgery.forwards.head as head_module
 from surgery.integrations import trl as serving
 from tests.models.tiny import sequences, tiny_model, tiny_tokenizer
 
+head_api = importlib.import_module("surgery.kernels.linear_cross_entropy.api")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
@@ -42,7 +44,7 @@ def _reward(completions, **kwargs):
 
 
 def _sft(model, tmp_path, padding_free, common):
-    seqs = sequences([9, 3, 7, 5])
+    seqs = sequences([9, 3, 7, 6])  # token counts differ between the batches
     data = datasets.Dataset.from_dict({"input_ids": [s.clamp(min=3).tolist() for s in seqs]})
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
                          padding_free=padding_free, max_length=None, **common)  # fmt: skip
@@ -87,15 +89,20 @@ def _train(name, tmp_path, monkeypatch, serve, **settings):
     """Train with surgery serving TRL's head (``serve``) or TRL's own head; ``settings`` replace
     ``COMMON``'s (the GPU test: ``use_cpu=False, bf16=True``)."""
     build, flag = TRAINERS[name]
-    calls = []
-    original = head_module.linear_log_probs
+    calls, factors = [], []
+    original, scale = head_module.linear_log_probs, head_api.scale_by_upstream_
 
     def spy(*args, **kwargs):
         calls.append(torch.is_grad_enabled())
         return original(*args, **kwargs)
 
+    def scale_spy(t, g):  # the factor the backward scales the forward's gradients by
+        factors.append(float(g))
+        return scale(t, g)
+
     with monkeypatch.context() as patch:
         patch.setattr(head_module, "linear_log_probs", spy)
+        patch.setattr(head_api, "scale_by_upstream_", scale_spy)
         if not serve:
             patch.setattr(serving, "CHECKED", ())
         model = surgery.patch(tiny_model("llama"))
@@ -106,15 +113,19 @@ def _train(name, tmp_path, monkeypatch, serve, **settings):
             trainer.train()
     params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return params, logs, calls
+    return params, logs, calls, factors
 
 
 @pytest.mark.parametrize("name", list(TRAINERS), ids=list(TRAINERS))
 def test_trainer_trains_as_with_trls_own_head(name, tmp_path, monkeypatch):
-    params, logs, calls = _train(name, tmp_path, monkeypatch, serve=True)
-    want_params, want_logs, trl_calls = _train(name, tmp_path, monkeypatch, serve=False)
+    params, logs, calls, factors = _train(name, tmp_path, monkeypatch, serve=True)
+    want_params, want_logs, trl_calls, _ = _train(name, tmp_path, monkeypatch, serve=False)
     assert any(calls), f"{name}: surgery's kernel never served a training call"
     assert not trl_calls
+    if name.startswith("sft"):
+        # From the second step, the gradients made in the forward are for TRL's own token-mean
+        # upstream gradient: nothing left to scale (no pass over the weight gradient).
+        assert factors and all(f == 1.0 for f in factors), factors
     assert len(logs) == len(want_logs) == STEPS
     for got, want in zip(logs, want_logs):
         for key, value in want.items():
@@ -137,9 +148,9 @@ def test_gpu_trainer_bf16_within_the_budget_of_trls_own_head(name, tmp_path, mon
     refuses, so the Trainer is shown one."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     gpu = dict(use_cpu=False)
-    params, _, calls = _train(name, tmp_path, monkeypatch, serve=True, bf16=True, **gpu)
-    theirs, _, _ = _train(name, tmp_path, monkeypatch, serve=False, bf16=True, **gpu)
-    exact, _, _ = _train(name, tmp_path, monkeypatch, serve=False, bf16=False, **gpu)
+    params, _, calls, _ = _train(name, tmp_path, monkeypatch, serve=True, bf16=True, **gpu)
+    theirs, *_ = _train(name, tmp_path, monkeypatch, serve=False, bf16=True, **gpu)
+    exact, *_ = _train(name, tmp_path, monkeypatch, serve=False, bf16=False, **gpu)
     assert any(calls)
     start = tiny_model("llama").state_dict()
 
