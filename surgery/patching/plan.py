@@ -152,10 +152,12 @@ def plan_lm(lm: nn.Module, spec: ArchitectureSpec, options: PatchOptions) -> lis
         for w in wanted
         if w[2] is lm_head_forward or not tensor_parallel_forward(w[1].__dict__.get("forward"))
     ]
-    for name, module in modules if options.tensor_parallel_projections else ():
-        shards = local_shards(module)
-        if shards is not None:
-            wanted.append((name, module, tensor_parallel_linear_forward, {TP_LINEAR_ATTR: shards}))
+    if options.tensor_parallel_projections:
+        for name, module in modules:
+            shards = local_shards(module)
+            if shards is not None:
+                extra = {TP_LINEAR_ATTR: shards}
+                wanted.append((name, module, tensor_parallel_linear_forward, extra))
     swaps = [
         plan_swap(module, fn, extra, name, _lifted_hooks(extra))
         for name, module, fn, extra in wanted
