@@ -257,8 +257,8 @@ class Runner:
         model, opt = accelerator.prepare(model, opt)
         return model, opt, accelerator.backward, self.rank, self.world
 
-    def batch(self, vocab: int, seq: int, dp_rank: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(SEED + 1 + dp_rank)
+    def batch(self, vocab: int, seq: int, dp_rank: int, step: int = 0) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(SEED + 1 + dp_rank + 1000 * step)
         ids = torch.randint(0, vocab, (self.args.batch, seq), generator=g).to(self.device)
         return {"input_ids": ids, "labels": ids}
 
@@ -301,6 +301,8 @@ class Runner:
             torch.cuda.reset_peak_memory_stats()
         losses, times, fused = [], [], []
         for i in range(self.args.warmup + self.args.steps):
+            if self.args.fresh_batches:
+                batch = self.batch(vocab, self.args.seq, dp_rank, i + 1)
             loss, was_fused, seconds = self.step(train, opt, batch)
             dist.all_reduce(loss)  # every rank's mean over the same token count: the mean
             losses.append(loss.item() / self.world)
@@ -454,6 +456,12 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (plumbing; with --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes")
     p.add_argument("--profile", action="store_true", help="profile one more step of each run")
+    p.add_argument(
+        "--fresh-batches",
+        action="store_true",
+        help="new random tokens every step (default: one batch, which the model memorises: its "
+        "gradients shrink, and GPU clocks, hence product speeds, depend on the data)",
+    )
     return p.parse_args(argv)
 
 

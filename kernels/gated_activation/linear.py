@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..saved_first import checked_output, stand_in
 from .api import check_gate_and_up, gated_activation
 from .launch import gated_activation_bwd
 from .ops import _gated_fwd_op
@@ -48,14 +49,16 @@ def _(dout, gate, up, activation):
 
 
 class GatedLinearFunction(torch.autograd.Function):
-    """``F.linear(act(gate) * up, weight)`` over the ops (the module docstring gives the backward);
-    gate and up contiguous of one shape and dtype, weight (out, I) of that dtype."""
+    """The node of ``F.linear(act(gate) * up, weight)`` (the module docstring gives the backward):
+    gate and up contiguous of one shape and dtype, weight (out, I) of that dtype. Its forward saves
+    them and returns a stand-in for the output, which ``_GatedLinearOutput`` computes, so that a
+    checkpointed layer's recomputation stops before the product (``saved_first``)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, activation: str):
         ctx.save_for_backward(gate, up, weight)
         ctx.activation = activation
-        return F.linear(_gated_fwd_op(gate, up, activation), weight)
+        return stand_in((*gate.shape[:-1], weight.shape[0]), weight.dtype, weight.device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -70,6 +73,20 @@ class GatedLinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 dweight = dy.t().mm(product.view(-1, width))
         return dgate, dup, dweight, None
+
+
+class _GatedLinearOutput(torch.autograd.Function):
+    """``F.linear(act(gate) * up, weight)`` for ``GatedLinearFunction``'s stand-in; nothing saved,
+    the gradient handed back to that node."""
+
+    @staticmethod
+    def forward(ctx, standing_in, gate, up, weight, activation: str):
+        out = F.linear(_gated_fwd_op(gate, up, activation), weight)
+        return checked_output(out, standing_in)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
 
 
 def gated_linear(
@@ -93,7 +110,9 @@ def gated_linear(
     check_gate_and_up("gated_linear", gate, up, activation)
     if not gated_linear_fuses(gate, up, weight):
         return F.linear(gated_activation(gate, up, activation), weight)
-    return GatedLinearFunction.apply(gate.contiguous(), up.contiguous(), weight, activation)
+    gate, up = gate.contiguous(), up.contiguous()
+    standing_in = GatedLinearFunction.apply(gate, up, weight, activation)
+    return _GatedLinearOutput.apply(standing_in, gate, up, weight, activation)
 
 
 def gated_linear_fuses(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -73,6 +73,7 @@ from surgery.kernels.gated_activation import gated_activation_merged, gated_acti
 from surgery.kernels.gather_sum import gather_sum
 from surgery.kernels.grouped_mm import grouped_weight_grad_loop
 from surgery.kernels.rows import token_rows
+from surgery.kernels.saved_first import checked_output, stand_in
 
 try:
     from transformers.integrations import moe as transformers_moe
@@ -196,21 +197,23 @@ def _grouped_weight_grad(
 
 
 class _DownProjectionAndSum(torch.autograd.Function):
-    """Each token's ``top_k`` rows of ``_grouped_linear(product, weight, offsets)`` times their
-    routing weights, summed (``gather_sum``), whose backward keeps only its inputs (not the GEMM's
-    output, which ``out * w`` would keep for dw); the module docstring gives the math and its
-    differences in rounding from transformers'."""
+    """The node of each token's ``top_k`` rows of ``_grouped_linear(product, weight, offsets)``
+    times their routing weights, summed (``gather_sum``), whose backward keeps only its inputs
+    (not the GEMM's output, which ``out * w`` would keep for dw); the module docstring gives the
+    math and its differences in rounding from transformers'. Its forward saves and returns a
+    stand-in for the output, which ``_DownProjectionAndSumOutput`` computes, so that a
+    checkpointed layer's recomputation stops before the GEMM (``saved_first``)."""
 
     @staticmethod
     def forward(
         ctx, product, weight, offsets, row_weights, inverse, rows, top_k: int, is_transposed: bool
     ):
-        out = _grouped_linear(product, weight, offsets, is_transposed=is_transposed)
         # Saved inside the caller's recompute scope: the product is kept as a reference to what
         # rebuilds it.
         ctx.save_for_backward(product, weight, offsets, row_weights, rows)
         ctx.is_transposed = is_transposed
-        return gather_sum(out, inverse, top_k, row_weights)
+        hidden = weight.shape[-1] if is_transposed else weight.shape[-2]
+        return stand_in((inverse.numel() // top_k, hidden), weight.dtype, product.device)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -236,6 +239,21 @@ class _DownProjectionAndSum(torch.autograd.Function):
             if needs_product:
                 grad_product = grad.mul_(scale).to(product.dtype)  # the GEMM's output: ours
         return grad_product, grad_weight, None, grad_row_weights, None, None, None, None
+
+
+class _DownProjectionAndSumOutput(torch.autograd.Function):
+    """The output for ``_DownProjectionAndSum``'s stand-in; nothing saved, the gradient handed back
+    to that node."""
+
+    @staticmethod
+    def forward(ctx, standing_in, product, weight, offsets, row_weights, inverse, top_k: int,
+                is_transposed: bool):  # fmt: skip
+        out = _grouped_linear(product, weight, offsets, is_transposed=is_transposed)
+        return checked_output(gather_sum(out, inverse, top_k, row_weights), standing_in)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(None,) * 7
 
 
 def fused_grouped_mm_experts_forward(
@@ -272,8 +290,12 @@ def fused_grouped_mm_experts_forward(
         gate_up = _grouped_linear(x, weight, offsets, is_transposed=self.is_transposed)
         product = _gated(gate_up, plan, record)
         # transformers' reduction: the top_k rows of a token summed in slot order (deterministic).
-        per_token = _DownProjectionAndSum.apply(
+        standing_in = _DownProjectionAndSum.apply(
             product, self.down_proj, offsets, weights_sorted, inverse, rows, top_k,
+            self.is_transposed,
+        )  # fmt: skip
+        per_token = _DownProjectionAndSumOutput.apply(
+            standing_in, product, self.down_proj, offsets, weights_sorted, inverse, top_k,
             self.is_transposed,
         )  # fmt: skip
     return per_token.to(hidden_states.dtype)

@@ -76,6 +76,34 @@ def test_keeps_no_product_and_rebuilds_it_in_the_backward_kernel(device):
     assert "surgery::gated_activation_fwd" not in mode.names
 
 
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm"}
+
+
+def test_checkpointed_recomputation_stops_before_the_down_projection(device):
+    """Under non-reentrant checkpointing (FSDP2's, accelerate's) a layer's recomputation stops once
+    every tensor it saved is back: a gated MLP ending in ``gated_linear`` recomputes its gate and up
+    products but not the down projection, as the unfused ``nn.Linear`` MLP does (its products save
+    their inputs before running). Same products in the backward for both."""
+    from torch.utils.checkpoint import checkpoint
+
+    gate, _, weight, dy = operands(torch.float32, device)
+    x = gate.detach().clone().requires_grad_()
+    w_gate, w_up = (torch.randn(24, 24, device=device, requires_grad=True) for _ in range(2))
+    weight.requires_grad_()
+    counts = {}
+    for name, fn in (("fused", gated_linear), ("unfused", unfused)):
+
+        def mlp(x, fn=fn):
+            return fn(F.linear(x, w_gate), F.linear(x, w_up), weight, "silu")
+
+        y = checkpoint(mlp, x, use_reentrant=False)
+        with Ops() as mode:
+            y.backward(dy)
+        counts[name] = sum(n in PRODUCTS for n in mode.names)
+    # recomputed gate and up; dX and dW of each of the three projections
+    assert counts == {"fused": 8, "unfused": 8}
+
+
 @pytest.mark.parametrize("needs", ["weight", "inputs"])
 def test_partial_gradients(needs, device):
     gate, up, weight, dy = operands(torch.float32, device)

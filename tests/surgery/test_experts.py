@@ -296,6 +296,30 @@ def test_gathered_rows_product_and_down_output_are_not_kept(recompute_mlp_produc
     assert ours == [(False, True), (not recompute_mlp_product, False)]
 
 
+def test_checkpointed_recomputation_stops_before_the_down_gemm(monkeypatch):
+    """Under non-reentrant checkpointing (FSDP2's, accelerate's) the experts' recomputation stops
+    once every tensor they saved is back: it reruns the up GEMM, not the down GEMM that ends them
+    (as transformers' grouped_mm, whose products save their inputs before running, does not)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = surgery.patch(build("qwen3_moe"))
+    module = experts_modules(model)[0]
+    spy = GemmSpy(surgery_experts._grouped_linear)
+    monkeypatch.setattr(surgery_experts, "_grouped_linear", spy)
+    hidden, index, weights, dout = inputs_for(module)
+    hidden.requires_grad_()
+    products = {}
+    for checkpointed in (False, True):
+        if checkpointed:
+            out = checkpoint(dispatched, module, hidden, index, weights, use_reentrant=False)
+        else:
+            out = dispatched(module, hidden, index, weights)
+        before = len(spy.calls)
+        out.backward(dout)
+        products[checkpointed] = len(spy.calls) - before
+    assert products[True] == products[False] + 1  # the up GEMM, recomputed
+
+
 class KeptBytes(TorchDispatchMode):
     """Bytes of the storages that a forward's ops created and that are still alive: what its
     graph keeps for the backward, once the forward's locals are gone."""
