@@ -942,31 +942,48 @@ PRODUCT_OPS = {
 
 def products_by_shape(prof, rows: int = 25) -> str:
     """A table of the step's matrix products by op and operand shapes: calls, GPU time and the
-    rate they ran at (2 M N K flops per product, B times that for a batched one)."""
-    found = []
-    for ev in prof.key_averages(group_by_input_shape=True):
-        where = PRODUCT_OPS.get(ev.key)
+    rate they ran at (2 M N K flops per product, B times that for a batched one). A call that
+    launched no kernel is counted apart ("no kernel") and not rated: a checkpointed layer's
+    recomputation stops inside the product that saves the layer's last tensors (autograd saves
+    a product's inputs before running it), and counted, such calls made a rate above the GPU's
+    peak."""
+    groups: dict[tuple, list] = {}
+    skipped = 0
+    for ev in prof.events():
+        where = PRODUCT_OPS.get(ev.name)
         shapes = getattr(ev, "input_shapes", None) or []
-        if where is None or len(shapes) <= max(where) or not ev.device_time_total:
+        if where is None or len(shapes) <= max(where):
             continue
         a, b = shapes[where[0]], shapes[where[1]]
         if len(a) < 2 or len(b) < 2:
             continue
-        batch = a[0] if len(a) == 3 else 1
-        flops = 2 * batch * a[-2] * a[-1] * b[-1] * ev.count
-        found.append((ev.device_time_total, ev.key, a, b, ev.count, flops))
+        group = groups.setdefault((ev.name, tuple(a), tuple(b)), [0.0, 0, 0])
+        if ev.device_time_total:
+            group[0] += ev.device_time_total
+            group[1] += 1
+        else:
+            group[2] += 1
+            skipped += 1
+    found = []
+    for (key, a, b), (us, count, none) in groups.items():
+        if count:
+            batch = a[0] if len(a) == 3 else 1
+            flops = 2 * batch * a[-2] * a[-1] * b[-1] * count
+            found.append((us, key, a, b, count, none, flops))
     found.sort(key=lambda r: -r[0])
     total_us = sum(r[0] for r in found)
-    total_flops = sum(r[5] for r in found)
+    total_flops = sum(r[6] for r in found)
     lines = [
         f"{len(found)} shapes, {total_us / 1e3:.2f} ms, {total_flops / 1e12:.2f} TFLOP"
-        f" at {total_flops / max(total_us, 1e-9) / 1e6:.0f} TFLOP/s",
-        f"{'op':<12} {'operands':<34} {'calls':>5} {'ms':>8} {'TFLOP/s':>8}",
+        f" at {total_flops / max(total_us, 1e-9) / 1e6:.0f} TFLOP/s;"
+        f" {skipped} calls launched no kernel",
+        f"{'op':<12} {'operands':<34} {'calls':>5} {'ms':>8} {'TFLOP/s':>8} {'no kernel':>9}",
     ]
-    for us, key, a, b, count, flops in found[:rows]:
+    for us, key, a, b, count, none, flops in found[:rows]:
         operands = f"{list(a)} x {list(b)}"
         lines.append(
             f"{key[6:]:<12} {operands:<34} {count:5d} {us / 1e3:8.2f} {flops / us / 1e6:8.0f}"
+            f" {none:9d}"
         )
     return "\n".join(lines) + "\n"
 

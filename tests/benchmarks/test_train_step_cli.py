@@ -170,41 +170,53 @@ def test_counts_refuse_what_is_not_a_whole_number_of_at_least_one(text):
     assert train_step.positive_int("8") == 8
 
 
+def _calls(*rows):
+    """A profile whose events are the product calls ``(name, shapes, calls, device us of each)``."""
+    from types import SimpleNamespace
+
+    events = [
+        SimpleNamespace(name=name, input_shapes=shapes, device_time_total=us)
+        for name, shapes, calls, us in rows
+        for _ in range(calls)
+    ]
+    return SimpleNamespace(events=lambda: events)
+
+
 def test_products_by_shape_rates_each_product_from_its_operands():
     """The profile's product table: 2 M N K flops per call from the operands' shapes (addmm's
     after its bias, bmm's times its batch), the slowest shape first; ops that are not products
-    or ran no GPU time are left out."""
-    from types import SimpleNamespace
-
-    def avg(key, shapes, count, us):
-        return SimpleNamespace(key=key, input_shapes=shapes, count=count, device_time_total=us)
-
-    averages = [
-        avg("aten::mm", [[4096, 2048], [2048, 8192]], 2, 500.0),  # 2 x 137.4 GFLOP in 0.5 ms
-        avg("aten::addmm", [[8192], [4096, 2048], [2048, 8192], [], []], 1, 500.0),
-        avg("aten::addmm_", [[4096, 2048], [4096, 2048], [2048, 2048], [], []], 1, 1000.0),
-        avg("aten::bmm", [[4, 1024, 64], [4, 64, 1024]], 1, 10.0),
-        avg("aten::add", [[4096, 2048], [4096, 2048]], 1, 100.0),
-        avg("aten::mm", [[8, 8], [8, 8]], 1, 0.0),  # host only
-    ]
-    prof = SimpleNamespace(key_averages=lambda group_by_input_shape: averages)
+    are left out."""
+    prof = _calls(
+        ("aten::mm", [[4096, 2048], [2048, 8192]], 2, 250.0),  # 2 x 137.4 GFLOP in 0.5 ms
+        ("aten::addmm", [[8192], [4096, 2048], [2048, 8192], [], []], 1, 500.0),
+        ("aten::addmm_", [[4096, 2048], [4096, 2048], [2048, 2048], [], []], 1, 1000.0),
+        ("aten::bmm", [[4, 1024, 64], [4, 64, 1024]], 1, 10.0),
+        ("aten::add", [[4096, 2048], [4096, 2048]], 1, 100.0),
+    )
     lines = train_step.products_by_shape(prof).splitlines()
-    assert lines[0] == "4 shapes, 2.01 ms, 0.45 TFLOP at 222 TFLOP/s"
-    assert lines[2].split()[0] == "addmm_" and lines[2].split()[-3:] == ["1", "1.00", "34"]
-    assert lines[3].split()[0] == "mm" and lines[3].split()[-3:] == ["2", "0.50", "550"]
-    assert lines[4].split()[0] == "addmm" and lines[4].split()[-3:] == ["1", "0.50", "275"]
-    assert lines[5].split()[0] == "bmm" and lines[5].split()[-1] == "54"
+    assert lines[0] == "4 shapes, 2.01 ms, 0.45 TFLOP at 222 TFLOP/s; 0 calls launched no kernel"
+    assert lines[2].split()[0] == "addmm_" and lines[2].split()[-4:] == ["1", "1.00", "34", "0"]
+    assert lines[3].split()[0] == "mm" and lines[3].split()[-4:] == ["2", "0.50", "550", "0"]
+    assert lines[4].split()[0] == "addmm" and lines[4].split()[-4:] == ["1", "0.50", "275", "0"]
+    assert lines[5].split()[0] == "bmm" and lines[5].split()[-2] == "54"
+
+
+def test_a_product_that_launched_no_kernel_is_counted_apart():
+    """A call entered but never run (a checkpoint's recomputation stopping inside it) adds no
+    flops to its shape's rate: three calls of 1 ms and one without a kernel rate as three."""
+    prof = _calls(
+        ("aten::mm", [[8192, 14336], [14336, 4096]], 3, 1000.0),
+        ("aten::mm", [[8192, 14336], [14336, 4096]], 1, 0.0),
+        ("aten::mm", [[8, 8], [8, 8]], 1, 0.0),  # no kernel for any call: no row
+    )
+    lines = train_step.products_by_shape(prof).splitlines()
+    assert lines[0] == "1 shapes, 3.00 ms, 2.89 TFLOP at 962 TFLOP/s; 2 calls launched no kernel"
+    assert lines[2].split()[-4:] == ["3", "3.00", "962", "1"]
 
 
 def test_a_grouped_product_counts_each_token_against_one_expert():
     """``_grouped_mm`` of (tokens, K) by (experts, K, N): 2 tokens K N flops, not times the
     experts."""
-    from types import SimpleNamespace
-
-    averages = [
-        SimpleNamespace(key="aten::_grouped_mm", input_shapes=[[4096, 2048], [8, 2048, 768], [8]],
-                        count=1, device_time_total=100.0)
-    ]  # fmt: skip
-    prof = SimpleNamespace(key_averages=lambda group_by_input_shape: averages)
+    prof = _calls(("aten::_grouped_mm", [[4096, 2048], [8, 2048, 768], [8]], 1, 100.0))
     lines = train_step.products_by_shape(prof).splitlines()
-    assert lines[0] == "1 shapes, 0.10 ms, 0.01 TFLOP at 129 TFLOP/s"
+    assert lines[0] == "1 shapes, 0.10 ms, 0.01 TFLOP at 129 TFLOP/s; 0 calls launched no kernel"
