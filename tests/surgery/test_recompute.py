@@ -15,6 +15,7 @@ import surgery
 from surgery.forwards import head as surgery_head
 from surgery.forwards import recompute
 from tests.models.tiny import (
+    ARCHS,
     HIDDEN,
     loss_and_grads,
     padded_batch,
@@ -149,6 +150,50 @@ def test_saved_bytes_drop_per_layer(arch, lora):
     tokens = sum(LENGTHS) if arch == "llama" else batch["input_ids"].numel()
     want = tokens * (layers * config.intermediate_size + norm_outputs * HIDDEN) * 4
     assert kept["keep"] - kept["recompute"] == want
+
+
+PRODUCT_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
+
+
+class Products(TorchDispatchMode):
+    """Counts the matrix products that run (below autograd: a product a checkpoint's
+    recomputation stops inside is not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in PRODUCT_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def recomputed_products(model, batch) -> int:
+    """The products the backward runs under transformers' non-reentrant activation checkpointing
+    beyond those it runs without: the layers' recomputation."""
+    counts = []
+    for ckpt in (False, True):
+        if ckpt:
+            enable_activation_checkpointing(model, use_reentrant=False)
+        loss = model(**batch).loss
+        with Products() as mode:
+            loss.backward()
+        counts.append(mode.count)
+    return counts[1] - counts[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpointed_recomputation_runs_no_more_products_than_transformers(arch):
+    """Non-reentrant checkpointing stops a layer's recomputation once every tensor the layer
+    saved is back; transformers' last product of a layer (nn.Linear's, or the experts' grouped
+    GEMM) saves its inputs before it runs and is not recomputed. Surgery's layers recompute no
+    more products than transformers' (a down projection computed in an autograd Function before
+    its tensors were saved ran again in each layer)."""
+    batch = padded_batch(sequences(LENGTHS)).kwargs()
+    theirs = recomputed_products(tiny_model(arch).train(), batch)
+    ours = recomputed_products(surgery.patch(tiny_model(arch).train()), batch)
+    assert theirs > 0
+    assert ours <= theirs
 
 
 def test_recompute_off_under_outer_saved_tensor_hooks(monkeypatch):
