@@ -954,6 +954,9 @@ def products_by_shape(prof, rows: int = 25) -> str:
         shapes = getattr(ev, "input_shapes", None) or []
         if where is None or len(shapes) <= max(where):
             continue
+        parent = getattr(ev, "cpu_parent", None)
+        if parent is not None and parent.name in PRODUCT_OPS:
+            continue  # inside a product counted whole (a grouped GEMM's per-group fallback)
         a, b = shapes[where[0]], shapes[where[1]]
         if len(a) < 2 or len(b) < 2:
             continue

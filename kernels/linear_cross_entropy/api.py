@@ -52,14 +52,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Per-token losses whose upstream gradient was uniform last time: the gradients for the
         # hint's guess of it on every token with a target, now (checked in the backward).
         speculate = weights is None and hint is not None and hint.uniform
-        guess = hint.guess(targets) if speculate else None
+        guess = hint.guess(targets, x.dtype) if speculate else None
         grad_weights = weights if guess is None else (targets >= 0).to(torch.float32) * guess
         eager = grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
         ce, zl, lse, dx, dw, db, entropy, *others = lce_fwd(
             x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
             chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats,
         )  # fmt: skip
-        # The gradients for unit upstream gradient, scaled in the backward. Eagerly they sit on
+        # The gradients for an upstream gradient of 1 (or the hint's guess), scaled in the
+        # backward. Eagerly they sit on
         # ctx and are scaled in place; the backward drops them, so a second backward
         # (retain_graph) recomputes instead of reusing scaled ones. Compiled, that would keep them
         # to the end of the step (the compiler keeps tensors put on ctx until the graph is freed:
@@ -136,25 +137,31 @@ class UpstreamHint:
     The forward computes them for a guess of the upstream gradient, so that the backward's
     scaling (a pass over the weight gradient, V x D read and written) is skipped on the device
     where the guess holds: ``1 / (tokens with a target)`` where the last one was exactly that (a
-    token mean over the batch: TRL's SFT loss without gradient accumulation), else the last
-    value (a constant divisor). A wrong guess costs the scaling, never exactness."""
+    token mean over the batch: TRL's SFT loss without gradient accumulation), else the last value
+    (a constant divisor). A guess is only taken between 2**-64 and 1 in magnitude, so that the
+    forward's gradients are never larger than the unit ones (no overflow the unit guess would
+    not have) and the backward's division by it stays finite, and only for inputs with fp32's
+    exponent range: in fp16 a token mean's small gradients would round to zero. A wrong guess
+    costs the scaling, as before."""
 
     def __init__(self) -> None:
         self.uniform: bool | None = None
-        self.last: torch.Tensor | None = None  # the last uniform value, 0-dim fp32, on the device
+        self.last: torch.Tensor | None = None  # the last uniform value, 0-dim fp32
         self.token_mean = False  # it was 1 / (tokens with a target) of its batch
 
     def __repr__(self) -> str:
         return f"UpstreamHint(uniform={self.uniform}, token_mean={self.token_mean})"
 
-    def guess(self, targets: torch.Tensor) -> torch.Tensor:
-        """The 0-dim fp32 upstream gradient the next backward is expected to bring (no host
-        read): 1 where nothing better is known."""
+    def guess(self, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The 0-dim fp32 upstream gradient the next backward is expected to bring, on the
+        targets' device (no host read): 1 where nothing better is known or ``dtype`` (the
+        inputs') lacks fp32's exponent range."""
+        one = torch.ones((), dtype=torch.float32, device=targets.device)
+        if torch.finfo(dtype).max < torch.finfo(torch.float32).max:
+            return one
         if self.token_mean:
             return _reciprocal_count(targets)
-        if self.last is None:
-            return torch.ones((), dtype=torch.float32, device=targets.device)
-        return self.last
+        return one if self.last is None else self.last.to(targets.device)
 
     def learn(self, g: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Record the upstream gradient ``g`` of this backward; return its 0-dim value where it
@@ -164,13 +171,13 @@ class UpstreamHint:
         valid = targets >= 0
         hi = torch.where(valid, g, float("-inf")).amax()
         lo = torch.where(valid, g, float("inf")).amin()
+        size = hi.abs()
         checks = [hi == lo, ~valid.any(), hi == _reciprocal_count(targets),
-                  torch.isfinite(hi) & (hi != 0)]  # fmt: skip
-        same, none, token_mean, divisible = torch.stack(checks).tolist()  # the host read
+                  (size >= 2.0**-64) & (size <= 1.0)]  # fmt: skip
+        same, none, token_mean, in_range = torch.stack(checks).tolist()  # the host read
         value = g.new_zeros(()) if none else hi if same else None
         self.uniform = value is not None
-        # A guess of 0 or inf could not be divided out in the backward: not kept.
-        usable = same and not none and divisible
+        usable = same and not none and in_range
         self.last = hi.detach() if usable else None
         self.token_mean = bool(usable and token_mean)
         return value

@@ -175,7 +175,7 @@ def _calls(*rows):
     from types import SimpleNamespace
 
     events = [
-        SimpleNamespace(name=name, input_shapes=shapes, device_time_total=us)
+        SimpleNamespace(name=name, input_shapes=shapes, device_time_total=us, cpu_parent=None)
         for name, shapes, calls, us in rows
         for _ in range(calls)
     ]
@@ -218,5 +218,21 @@ def test_a_grouped_product_counts_each_token_against_one_expert():
     """``_grouped_mm`` of (tokens, K) by (experts, K, N): 2 tokens K N flops, not times the
     experts."""
     prof = _calls(("aten::_grouped_mm", [[4096, 2048], [8, 2048, 768], [8]], 1, 100.0))
+    lines = train_step.products_by_shape(prof).splitlines()
+    assert lines[0] == "1 shapes, 0.10 ms, 0.01 TFLOP at 129 TFLOP/s; 0 calls launched no kernel"
+
+
+def test_products_inside_a_product_are_not_counted_again():
+    """A grouped GEMM that falls back to one ``mm`` per group (fp32, or a GPU without the grouped
+    kernel) is one call of its own shape; the nested calls, whose time it already holds, are
+    left out."""
+    from types import SimpleNamespace
+
+    prof = _calls(("aten::_grouped_mm", [[4096, 2048], [8, 2048, 768], [8]], 1, 100.0))
+    grouped = prof.events()[0]
+    nested = _calls(("aten::mm", [[512, 2048], [2048, 768]], 8, 12.5)).events()
+    for ev in nested:
+        ev.cpu_parent = grouped
+    prof = SimpleNamespace(events=lambda: [grouped, *nested])
     lines = train_step.products_by_shape(prof).splitlines()
     assert lines[0] == "1 shapes, 0.10 ms, 0.01 TFLOP at 129 TFLOP/s; 0 calls launched no kernel"

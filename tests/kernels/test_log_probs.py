@@ -322,6 +322,35 @@ def test_hint_guesses_a_token_mean_and_a_constant_divisor(monkeypatch):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "first", "second"),
+    [
+        (torch.float32, 1e-39, 1.0),  # too small a guess: dividing by it would overflow
+        (torch.float32, 4.0, 1.0),  # larger than 1: the forward's gradients would grow
+        (torch.float16, 6e4, 1.0),  # fp16 with a loss scale: they would overflow
+        (torch.float16, 2e4, 1e4),
+        (torch.float16, 1e-4, 1e-4),  # fp16 token mean: they would round to zero
+    ],
+)
+def test_hint_takes_no_guess_that_could_overflow_or_vanish(dtype, first, second):
+    """A guess is taken only between 2**-64 and 1 and for inputs with fp32's exponent range: after
+    any other upstream gradient the next step's gradients are those of the unit guess (the plain
+    path's, to the dtype's rounding), finite where the plain path's are."""
+    x, w, _, labels = make_inputs(64, 16, 97, dtype, bias=False)
+    hint = UpstreamHint()
+    out = linear_log_probs(x, w, labels, upstream=hint)
+    torch.autograd.grad(out.log_probs.sum() * first, (x, w))
+    assert hint.uniform
+    out = linear_log_probs(x, w, labels, upstream=hint)
+    got = torch.autograd.grad(out.log_probs.sum() * second, (x, w))
+    plain = linear_log_probs(x, w, labels)
+    want = torch.autograd.grad(plain.log_probs.sum() * second, (x, w))
+    for a, r in zip(got, want):
+        assert torch.isfinite(r).all()
+        scale = r.float().abs().max().item()
+        torch.testing.assert_close(a.float(), r.float(), rtol=2e-3, atol=2e-3 * scale)
+
+
 def _trl_chunked_log_probs():
     """TRL's own fused head function (its CUDA path), the peer on the GPU."""
     chunked = pytest.importorskip("trl.kernels.chunked_logprob")
@@ -385,6 +414,23 @@ def test_gpu_no_host_sync_and_cuda_graphs():
         return (loss.detach(), *torch.autograd.grad(loss, (x, w)))
 
     assert_no_sync_and_graph_replay(step, x, w, step(x, w))
+
+
+@pytest.mark.gpu
+def test_gpu_hint_taught_on_one_device_serves_another():
+    """A hint shared by calls on two devices (``nn.DataParallel``'s replicas share the model's TRL
+    request): the guess learned on the GPU is taken to the next call's device."""
+    hint = UpstreamHint()
+    for device in ("cuda", "cpu", "cuda"):
+        x, w, _, labels = make_inputs(32, 16, 97, torch.float32, bias=False)
+        x, w = (t.detach().to(device).requires_grad_() for t in (x, w))
+        labels = labels.to(device)
+        out = linear_log_probs(x, w, labels, upstream=hint)
+        got = torch.autograd.grad(out.log_probs.sum() / 7.0, (x, w))
+        want = torch.autograd.grad(linear_log_probs(x, w, labels).log_probs.sum() / 7.0, (x, w))
+        for a, r in zip(got, want):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
+    assert hint.uniform and not hint.token_mean
 
 
 def test_hint_unlearns_when_no_gradient_reaches_the_log_probabilities():
