@@ -948,7 +948,6 @@ def products_by_shape(prof, rows: int = 25) -> str:
     a product's inputs before running it), and counted, such calls made a rate above the GPU's
     peak."""
     groups: dict[tuple, list] = {}
-    skipped = 0
     for ev in prof.events():
         where = PRODUCT_OPS.get(ev.name)
         shapes = getattr(ev, "input_shapes", None) or []
@@ -966,7 +965,6 @@ def products_by_shape(prof, rows: int = 25) -> str:
             group[1] += 1
         else:
             group[2] += 1
-            skipped += 1
     found = []
     for (key, a, b), (us, count, none) in groups.items():
         if count:
@@ -976,6 +974,7 @@ def products_by_shape(prof, rows: int = 25) -> str:
     found.sort(key=lambda r: -r[0])
     total_us = sum(r[0] for r in found)
     total_flops = sum(r[6] for r in found)
+    skipped = sum(none for _, _, none in groups.values())
     lines = [
         f"{len(found)} shapes, {total_us / 1e3:.2f} ms, {total_flops / 1e12:.2f} TFLOP"
         f" at {total_flops / max(total_us, 1e-9) / 1e6:.0f} TFLOP/s;"

@@ -11,16 +11,16 @@ one (tokens x 14336) x (14336 x 4096) product per layer and step.
 
 So such a node is two Functions: the first saves its tensors and returns ``stand_in`` in place of
 the output (a zero-strided tensor of the output's shape and dtype: no memory) and keeps the
-backward; the second saves nothing, computes the output from the first's inputs, checks it
-against the stand-in (``checked_output``) and hands the output's gradient back to the first whole.
-Recomputation stops at the first's save, before the second's product.
+backward; the second, an ``OutputNode``, saves nothing, computes the output from the first's
+inputs, checks it against the stand-in (``checked_output``) and hands the output's gradient back
+to the first whole. Recomputation stops at the first's save, before the second's product.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["checked_output", "stand_in"]
+__all__ = ["OutputNode", "checked_output", "stand_in"]
 
 
 def stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -39,3 +39,14 @@ def checked_output(out: torch.Tensor, standing_in: torch.Tensor) -> torch.Tensor
             f"{tuple(standing_in.shape)} {standing_in.dtype}"
         )
     return out
+
+
+class OutputNode(torch.autograd.Function):
+    """The second Function: a subclass's ``forward(ctx, standing_in, *inputs)`` computes the
+    output for ``standing_in`` (returning ``checked_output(out, standing_in)``); the backward
+    hands the output's gradient to the stand-in whole, and none to the other inputs, whose
+    gradients the saving Function gives."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(None,) * (len(ctx.needs_input_grad) - 1)

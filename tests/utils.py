@@ -9,6 +9,7 @@ import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests import margins
 
@@ -203,6 +204,21 @@ def expect_transformers_failure(request: pytest.FixtureRequest, model_class: typ
                 raises=error, strict=True, reason=f"transformers {transformers.__version__}: {why}"
             )
         )
+
+
+class MatrixProducts(TorchDispatchMode):
+    """Counts the matrix products that run (``count``), below autograd: a product a
+    checkpoint's recomputation stops inside, before it runs, is not counted."""
+
+    OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.OPS
+        return func(*args, **(kwargs or {}))
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, use_reentrant: bool) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..saved_first import checked_output, stand_in
+from ..saved_first import OutputNode, checked_output, stand_in
 from .api import check_gate_and_up, gated_activation
 from .launch import gated_activation_bwd
 from .ops import _gated_fwd_op
@@ -75,18 +75,13 @@ class GatedLinearFunction(torch.autograd.Function):
         return dgate, dup, dweight, None
 
 
-class _GatedLinearOutput(torch.autograd.Function):
-    """``F.linear(act(gate) * up, weight)`` for ``GatedLinearFunction``'s stand-in; nothing saved,
-    the gradient handed back to that node."""
+class _GatedLinearOutput(OutputNode):
+    """``F.linear(act(gate) * up, weight)`` for ``GatedLinearFunction``'s stand-in."""
 
     @staticmethod
     def forward(ctx, standing_in, gate, up, weight, activation: str):
         out = F.linear(_gated_fwd_op(gate, up, activation), weight)
         return checked_output(out, standing_in)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None
 
 
 def gated_linear(

@@ -60,13 +60,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats,
         )  # fmt: skip
         # The gradients for an upstream gradient of 1 (or the hint's guess), scaled in the
-        # backward. Eagerly they sit on
-        # ctx and are scaled in place; the backward drops them, so a second backward
-        # (retain_graph) recomputes instead of reusing scaled ones. Compiled, that would keep them
-        # to the end of the step (the compiler keeps tensors put on ctx until the graph is freed:
-        # a second lm_head gradient beside the real one): there they are saved
-        # tensors, handed to the backward graph, which frees them once scaled out of place
-        # (``scale_by_upstream_``). Compiled graphs have no retain_graph (donated buffers).
+        # backward. Eagerly they sit on ctx and are scaled in place; the backward drops them, so
+        # a second backward (retain_graph) recomputes instead of reusing scaled ones. Compiled,
+        # that would keep them to the end of the step (the compiler keeps tensors put on ctx
+        # until the graph is freed: a second lm_head gradient beside the real one): there they
+        # are saved tensors, handed to the backward graph, which frees them once scaled out of
+        # place (``scale_by_upstream_``). Compiled graphs have no retain_graph (donated buffers).
         compiled = torch.compiler.is_compiling()
         grads = (dx, dw, db) if eager else ()
         ctx.save_for_backward(
@@ -160,7 +159,7 @@ class UpstreamHint:
         if torch.finfo(dtype).max < torch.finfo(torch.float32).max:
             return one
         if self.token_mean:
-            return _reciprocal_count(targets)
+            return _reciprocal_count(targets >= 0)
         return one if self.last is None else self.last.to(targets.device)
 
     def learn(self, g: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -172,7 +171,7 @@ class UpstreamHint:
         hi = torch.where(valid, g, float("-inf")).amax()
         lo = torch.where(valid, g, float("inf")).amin()
         size = hi.abs()
-        checks = [hi == lo, ~valid.any(), hi == _reciprocal_count(targets),
+        checks = [hi == lo, ~valid.any(), hi == _reciprocal_count(valid),
                   (size >= 2.0**-64) & (size <= 1.0)]  # fmt: skip
         same, none, token_mean, in_range = torch.stack(checks).tolist()  # the host read
         value = g.new_zeros(()) if none else hi if same else None
@@ -183,10 +182,10 @@ class UpstreamHint:
         return value
 
 
-def _reciprocal_count(targets: torch.Tensor) -> torch.Tensor:
-    """1 / (tokens with a target), 0-dim fp32 (1 where none has), as a token mean's backward
-    divides: ``1.0 / count`` in fp32."""
-    count = (targets >= 0).sum().clamp(min=1).to(torch.float32)
+def _reciprocal_count(valid: torch.Tensor) -> torch.Tensor:
+    """1 / (tokens with a target, ``valid``), 0-dim fp32 (1 where none has), as a token mean's
+    backward divides: ``1.0 / count`` in fp32."""
+    count = valid.sum().clamp(min=1).to(torch.float32)
     return torch.reciprocal(count)
 
 

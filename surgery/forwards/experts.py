@@ -73,7 +73,7 @@ from surgery.kernels.gated_activation import gated_activation_merged, gated_acti
 from surgery.kernels.gather_sum import gather_sum
 from surgery.kernels.grouped_mm import grouped_weight_grad_loop
 from surgery.kernels.rows import token_rows
-from surgery.kernels.saved_first import checked_output, stand_in
+from surgery.kernels.saved_first import OutputNode, checked_output, stand_in
 
 try:
     from transformers.integrations import moe as transformers_moe
@@ -241,19 +241,14 @@ class _DownProjectionAndSum(torch.autograd.Function):
         return grad_product, grad_weight, None, grad_row_weights, None, None, None, None
 
 
-class _DownProjectionAndSumOutput(torch.autograd.Function):
-    """The output for ``_DownProjectionAndSum``'s stand-in; nothing saved, the gradient handed back
-    to that node."""
+class _DownProjectionAndSumOutput(OutputNode):
+    """The output for ``_DownProjectionAndSum``'s stand-in."""
 
     @staticmethod
     def forward(ctx, standing_in, product, weight, offsets, row_weights, inverse, top_k: int,
                 is_transposed: bool):  # fmt: skip
         out = _grouped_linear(product, weight, offsets, is_transposed=is_transposed)
         return checked_output(gather_sum(out, inverse, top_k, row_weights), standing_in)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, *(None,) * 7
 
 
 def fused_grouped_mm_experts_forward(

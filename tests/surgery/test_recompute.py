@@ -24,7 +24,7 @@ from tests.models.tiny import (
     tiny_model,
     twin,
 )
-from tests.utils import enable_activation_checkpointing
+from tests.utils import MatrixProducts, enable_activation_checkpointing
 
 peft = pytest.importorskip("peft")
 
@@ -152,22 +152,6 @@ def test_saved_bytes_drop_per_layer(arch, lora):
     assert kept["keep"] - kept["recompute"] == want
 
 
-PRODUCT_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
-
-
-class Products(TorchDispatchMode):
-    """Counts the matrix products that run (below autograd: a product a checkpoint's
-    recomputation stops inside is not counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.__name__.split(".")[0] in PRODUCT_OPS
-        return func(*args, **(kwargs or {}))
-
-
 def recomputed_products(model, batch) -> int:
     """The products the backward runs under transformers' non-reentrant activation checkpointing
     beyond those it runs without: the layers' recomputation."""
@@ -176,9 +160,9 @@ def recomputed_products(model, batch) -> int:
         if ckpt:
             enable_activation_checkpointing(model, use_reentrant=False)
         loss = model(**batch).loss
-        with Products() as mode:
+        with MatrixProducts() as products:
             loss.backward()
-        counts.append(mode.count)
+        counts.append(products.count)
     return counts[1] - counts[0]
 
 
