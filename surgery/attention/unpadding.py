@@ -44,6 +44,7 @@ layers, multimodal positions, latent attention, a multimodal wrapper.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,7 @@ __all__ = [
     "ROLLED_KWARG",
     "ROW_CALLS_MAX",
     "UNPADDED_KWARG",
+    "PaddedLayout",
     "Rolled",
     "Unpadded",
     "pad_heads",
@@ -170,25 +172,37 @@ def _gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.to(x.device))
 
 
+class PaddedLayout(NamedTuple):
+    """``padded_layout``'s answer: ``right_padded``, whether a causal attention may drop the mask
+    (right padding only, none of it trained); ``layout``, the layout the batch runs in (None: its
+    own); ``padding``, whether any position is padding (a mask of ones: none, the batch is the
+    one without a mask)."""
+
+    right_padded: bool
+    layout: Unpadded | Rolled | None
+    padding: bool
+
+
 def padded_layout(
     attention_mask: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int,
     unpad: bool,
     device: torch.device | None = None,
-) -> tuple[bool, Unpadded | Rolled | None]:
+) -> PaddedLayout:
     """Whether a (batch, seq) ``attention_mask`` is right padding only (each row: ones, then
     zeros) and every padding position's target is ``ignore_index`` (then, under causal attention,
     nothing a loss reads depends on a padding position and the mask can be dropped); and, with
     ``unpad`` where some padding exists, the layout the batch runs in: right padding's real tokens
     alone (``Unpadded``), or, for a mask that is left padding only (each row: zeros, then ones),
-    its rows rolled (``Rolled``; whatever the padding's targets); else None. ``targets`` (the
-    labels, or pre-shifted ones) must have the mask's shape, or the verdict is no. The layout's
-    tensors live on ``device`` (default: the targets').
+    its rows rolled (``Rolled``; whatever the padding's targets); else None; and whether any
+    position is padding (``PaddedLayout``). ``targets`` (the labels, or pre-shifted ones) must
+    have the mask's shape, or the verdict is no. The layout's tensors live on ``device`` (default:
+    the targets').
     One device-to-host read: both verdicts with each row's count of real tokens; the positions of
     the real and padding tokens are then found at those known sizes, without another."""
     if attention_mask.dim() != 2 or targets.shape != attention_mask.shape:
-        return False, None
+        return PaddedLayout(False, None, True)
     device = targets.device if device is None else device
     real, targets = attention_mask.to(device) != 0, targets.to(device)
     counts = real.sum(1)
@@ -197,13 +211,14 @@ def padded_layout(
     is_right, is_left, *counts_read = torch.cat((torch.stack((right, left)), counts)).tolist()
     batch, seq = real.shape
     tokens = sum(counts_read)
+    padding = tokens != batch * seq
     if not unpad or tokens in (batch * seq, 0):  # nothing to leave out or roll
-        return bool(is_right), None
+        return PaddedLayout(bool(is_right), None, padding)
     if is_right:
-        return True, _unpadded(real, counts_read)
+        return PaddedLayout(True, _unpadded(real, counts_read), padding)
     if is_left:
-        return False, _rolled(seq - counts, seq)
-    return False, None
+        return PaddedLayout(False, _rolled(seq - counts, seq), padding)
+    return PaddedLayout(False, None, padding)
 
 
 def _unpadded(real: torch.Tensor, counts: list[int]) -> Unpadded:

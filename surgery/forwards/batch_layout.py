@@ -17,6 +17,7 @@ from surgery.attention.linear import DOCUMENTS_KWARG, documents_of
 from surgery.attention.unpadding import (
     ROLLED_KWARG,
     UNPADDED_KWARG,
+    PaddedLayout,
     Rolled,
     Unpadded,
     read_padded_layout,
@@ -99,7 +100,9 @@ def right_padding_applies(options, config, kwargs, attention_mask, position_ids)
     a mask given and no position ids, no hidden states asked for. Where it may, the attention
     layers without a sliding window drop the mask (``CAUSAL_KWARG``); the base model still gets
     it: a multimodal model may read it for more than the attention (Qwen2-VL's 3-D positions), a
-    hybrid's linear-attention layers their documents, the sliding-window layers their masks."""
+    hybrid's linear-attention layers their documents, the sliding-window layers their masks. A
+    mask of ones it does not get: that batch is the one without a mask, and transformers' mask
+    builder would read it on the host a second time."""
     return (
         options.causal_right_padding
         and attention_mask is not None
@@ -161,10 +164,10 @@ class Targets(NamedTuple):
     cu_seqlens: torch.Tensor | None = None
 
 
-def padding_layout(attention_mask, targets: Targets, tokens, unpad: bool):
-    """Whether a padded step's mask is right padding that a causal attention may drop, and, with
-    ``unpad``, the layout it runs in: its real tokens alone (right padding: ``Unpadded``), or its
-    rows rolled (left padding: ``Rolled``), else None
+def padding_layout(attention_mask, targets: Targets, tokens, unpad: bool) -> PaddedLayout:
+    """Whether a padded step's mask is right padding that a causal attention may drop, with
+    ``unpad`` the layout it runs in (its real tokens alone, right padding: ``Unpadded``; its rows
+    rolled, left padding: ``Rolled``; else None), and whether it has padding at all
     (``surgery.attention.unpadding.padded_layout``, on the tokens' device). One device-to-host
     read (``host_read``)."""
     given = targets.labels if targets.shift_labels is None else targets.shift_labels

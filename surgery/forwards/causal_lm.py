@@ -244,7 +244,10 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     ):  # fmt: skip
         # TRL's per-token outputs keep the batch's layout: the real tokens are not gathered.
         unpad = state.padding_free and whole_rows(logits_to_keep) and trl_request is None
-        right_padded, padded_layout = padding_layout(attention_mask, targets, tokens, unpad)
+        verdict = padding_layout(attention_mask, targets, tokens, unpad)
+        right_padded, padded_layout = verdict.right_padded, verdict.layout
+        if not verdict.padding:  # a mask of ones is the batch without one: no second host read
+            model_mask = None
     # Without a mask, position ids or cache the batch is causal as it stands: said outright, as
     # transformers does not say it while compiling (it builds a causal mask there before torch
     # 2.14, which keeps sdpa off its flash kernel). No host read: fullgraph takes it too.

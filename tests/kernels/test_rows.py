@@ -22,7 +22,7 @@ from surgery.kernels.rows import (
 def test_padded_and_real_rows_are_each_others_backward():
     """``surgery::padded_rows`` and ``surgery::real_rows``: each the other's backward (gathers)."""
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    _, layout = padded_layout(mask, (mask - 1) * 100, -100, unpad=True)  # padding ignored
+    layout = padded_layout(mask, (mask - 1) * 100, -100, unpad=True).layout  # padding ignored
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     full = padded_rows(x, *layout.layout)
     assert torch.equal(full, padded_rows_reference(x, *layout.layout))

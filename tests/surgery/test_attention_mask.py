@@ -195,16 +195,18 @@ def test_right_padding_verdict_and_layout():
     assert not verdict(right[:, :3], labels)  # shapes differ
     assert not verdict(torch.ones(2, 1, 4, 4), labels)  # a 4-D mask
 
-    ok, layout = padded_layout(right, labels, -100, unpad=True)
-    assert ok and layout.batch == 2 and layout.seq == 4
+    ok, layout, padding = padded_layout(right, labels, -100, unpad=True)
+    assert ok and padding and layout.batch == 2 and layout.seq == 4
     assert layout.index.tolist() == [0, 1, 2, 4, 5]
     assert layout.positions.tolist() == [[0, 1, 2, 0, 1]]
     assert layout.take(labels).tolist() == [[5, 6, 7, 5, 6]]
-    assert padded_layout(torch.ones(2, 4), labels, -100, unpad=True) == (True, None)
-    ok, rolled = padded_layout(right.flip(1), labels.flip(1), -100, unpad=True)
-    assert not ok and isinstance(rolled, Rolled)  # left padding runs rolled
-    assert padded_layout(right.flip(1), labels.flip(1), -100, unpad=False) == (False, None)
-    assert padded_layout(holes, labels, -100, unpad=True) == (False, None)
+    assert padded_layout(torch.ones(2, 4), labels, -100, unpad=True) == (True, None, False)
+    assert padded_layout(torch.ones(2, 4), labels, -100, unpad=False) == (True, None, False)
+    ok, rolled, padding = padded_layout(right.flip(1), labels.flip(1), -100, unpad=True)
+    assert not ok and padding and isinstance(rolled, Rolled)  # left padding runs rolled
+    assert padded_layout(right.flip(1), labels.flip(1), -100, unpad=False) == (False, None, True)
+    assert padded_layout(holes, labels, -100, unpad=True) == (False, None, True)
+    assert padded_layout(right, labels, -100, unpad=False) == (True, None, True)
     # pad puts (1, H, T, D) rows back at their places, zeros elsewhere; take takes them again
     rows = torch.arange(1.0, 6.0).view(1, 1, 5, 1)
     padded = layout.pad(rows)
@@ -232,6 +234,29 @@ def test_right_padding_runs_causal_with_the_same_loss_and_grads(arch, sdpa_masks
         or ["full_attention"] * model.config.num_hidden_layers
     )
     assert unmasked_calls >= min(1, full_layers) and not any(m is None for m in sdpa_masks)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if attn_for(a) == "sdpa"])
+def test_mask_of_ones_runs_as_no_mask(arch):
+    """A training batch (sdpa) whose mask is all ones is the batch without one: the base model
+    gets no mask (so transformers' mask builder does not read it on the host again, nor build
+    sliding-window or linear-attention masks from it), and the loss and every gradient equal the
+    unmasked call's bit for bit."""
+    model = surgery.patch(tiny_model(arch).train())
+    batch = batch_of("padded")
+    del batch["attention_mask"]
+    batch["labels"] = batch["input_ids"].clone()
+    seen = []
+    model.model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    want_loss, want_grads = loss_and_grads(model, **batch)
+    ones = torch.ones_like(batch["input_ids"])
+    loss, grads = loss_and_grads(model, **batch, attention_mask=ones)
+    assert seen == [None, None]
+    assert torch.equal(loss, want_loss)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
 
 
 def _left_padded():
@@ -334,7 +359,7 @@ def test_left_padding_layout_rolls_each_row_real_tokens_first():
 
     def left_padding(mask):
         labels = torch.zeros(mask.shape[0], mask.shape[-1], dtype=torch.long)  # every one trained
-        ok, layout = padded_layout(mask, labels, -100, unpad=True)
+        ok, layout, _ = padded_layout(mask, labels, -100, unpad=True)
         assert not ok
         return layout
 
@@ -352,7 +377,8 @@ def test_left_padding_layout_rolls_each_row_real_tokens_first():
     assert torch.equal(rolled.restore((rolled.take(x),))[0], x)
     assert torch.equal(rolled.restore((rolled.take(x).reshape(12, 1),))[0], x.reshape(12, 1))
     assert left_padding(left.flip(1)) is None  # right padding (its padding trained)
-    assert padded_layout(torch.ones(2, 4), torch.zeros(2, 4), -100, unpad=True) == (True, None)
+    no_padding = padded_layout(torch.ones(2, 4), torch.zeros(2, 4), -100, unpad=True)
+    assert no_padding == (True, None, False)
     assert left_padding(torch.tensor([[0, 1, 0, 1]])) is None  # a hole
     assert left_padding(torch.ones(2, 1, 4, 4)) is None  # a 4-D mask
 
@@ -370,8 +396,8 @@ def test_batch_layouts_move_with_accelerates_hooks():
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     labels = mask.masked_fill(mask == 0, -100)
-    _, unpadded = padded_layout(mask, labels, -100, unpad=True)
-    _, rolled = padded_layout(mask.flip(1), labels.flip(1), -100, unpad=True)
+    unpadded = padded_layout(mask, labels, -100, unpad=True).layout
+    rolled = padded_layout(mask.flip(1), labels.flip(1), -100, unpad=True).layout
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     packed = PackedSequences(cu, 3, print, PackedSequences(cu.clone(), 2, print))
     documents = Documents(cu.long(), cu.long(), torch.arange(5))
@@ -402,7 +428,7 @@ def test_gpu_padded_layout_reads_the_host_once():
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with pytest.warns(UserWarning, match="synchroniz") as caught:
-                _, layout = padded_layout(mask, targets, -100, unpad=True)
+                layout = padded_layout(mask, targets, -100, unpad=True).layout
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert isinstance(layout, kind)
