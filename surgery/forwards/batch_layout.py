@@ -101,8 +101,9 @@ def right_padding_applies(options, config, kwargs, attention_mask, position_ids)
     layers without a sliding window drop the mask (``CAUSAL_KWARG``); the base model still gets
     it: a multimodal model may read it for more than the attention (Qwen2-VL's 3-D positions), a
     hybrid's linear-attention layers their documents, the sliding-window layers their masks. A
-    mask of ones it does not get: that batch is the one without a mask, and transformers' mask
-    builder would read it on the host a second time."""
+    mask of ones it does not get where the step makes a KV cache: that batch is the one without a
+    mask, of which transformers' mask builder then reads nothing on the host (given the mask, it
+    reads the mask; given none and no cache, the positions, checking for packed rows)."""
     return (
         options.causal_right_padding
         and attention_mask is not None

@@ -246,7 +246,9 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
         unpad = state.padding_free and whole_rows(logits_to_keep) and trl_request is None
         verdict = padding_layout(attention_mask, targets, tokens, unpad)
         right_padded, padded_layout = verdict.right_padded, verdict.layout
-        if not verdict.padding:  # a mask of ones is the batch without one: no second host read
+        if not verdict.padding and (config.use_cache if use_cache is None else use_cache):
+            # A mask of ones is the batch without one, which transformers reads nothing of when
+            # the step makes a cache (without one it reads the positions, checking for packing).
             model_mask = None
     # Without a mask, position ids or cache the batch is causal as it stands: said outright, as
     # transformers does not say it while compiling (it builds a causal mask there before torch

@@ -188,6 +188,34 @@ def test_wrapper_trains_as_transformers(pair, request):
     assert swapped(model) == [] and not any("forward" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_mask_of_ones_with_images_trains_as_the_mask(pair, request):
+    """An image batch whose attention mask is all ones: where the step makes a KV cache and the
+    batch is causal the patched forward hands the multimodal model no mask (the batch without one,
+    which Qwen-VL's 3-D positions read alike), and the loss and every gradient,
+    the vision tower's included, equal those of a patched twin that hands the mask on
+    (``causal_right_padding=False``) bit for bit."""
+    spec, wrapper = PAIRS[pair]
+    expect_transformers_failure(request, wrapper.wrapper_class())
+    model = tiny_vlm(spec, wrapper)
+    masked = surgery.patch(copy.deepcopy(model), causal_right_padding=False)
+    surgery.patch(model)
+    batch = image_batch(model, wrapper)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["labels"] = batch["input_ids"].clone()
+    seen = []
+    model.model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["attention_mask"]), with_kwargs=True
+    )
+    (out, grads), (want, want_grads) = step(model, batch), step(masked, batch)
+    if not wrapper.bidirectional_tokens:  # Qwen-VL's positions, Mistral 3: always causal
+        assert (seen[0] is None) == bool(language_model(model, wrapper).config.use_cache)
+    assert torch.equal(out.loss, want.loss)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
 @pytest.mark.parametrize("pair", ["gemma3_text-gemma3", "mistral-mistral3"])
 def test_language_model_patched_alone(pair):
     """``surgery.patch`` on the wrapper's language model, a text base model (Llama 4's is its causal

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
@@ -236,24 +237,53 @@ def test_right_padding_runs_causal_with_the_same_loss_and_grads(arch, sdpa_masks
     assert unmasked_calls >= min(1, full_layers) and not any(m is None for m in sdpa_masks)
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if attn_for(a) == "sdpa"])
-def test_mask_of_ones_runs_as_no_mask(arch):
-    """A training batch (sdpa) whose mask is all ones is the batch without one: the base model
-    gets no mask (so transformers' mask builder does not read it on the host again, nor build
-    sliding-window or linear-attention masks from it), and the loss and every gradient equal the
-    unmasked call's bit for bit."""
-    model = surgery.patch(tiny_model(arch).train())
+def _base_model_host_reads(model, **batch) -> int:
+    """How many times the base model (``model.model``) read a tensor on the host in one training
+    forward (``aten._local_scalar_dense``: ``bool``, ``item``; transformers' mask builder)."""
+    reads, inside = [0], [False]
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            reads[0] += inside[0] and func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    pre = model.model.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    post = model.model.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    try:
+        with Reads():
+            model(**batch)
+    finally:
+        pre.remove()
+        post.remove()
+    return reads[0]
+
+
+ONES_ARCHS = [a for a in ARCHS if attn_for(a) == "sdpa"]
+
+
+@pytest.mark.parametrize("use_cache", [None, False])
+@pytest.mark.parametrize("arch", ONES_ARCHS)
+def test_mask_of_ones_costs_the_base_model_no_more_host_reads(arch, use_cache):
+    """A training batch (sdpa) whose attention mask is all ones: surgery has read it once (its
+    verdict: no padding) before the base model runs; inside, transformers reads no more than it
+    does for the unpatched model, and nothing where the step makes a KV cache (the mask of ones
+    then goes as no mask: transformers checks a missing mask's positions for packing only
+    without a cache). The loss and every gradient equal the masked run's bit for bit."""
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    surgery.patch(model)
+    masked = surgery.patch(twin(reference), **MASKED)  # the mask handed on as it is
     batch = batch_of("padded")
-    del batch["attention_mask"]
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     batch["labels"] = batch["input_ids"].clone()
-    seen = []
-    model.model.register_forward_pre_hook(
-        lambda _, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True
-    )
-    want_loss, want_grads = loss_and_grads(model, **batch)
-    ones = torch.ones_like(batch["input_ids"])
-    loss, grads = loss_and_grads(model, **batch, attention_mask=ones)
-    assert seen == [None, None]
+    batch["use_cache"] = use_cache
+    reads = _base_model_host_reads(model, **batch)
+    assert reads <= _base_model_host_reads(reference, **batch)
+    makes_cache = use_cache is not False and model.config.use_cache
+    if makes_cache:
+        assert reads == 0
+    loss, grads = loss_and_grads(model, **batch)
+    want_loss, want_grads = loss_and_grads(masked, **batch)
     assert torch.equal(loss, want_loss)
     for name, g in want_grads.items():
         assert torch.equal(grads[name], g), name
