@@ -175,8 +175,8 @@ def _gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 class PaddedLayout(NamedTuple):
     """``padded_layout``'s answer: ``right_padded``, whether a causal attention may drop the mask
     (right padding only, none of it trained); ``layout``, the layout the batch runs in (None: its
-    own); ``padding``, whether any position is padding (a mask of ones: none, the batch is the
-    one without a mask)."""
+    own); ``padding``, whether any position is padding (False: a mask of ones, the batch is the
+    one without a mask; True also where the mask was not read, not being (batch, seq))."""
 
     right_padded: bool
     layout: Unpadded | Rolled | None

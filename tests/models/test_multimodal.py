@@ -192,8 +192,8 @@ def test_wrapper_trains_as_transformers(pair, request):
 def test_mask_of_ones_with_images_trains_as_the_mask(pair, request):
     """An image batch whose attention mask is all ones: where the step makes a KV cache and the
     batch is causal the patched forward hands the multimodal model no mask (the batch without one,
-    which Qwen-VL's 3-D positions read alike), and the loss and every gradient,
-    the vision tower's included, equal those of a patched twin that hands the mask on
+    which Qwen-VL's 3-D positions read alike), and the loss and every gradient, the vision
+    tower's included, equal those of a patched twin that hands the mask on
     (``causal_right_padding=False``) bit for bit."""
     spec, wrapper = PAIRS[pair]
     expect_transformers_failure(request, wrapper.wrapper_class())
