@@ -19,6 +19,7 @@ from surgery.convergence.minis import mini_config, mini_multimodal_config
 from surgery.convergence.multimodal import image_inputs as one_image
 from surgery.convergence.multimodal import image_recipe
 from surgery.forwards import batch_layout as surgery_batch_layout
+from surgery.forwards.causal_lm import STATE_ATTR
 from surgery.forwards.multimodal import language_model
 from surgery.models import MULTIMODAL_ONLY_SPECS
 from surgery.patching.swap import ORIGINAL_ATTR
@@ -204,7 +205,10 @@ def test_mask_of_ones_with_images_trains_as_the_mask(pair, request):
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     batch["labels"] = batch["input_ids"].clone()
     seen = []
-    model.model.register_forward_pre_hook(
+    # The module whose forward is surgery's causal-LM forward and calls ``self.model`` (Llama 4's
+    # wrapper hands its labels to its language model's).
+    patched = [m for m in model.modules() if STATE_ATTR in m.__dict__ and hasattr(m, "model")]
+    patched[-1].model.register_forward_pre_hook(
         lambda _, args, kwargs: seen.append(kwargs["attention_mask"]), with_kwargs=True
     )
     (out, grads), (want, want_grads) = step(model, batch), step(masked, batch)
