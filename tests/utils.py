@@ -206,19 +206,29 @@ def expect_transformers_failure(request: pytest.FixtureRequest, model_class: typ
         )
 
 
-class MatrixProducts(TorchDispatchMode):
-    """Counts the matrix products that run (``count``), below autograd: a product a
-    checkpoint's recomputation stops inside, before it runs, is not counted."""
+class OpCount(TorchDispatchMode):
+    """Counts the ops of ``OPS`` (names without the overload: ``mm``, ``_local_scalar_dense``) that
+    run below autograd while ``active`` (``count``)."""
 
-    OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
+    OPS: frozenset[str] = frozenset()
 
-    def __init__(self):
+    def __init__(self, ops=None):
         super().__init__()
         self.count = 0
+        self.active = True
+        if ops is not None:
+            self.OPS = frozenset(ops)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.__name__.split(".")[0] in self.OPS
+        self.count += self.active and func.__name__.split(".")[0] in self.OPS
         return func(*args, **(kwargs or {}))
+
+
+class MatrixProducts(OpCount):
+    """Counts the matrix products that run: a product a checkpoint's recomputation stops inside,
+    before it runs, is not counted."""
+
+    OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
 
 
 def enable_activation_checkpointing(model: torch.nn.Module, use_reentrant: bool) -> None:

@@ -27,7 +27,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
@@ -57,7 +56,7 @@ from tests.surgery.unpatched import (
     unpatched_step,
     variant_batch,
 )
-from tests.utils import FP32_CLOSE, TOLERANCES, assert_close_budget, rel_err
+from tests.utils import FP32_CLOSE, TOLERANCES, OpCount, assert_close_budget, rel_err
 
 LENGTHS = [9, 6, 3]
 OFF = {"share_attention_mask": False}
@@ -240,22 +239,17 @@ def test_right_padding_runs_causal_with_the_same_loss_and_grads(arch, sdpa_masks
 def _base_model_host_reads(model, **batch) -> int:
     """How many times the base model (``model.model``) read a tensor on the host in one training
     forward (``aten._local_scalar_dense``: ``bool``, ``item``; transformers' mask builder)."""
-    reads, inside = [0], [False]
-
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            reads[0] += inside[0] and func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
-    pre = model.model.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-    post = model.model.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    reads = OpCount({"_local_scalar_dense"})
+    reads.active = False
+    pre = model.model.register_forward_pre_hook(lambda *_: setattr(reads, "active", True))
+    post = model.model.register_forward_hook(lambda *_: setattr(reads, "active", False))
     try:
-        with Reads():
+        with reads:
             model(**batch)
     finally:
         pre.remove()
         post.remove()
-    return reads[0]
+    return reads.count
 
 
 ONES_ARCHS = [a for a in ARCHS if attn_for(a) == "sdpa"]
