@@ -17,6 +17,8 @@ from ..cross_entropy import (
     statistics_outputs,
 )
 from ..dispatch import cdiv, on_device, triton_available, use_triton
+from .softcap_products import applies as softcap_products_apply
+from .softcap_products import softcap_products
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -185,6 +187,27 @@ def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int, fill: float = 
     return part.new_full((n, *part.shape[1:]), fill).index_copy_(0, rows, part)
 
 
+def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
+    """One chunk's ``(lse, ce, zl, q, scale)`` through ``softcap_products`` (its docstring has
+    the formulas). With ``coef`` (the rows' weights on ce and zl) ``q`` is Q', the logit gradient
+    for unit upstream gradient being ``diag(scale) Q'``; without, ``scale`` is None."""
+    q, s, x_y, d_y = softcap_products(xc, w, targets, cap)
+    v = w.shape[0]
+    valid = (targets >= 0) & (targets < v)
+    lse = s.log() + cap
+    ce = torch.where(valid, lse - x_y, 0.0)
+    zl = torch.where(valid, z_scale * lse * lse, 0.0)
+    if coef is None:
+        return lse, ce, zl, q, None
+    r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
+    scale = torch.where(valid, coef * r / s, 0.0)
+    rows = torch.arange(len(targets), device=targets.device)
+    cols = targets.clamp(0, v - 1)
+    at_target = d_y * ((x_y - cap).exp() - s / r)
+    q[rows, cols] = torch.where(valid, at_target, q[rows, cols].float()).to(q.dtype)
+    return lse, ce, zl, q, scale
+
+
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
 @_autocast_disabled
 def lce_fwd(
@@ -247,29 +270,41 @@ def lce_fwd(
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
+    fused = softcap_products_apply(x, w, bias, softcap, eps, z_scale, logit_scale,
+                                   inv_temperature, stats)  # fmt: skip
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]
-        logits = _logits(xc, w, bias)
-        rl, rc, rz = cross_entropy_fwd(
-            logits,
-            targets[n0:n1],
-            softcap=softcap,
-            label_smoothing=eps,
-            z_loss_scale=z_scale,
-            coef_ce=weights[n0:n1] if grads else None,
-            coef_z=weights[n0:n1] if grads else None,
-            grad_out=logits if grads else None,  # our own buffer: overwritten in place
-            logit_scale=logit_scale,
-            inv_temperature=inv_temperature,
-            stats={k: t[n0:n1] for k, t in statistics.items()},
-        )
+        scale = None  # the rows' gradient scale, where the fused product leaves one
+        if fused:
+            rl, rc, rz, logits, scale = _softcap_chunk(
+                xc, w, targets[n0:n1], weights[n0:n1] if grads else None, softcap, z_scale
+            )
+        else:
+            logits = _logits(xc, w, bias)
+            rl, rc, rz = cross_entropy_fwd(
+                logits,
+                targets[n0:n1],
+                softcap=softcap,
+                label_smoothing=eps,
+                z_loss_scale=z_scale,
+                coef_ce=weights[n0:n1] if grads else None,
+                coef_z=weights[n0:n1] if grads else None,
+                grad_out=logits if grads else None,  # our own buffer: overwritten in place
+                logit_scale=logit_scale,
+                inv_temperature=inv_temperature,
+                stats={k: t[n0:n1] for k, t in statistics.items()},
+            )
         lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
         if not grads:
             continue
         if need_dx:
             torch.mm(logits, w, out=dx[n0:n1])
+            if scale is not None:
+                dx[n0:n1].mul_(scale[:, None])  # in fp32, rounded once
         if need_dw:
+            if scale is not None:  # diag(scale) folded into the rows of x (fp32, rounded once)
+                xc = torch.mul(xc, scale[:, None], out=torch.empty_like(xc))
             if single:
                 torch.mm(logits.t(), xc, out=dw)
             else:

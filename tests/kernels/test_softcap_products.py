@@ -1,0 +1,174 @@
+"""The softcapped head's fused product (``linear_cross_entropy.softcap_products``): its outputs
+against fp64, the head through it against the fp32 reference within bf16's budget (every
+reduction and option it takes, several chunks, the logit regimes where its exponentials are
+smallest), and the options it must leave to the unfused path."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from surgery.kernels import linear_cross_entropy
+from surgery.kernels.linear_cross_entropy.softcap_products import applies, softcap_products
+from tests.kernels.test_linear_cross_entropy import (
+    _chunked_fp32_reference,
+    check_against_reference,
+    make_inputs,
+)
+from tests.utils import DEVICE, assert_close_budget, assert_no_sync_and_graph_replay
+
+OPS = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+
+
+@pytest.fixture
+def fused_chunks(monkeypatch):
+    """The chunks ``lce_fwd`` ran through the fused product (their row counts)."""
+    rows = []
+
+    def counted(x, *args):
+        rows.append(x.shape[0])
+        return softcap_products(x, *args)
+
+    monkeypatch.setattr(OPS, "softcap_products", counted)
+    return rows
+
+
+def _regime(x, w, regime: str, cap: float):
+    """Inputs whose capped logits sit where the fused product's numbers are smallest: "flat"
+    puts every logit far below -cap's neighbourhood floor (exp(x - cap) ~ exp(-1.9 cap)),
+    "saturated" puts them far out on tanh's tails (1 - t^2 ~ 0)."""
+    with torch.no_grad():
+        if regime == "flat":  # a shared direction along which every weight row points away
+            x[:, 0] = 4 * cap
+            w[:, 0] = -1.0
+        elif regime == "saturated":
+            x.mul_(30 * cap / x.float().norm(dim=1, keepdim=True).to(x.dtype))
+    return x, w
+
+
+def test_products_against_fp64():
+    """Q, S and the target's capped logit and 1 - t^2 are the module docstring's, computed in
+    fp64 from the same bf16 inputs: Q within bf16's rounding, the rest within fp32's."""
+    cap = 7.0
+    x, w, _, labels = make_inputs(150, 72, 1003, torch.bfloat16, ignore_frac=0.2)
+    x, w = x.detach(), w.detach()
+    labels[3] = 1003  # outside [0, V): no target
+    targets = torch.where(labels == -100, -1, labels)
+    q, s, x_y, d_y = softcap_products(x, w, targets, cap)
+    z = x.double() @ w.double().t()
+    t = torch.tanh(z / cap)
+    e = torch.exp(cap * t - cap)
+    torch.testing.assert_close(q.double(), e * (1 - t * t), rtol=2**-8, atol=0)
+    torch.testing.assert_close(s.double(), e.sum(1), rtol=1e-5, atol=0)
+    valid = (targets >= 0) & (targets < 1003)
+    rows = valid.nonzero().flatten()
+    t_y = t[rows, targets[rows]]
+    torch.testing.assert_close(x_y[rows].double(), cap * t_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_y[rows].double(), 1 - t_y * t_y, rtol=1e-4, atol=1e-6)
+    assert (x_y[~valid] == 0).all() and (d_y[~valid] == 0).all()
+
+
+CASES = {
+    "mean": dict(softcap=30.0),
+    "sum-odd-vocab": dict(softcap=5.0, reduction="sum"),
+    "zloss": dict(softcap=10.0, z_loss_scale=1e-3),
+    # the largest z-loss it takes at this cap (2 s (log V + cap) = 0.36): a_i + 2 s lse_i b_i
+    # moves every gradient row by a quarter
+    "strong-zloss": dict(softcap=2.0, z_loss_scale=0.02),
+    "num_items-shift": dict(softcap=30.0, num_items_in_batch=77, shift=True),
+    "sequence": dict(softcap=30.0, reduction="sequence"),
+    "skip_ignored": dict(softcap=30.0, skip_ignored=True, z_loss_scale=1e-4),
+    "chunks": dict(softcap=20.0, chunk_bytes=16 * 1024, z_loss_scale=1e-4),
+    "largest-cap": dict(softcap=40.0),
+}
+
+
+@pytest.mark.parametrize("regime", ["typical", "flat", "saturated"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fused_head_matches_reference(case, regime, fused_chunks, monkeypatch):
+    """A bf16 softcapped head runs through the fused product (every chunk of it) and gives the
+    loss, the z-loss and both gradients of the fp32 reference within bf16's budget, for random
+    upstream gradients on every token."""
+    kw = dict(CASES[case])
+    v = 1003 if "odd" in case else 1000
+    d = 32 if "chunk_bytes" in kw else 64  # narrow rows: several chunks beat one
+    x, w, _, labels = make_inputs(203, d, v, torch.bfloat16, ignore_frac=0.3, seed=len(case))
+    x, w = _regime(x, w, regime, kw["softcap"])
+    if kw.get("reduction") == "sequence":
+        kw["position_ids"] = torch.arange(203, device=DEVICE) % 50
+    if "chunk_bytes" in kw:
+        for name in ("_ALIGN", "MIN_CHUNK_ROWS"):
+            monkeypatch.setattr(OPS, name, 8)
+    check_against_reference(x, w, None, labels, torch.bfloat16, **kw)
+    assert fused_chunks, "the fused product did not run"
+    if "chunk_bytes" in kw:
+        assert len(fused_chunks) > 2
+    elif kw.get("skip_ignored"):  # the rows with a target only
+        assert fused_chunks == [int((labels != -100).sum())]
+
+
+NOT_FUSED = {
+    "fp32": (torch.float32, dict(softcap=30.0)),
+    "fp16": (torch.float16, dict(softcap=30.0)),
+    "bias": (torch.bfloat16, dict(softcap=30.0, bias=True)),
+    "no-softcap": (torch.bfloat16, dict()),
+    "cap-beyond-40": (torch.bfloat16, dict(softcap=50.0)),
+    "label-smoothing": (torch.bfloat16, dict(softcap=30.0, label_smoothing=0.1)),
+    "large-zloss": (torch.bfloat16, dict(softcap=30.0, z_loss_scale=0.05)),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_FUSED), ids=list(NOT_FUSED))
+def test_unfused_where_it_does_not_apply(case, fused_chunks):
+    """The options the fused product cannot take leave it out (and stay right)."""
+    dtype, kw = NOT_FUSED[case]
+    kw = dict(kw)
+    x, w, b, labels = make_inputs(97, 32, 300, dtype, bias=kw.pop("bias", False))
+    check_against_reference(x, w, b, labels, dtype, **kw)
+    assert not fused_chunks
+
+
+def test_applies_needs_rows_tma_can_take():
+    """A weight whose rows are not 16-byte aligned (a column slice) is left to the unfused path."""
+    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(100, 70, device=DEVICE, dtype=torch.bfloat16)
+    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0, 0)
+    assert applies(x, w[:, :64].contiguous(), *args)
+    assert not applies(x, w[:, :64], *args)
+    wide = torch.randn(8, 72, device=DEVICE, dtype=torch.bfloat16)
+    assert not applies(wide[:, 1:65], w[:, :64].contiguous(), *args)  # rows start off 16 bytes
+
+
+@pytest.mark.gpu
+def test_gpu_gemma2_head_fused_within_budget(fused_chunks):
+    """The Gemma 2 head at real size (V 256000, cap 30) runs fused on the H200 and lands within
+    bf16's budget of the fp32 reference."""
+    x, w, _, labels = make_inputs(2048, 2304, 256000, torch.bfloat16, ignore_frac=0.1)
+    ref_loss, ref_gx, ref_gw = _chunked_fp32_reference(x, w, labels, 30.0)
+    out = linear_cross_entropy(x, w, labels, softcap=30.0)
+    gx, gw = torch.autograd.grad(out.loss, (x, w))
+    assert fused_chunks == [2048]
+    lf = 30.0 * torch.tanh((x @ w.t()).float() / 30.0)
+    eager = torch.nn.functional.cross_entropy(lf, labels)
+    egx, egw = torch.autograd.grad(eager, (x, w))
+    del lf
+    assert_close_budget(out.loss, ref_loss, eager, torch.bfloat16, "loss")
+    assert_close_budget(gx, ref_gx, egx, torch.bfloat16, "grad_hidden")
+    assert_close_budget(gw, ref_gw, egw, torch.bfloat16, "grad_weight")
+
+
+@pytest.mark.gpu
+def test_gpu_fused_head_no_sync_and_cuda_graphs(fused_chunks):
+    """The fused head reads nothing on the host and replays in a CUDA graph."""
+    x, w, _, labels = make_inputs(1024, 256, 32000, torch.bfloat16)
+
+    def step(x, w):
+        loss = linear_cross_entropy(x, w, labels, softcap=30.0, z_loss_scale=1e-4).loss
+        gx, gw = torch.autograd.grad(loss, (x, w))
+        return loss.detach(), gx, gw
+
+    eager = step(x, w)
+    assert fused_chunks
+    assert_no_sync_and_graph_replay(step, x, w, eager)
