@@ -6,6 +6,7 @@ docstring): ``lce_fwd`` (loss, statistics and, in the eager schedule, the gradie
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -187,10 +188,21 @@ def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int, fill: float = 
     return part.new_full((n, *part.shape[1:]), fill).index_copy_(0, rows, part)
 
 
+class _TargetTerms(NamedTuple):
+    """The logit gradient of a fused chunk for unit upstream gradient, ``diag(scale) Q + E``:
+    ``E`` holds one entry per row, ``corr`` at column ``cols`` (0 on rows without a target)."""
+
+    scale: torch.Tensor  # (n,) fp32
+    cols: torch.Tensor  # (n,) the target columns (clamped into [0, V))
+    corr: torch.Tensor  # (n,) fp32: E's entries
+    in_q: torch.Tensor  # (n,) fp32: corr / scale, E's entries in Q's units (finite where scale 0)
+
+
 def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
-    """One chunk's ``(lse, ce, zl, q, scale)`` through ``softcap_products`` (its docstring has
-    the formulas). With ``coef`` (the rows' weights on ce and zl) ``q`` is Q', the logit gradient
-    for unit upstream gradient being ``diag(scale) Q'``; without, ``scale`` is None."""
+    """One chunk's ``(lse, ce, zl, q, terms)`` through ``softcap_products`` (its docstring has the
+    formulas); ``terms`` (``_TargetTerms``) with ``coef`` (the rows' weights on ce and zl), else
+    None. Q stays as the product wrote it: the target's entry of the gradient, the one large
+    entry of its row, is kept apart in fp32 (``E``) and added to each gradient product at fp32."""
     q, s, x_y, d_y = softcap_products(xc, w, targets, cap)
     v = w.shape[0]
     valid = (targets >= 0) & (targets < v)
@@ -201,11 +213,29 @@ def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
         return lse, ce, zl, q, None
     r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
     scale = torch.where(valid, coef * r / s, 0.0)
-    rows = torch.arange(len(targets), device=targets.device)
-    cols = targets.clamp(0, v - 1)
-    at_target = d_y * ((x_y - cap).exp() - s / r)
-    q[rows, cols] = torch.where(valid, at_target, q[rows, cols].float()).to(q.dtype)
-    return lse, ce, zl, q, scale
+    corr = torch.where(valid, -coef * d_y, 0.0)
+    in_q = torch.where(valid, -d_y * s / r, 0.0)
+    return lse, ce, zl, q, _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
+
+
+def _softcap_dx(q, w, terms: _TargetTerms, out: torch.Tensor, slice_rows: int) -> None:
+    """out = diag(scale) (Q W + in_q W[cols]): the sum at fp32, rounded once."""
+    acc = w[terms.cols].float().mul_(terms.in_q[:, None])
+    _accumulate_mm(acc, q, w, slice_rows)
+    torch.mul(acc, terms.scale[:, None], out=out)
+
+
+def _softcap_dw(q, xc, terms: _TargetTerms, dw: torch.Tensor, accumulate: bool, slice_rows):
+    """dw (=, or += where ``accumulate``) Q^T diag(scale) x + E^T x; E's rows added by a sorted
+    (deterministic) accumulation."""
+    xs = torch.mul(xc, terms.scale[:, None], out=torch.empty_like(xc))  # rounded once
+    if accumulate:
+        _accumulate_mm(dw, q.t(), xs, slice_rows)
+    else:
+        torch.mm(q.t(), xs, out=dw)
+    sparse = torch.mul(xc, terms.corr[:, None], out=torch.empty(xc.shape, dtype=dw.dtype,
+                                                                  device=dw.device))  # fmt: skip
+    dw.index_put_((terms.cols,), sparse, accumulate=True)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
@@ -275,9 +305,9 @@ def lce_fwd(
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]
-        scale = None  # the rows' gradient scale, where the fused product leaves one
+        terms = None  # the fused product's gradient terms
         if fused:
-            rl, rc, rz, logits, scale = _softcap_chunk(
+            rl, rc, rz, logits, terms = _softcap_chunk(
                 xc, w, targets[n0:n1], weights[n0:n1] if grads else None, softcap, z_scale
             )
         else:
@@ -299,13 +329,14 @@ def lce_fwd(
         if not grads:
             continue
         if need_dx:
-            torch.mm(logits, w, out=dx[n0:n1])
-            if scale is not None:
-                dx[n0:n1].mul_(scale[:, None])  # in fp32, rounded once
+            if terms is not None:
+                _softcap_dx(logits, w, terms, dx[n0:n1], slice_rows)
+            else:
+                torch.mm(logits, w, out=dx[n0:n1])
         if need_dw:
-            if scale is not None:  # diag(scale) folded into the rows of x (fp32, rounded once)
-                xc = torch.mul(xc, scale[:, None], out=torch.empty_like(xc))
-            if single:
+            if terms is not None:
+                _softcap_dw(logits, xc, terms, dw, not single, slice_rows)
+            elif single:
                 torch.mm(logits.t(), xc, out=dw)
             else:
                 _accumulate_mm(dw, logits.t(), xc, slice_rows)

@@ -10,13 +10,16 @@ and adds the row sums S_i = sum_j exp(x_ij - cap) into an fp32 vector; a small k
 each target's capped logit and 1 - t^2 from its own fp32 dot product. Then lse_i = cap + log S_i,
 and the gradient of ``a_i ce_i + b_i zl_i`` (``cross_entropy``'s formulas, no label smoothing) is
 
-    dL/dz_ij = c_i Q'_ij,     c_i = A_i / S_i,     A_i = a_i + 2 s lse_i b_i,
-    Q'_ij = Q_ij but at the target y: Q'_iy = (1 - t_iy^2) (exp(x_iy - cap) - S_i a_i / A_i),
+    dL/dz_ij = c_i Q_ij - a_i (1 - t_iy^2) [j = y_i],  c_i = A_i / S_i,  A_i = a_i + 2 s lse_i b_i,
 
-a row scale that folds into the two gradient products (dX = diag(c) (Q' W), dW = Q'^T (diag(c) X)).
-The logits are never read back: against the unfused head this saves the log-sum-exp read and the
-gradient's read and write of every chunk (``benchmarks/gemm_epilogue.py``: the Gemma 2 head at
-1.02x its three-product floor where the unfused one took 1.06x).
+a row scale that folds into the two gradient products (dX = diag(c) (Q W), dW = Q^T (diag(c) X))
+plus one entry per row, the target's, which ``ops`` adds to each product at fp32 (in Q's units
+for dX: -(1 - t_iy^2) S_i a_i / A_i times the target's weight row). Kept apart, the one large
+entry of each gradient row is never rounded to bf16: the gradients come out closer to fp32's than
+the unfused head's (``benchmarks/results/linear_cross_entropy.json``). The logits are never read
+back: against the unfused head this saves the log-sum-exp read and the gradient's read and write
+of every chunk (``benchmarks/gemm_epilogue.py``: the Gemma 2 head at 1.02x its three-product floor
+where the unfused one took 1.06x).
 
 Where it applies (``applies``): bf16 hidden states and weight, no bias, 0 < cap <= 40 (so that
 exp(-2 cap) is a normal fp32 and bf16 number), no label smoothing, logit scale and temperature 1,
