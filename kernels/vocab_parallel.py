@@ -48,6 +48,7 @@ from .linear_cross_entropy import (
     prepare_head_inputs,
 )
 from .linear_cross_entropy.ops import _logits
+from .linear_cross_entropy.products import options_apply
 from .log_probs import check_log_probs_options, token_log_probs
 from .reference import LossOutput, TokenLogProbs
 
@@ -153,14 +154,15 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
     of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
     target is the slice's first maximum; ``predicted``: the slice's first maximum, as a column of
-    the whole vocabulary; ``max``: the slice's largest logit)."""
+    the whole vocabulary; ``max``: the slice's largest logit); ``fused``: a bool, whether the
+    slice's products were the fused ones (``lce_bwd_recompute``'s ``fused_lse``)."""
     n, v = x.shape[0], w.shape[0]
     zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=x.device)
     if v == 0:  # more ranks than rows: this rank holds none
         out = {k: zeros() for k in ("target", "total", "entropy", "log_sum_sq_probs")}
         out["is_top1"] = zeros(dtype=torch.bool)
         out["predicted"] = zeros(dtype=torch.int64)
-        return {**out, "lse": zeros() - math.inf, "max": zeros() - math.inf}
+        return {**out, "lse": zeros() - math.inf, "max": zeros() - math.inf, "fused": False}
     mine = (targets >= start) & (targets < start + v)
     # A token whose target is another rank's reads this slice's first column as a stand-in (the
     # kernel then computes its statistics too); tokens without a target keep -1.
@@ -174,6 +176,8 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     )  # fmt: skip
     by_name = dict(zip(STATISTICS, statistics, strict=True))
     out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0)}
+    # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
+    out["fused"] = options_apply(v, bias, softcap, 0.0, 0.0, *transform, stats, False)
     for key in want:
         if key == "total":
             out[key] = by_name["mean_logits"] * v
@@ -258,6 +262,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         part = _slice_statistics(
             x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want
         )
+        fused = part.pop("fused")
         whole = _whole_vocabulary(part, layout, want)
         lse, valid = whole["lse"], targets >= 0
         ce = lse - (1.0 - eps) * whole["target"]
@@ -275,7 +280,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         ]
         entropy, *others = statistics
         ctx.save_for_backward(x, w, bias, targets, weights, lse, entropy)
-        ctx.opts = (layout, softcap, eps, z_scale, chunk_bytes, needs, transform)
+        ctx.opts = (layout, softcap, eps, z_scale, chunk_bytes, needs, transform, fused)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*others)
         return *reduce_losses(ce, zl, weights), entropy, *others
@@ -283,7 +288,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_z, g_entropy, *_):
         x, w, bias, targets, weights, lse, entropy = ctx.saved_tensors
-        layout, softcap, eps, z_scale, chunk_bytes, needs, transform = ctx.opts
+        layout, softcap, eps, z_scale, chunk_bytes, needs, transform, fused = ctx.opts
         need_dx, need_dw, need_db = needs
         none = (None,) * 10
         if entropy.numel() == 0:
@@ -295,7 +300,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         dx, dw, db = lce_bwd_recompute(
             x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw,
             need_db, False, *transform, None if e is None else entropy, e, layout.start,
-            layout.vocab,
+            layout.vocab, fused,
         )  # fmt: skip
         if need_dx and layout.reduce_dx:
             dist.all_reduce(dx, group=layout.group)

@@ -23,6 +23,7 @@ from .ops import (
     lce_fwd,
     scale_by_upstream_,
 )
+from .products import options_apply
 
 __all__ = [
     "LinearCrossEntropyFunction",
@@ -74,6 +75,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.eager_grads = grads if eager and not compiled else None
         ctx.opts = (softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db, skip_ignored,
                     transform)  # fmt: skip
+        # whether lce_fwd took the fused products (their log-sum-exp is the fp32 products'),
+        # decided without reading tensor data (traced, x and w are fake); the backward's op
+        # checks the tensors themselves
+        ctx.fused_lse = options_apply(w.shape[0], bias, softcap, eps, z_scale, *transform, stats,
+                                      eager)  # fmt: skip
         ctx.hint = hint if weights is None and not compiled else None
         ctx.guess = guess
         ctx.set_materialize_grads(False)
@@ -118,7 +124,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             rdx, rdw, rdb = lce_bwd_recompute(
                 x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
                 need_dx, need_dw, need_db, skip_ignored, *transform,
-                None if e is None else entropy, e,
+                None if e is None else entropy, e, fused_lse=ctx.fused_lse,
             )  # fmt: skip
             dx = _add(dx, rdx if need_dx else None)
             dw = _add(dw, rdw if need_dw else None)

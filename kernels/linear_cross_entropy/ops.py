@@ -18,12 +18,13 @@ from ..cross_entropy import (
     statistics_outputs,
 )
 from ..dispatch import cdiv, on_device, triton_available, use_triton
-from .softcap_products import applies as softcap_products_apply
-from .softcap_products import softcap_products
+from .products import applies as products_apply
+from .products import grad_products, lse_products, softcap_products, target_logits
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOW_MEMORY_CHUNK_BYTES",
+    "fused_lse",
     "lce_bwd_recompute",
     "lce_fwd",
     "plan_token_chunk",
@@ -188,6 +189,25 @@ def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int, fill: float = 
     return part.new_full((n, *part.shape[1:]), fill).index_copy_(0, rows, part)
 
 
+def fused_lse(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
+              grads: bool) -> bool:  # fmt: skip
+    """Whether ``lce_fwd`` runs through the fused products (``products``): its log-sum-exp is
+    then that of the fp32 products, and a backward recomputing the logits must take them too
+    (``lce_bwd_recompute``'s ``fused_lse``). ``grads``: the forward computes the gradients (the
+    eager schedule: softcapped heads only)."""
+    return products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
+                          stats, eager=grads)  # fmt: skip
+
+
+def _lse_chunk(xc, w, targets, cap: float, z_scale: float):
+    """One chunk's ``(lse, ce, zl)`` through ``lse_products``: no logits stored."""
+    lse = lse_products(xc, w, cap)
+    x_y, _ = target_logits(xc, w, targets, cap)
+    valid = (targets >= 0) & (targets < w.shape[0])
+    ce = torch.where(valid, lse - x_y, 0.0)
+    return lse, ce, torch.where(valid, z_scale * lse * lse, 0.0)
+
+
 class _TargetTerms(NamedTuple):
     """The logit gradient of a fused chunk for unit upstream gradient, ``diag(scale) Q + E``:
     ``E`` holds one entry per row, ``corr`` at column ``cols`` (0 on rows without a target)."""
@@ -199,18 +219,16 @@ class _TargetTerms(NamedTuple):
 
 
 def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
-    """One chunk's ``(lse, ce, zl, q, terms)`` through ``softcap_products`` (its docstring has the
-    formulas); ``terms`` (``_TargetTerms``) with ``coef`` (the rows' weights on ce and zl), else
-    None. Q stays as the product wrote it: the target's entry of the gradient, the one large
-    entry of its row, is kept apart in fp32 (``E``) and added to each gradient product at fp32."""
+    """One chunk's ``(lse, ce, zl, q, terms)`` through ``softcap_products`` (its docstring has
+    the formulas), ``terms`` (``_TargetTerms``) for ``coef``, the rows' weights on ce and zl. Q
+    stays as the product wrote it: the target's entry of the gradient, the one large entry of its
+    row, is kept apart in fp32 (``E``) and added to each gradient product at fp32."""
     q, s, x_y, d_y = softcap_products(xc, w, targets, cap)
     v = w.shape[0]
     valid = (targets >= 0) & (targets < v)
     lse = s.log() + cap
     ce = torch.where(valid, lse - x_y, 0.0)
     zl = torch.where(valid, z_scale * lse * lse, 0.0)
-    if coef is None:
-        return lse, ce, zl, q, None
     r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
     scale = torch.where(valid, coef * r / s, 0.0)
     corr = torch.where(valid, -coef * d_y, 0.0)
@@ -273,6 +291,9 @@ def lce_fwd(
     gradient is 0.
     """
     n_all, rows = x.shape[0], None
+    grads = weights is not None and (need_dx or need_dw or need_db)
+    fused = fused_lse(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
+                      grads)  # fmt: skip
     if skip_ignored:
         rows = _kept_rows((targets >= 0) & (True if weights is None else weights != 0))
     if rows is not None:  # the kept rows only, scattered back at the end
@@ -281,10 +302,11 @@ def lce_fwd(
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
-    grads = weights is not None and (need_dx or need_dw or need_db)
     need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
     accumulate_fp32 = need_dw and w.dtype != torch.float32
     chunk = plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
+    if fused and not grads:
+        chunk = max(n, 1)  # nothing the size of the logits is stored
     single = chunk >= n
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     ce = torch.empty(n, dtype=torch.float32, device=dev)
@@ -300,16 +322,16 @@ def lce_fwd(
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
-    fused = softcap_products_apply(x, w, bias, softcap, eps, z_scale, logit_scale,
-                                   inv_temperature, stats)  # fmt: skip
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]
         terms = None  # the fused product's gradient terms
-        if fused:
+        if fused and grads:
             rl, rc, rz, logits, terms = _softcap_chunk(
-                xc, w, targets[n0:n1], weights[n0:n1] if grads else None, softcap, z_scale
+                xc, w, targets[n0:n1], weights[n0:n1], softcap, z_scale
             )
+        elif fused:
+            rl, rc, rz = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale)
         else:
             logits = _logits(xc, w, bias)
             rl, rc, rz = cross_entropy_fwd(
@@ -379,6 +401,7 @@ def lce_bwd_recompute(
     coef_entropy: torch.Tensor | None = None,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    fused_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
     one product; the hidden gradient is accumulated in fp32. ``coef_entropy``: the upstream
@@ -388,7 +411,18 @@ def lce_bwd_recompute(
     ``vocab_start`` / ``vocab_total`` (0: ``w``'s rows are the whole vocabulary): ``w`` holds rows
     ``[vocab_start, vocab_start + V)`` of a head of ``vocab_total`` rows (vocabulary-parallel);
     ``targets`` and ``lse`` are then the whole vocabulary's, and the hidden gradient is this
-    slice's part of it."""
+    slice's part of it.
+
+    ``fused_lse``: ``lse`` came from the fused products (``fused_lse``); the logits are then
+    recomputed by ``grad_products`` where it applies (no entropy gradient), which writes each
+    slice's gradient in place of its logits."""
+    fused = (
+        fused_lse
+        and coef_entropy is None
+        and products_apply(
+            x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, 0, eager=False
+        )
+    )
     n_all, rows = x.shape[0], None
     if skip_ignored:
         live = (coef_ce != 0) | (coef_z != 0)
@@ -411,27 +445,34 @@ def lce_bwd_recompute(
     dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    if fused:  # the rows' coefficients A = a + 2 s lse b and a, 0 without a target
+        valid = (targets >= 0) & (targets < (vocab_total or v))
+        big_a = torch.where(valid, coef_ce + 2.0 * z_scale * lse * coef_z, 0.0)
+        small_a = torch.where(valid, coef_ce, 0.0)
     for v0 in range(0, v, cols):
         v1 = min(v0 + cols, v)
         wc = w[v0:v1]
-        logits = _logits(x, wc, None if bias is None else bias[v0:v1])
-        cross_entropy_bwd(
-            logits,
-            targets,
-            lse,
-            coef_ce,
-            coef_z,
-            logits,
-            col_offset=vocab_start + v0,
-            vocab_size=vocab_total or v,
-            softcap=softcap,
-            label_smoothing=eps,
-            z_loss_scale=z_scale,
-            logit_scale=logit_scale,
-            inv_temperature=inv_temperature,
-            entropy=entropy,
-            coef_entropy=coef_entropy,
-        )
+        if fused:
+            logits = grad_products(x, wc, targets, lse, big_a, small_a, softcap, vocab_start + v0)
+        else:
+            logits = _logits(x, wc, None if bias is None else bias[v0:v1])
+            cross_entropy_bwd(
+                logits,
+                targets,
+                lse,
+                coef_ce,
+                coef_z,
+                logits,
+                col_offset=vocab_start + v0,
+                vocab_size=vocab_total or v,
+                softcap=softcap,
+                label_smoothing=eps,
+                z_loss_scale=z_scale,
+                logit_scale=logit_scale,
+                inv_temperature=inv_temperature,
+                entropy=entropy,
+                coef_entropy=coef_entropy,
+            )
         if need_dw:
             torch.mm(logits.t(), x, out=dw[v0:v1])
         if need_dx:
@@ -466,7 +507,7 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
 @lce_bwd_recompute.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
       need_dw, need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
-      coef_entropy=None, vocab_start=0, vocab_total=0):  # fmt: skip
+      coef_entropy=None, vocab_start=0, vocab_total=0, fused_lse=False):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)

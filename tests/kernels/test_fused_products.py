@@ -1,7 +1,8 @@
-"""The softcapped head's fused product (``linear_cross_entropy.softcap_products``): its outputs
-against fp64, the head through it against the fp32 reference within bf16's budget (every
-reduction and option it takes, several chunks, the logit regimes where its exponentials are
-smallest), and the options it must leave to the unfused path."""
+"""The head's fused products (``linear_cross_entropy.products``): their outputs against fp64,
+the head through them against the fp32 reference within bf16's budget (the eager schedule's
+softcapped product, the recompute schedule's log-sum-exp and gradient products; every reduction
+and option they take, several chunks and vocabulary slices, the logit regimes where their
+exponentials are smallest), and the options they must leave to the unfused path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 import torch
 
 from surgery.kernels import linear_cross_entropy
-from surgery.kernels.linear_cross_entropy.softcap_products import applies, softcap_products
+from surgery.kernels.linear_cross_entropy.products import (
+    applies,
+    grad_products,
+    lse_products,
+    softcap_products,
+)
 from tests.kernels.test_linear_cross_entropy import (
     _chunked_fp32_reference,
     check_against_reference,
@@ -134,11 +140,97 @@ def test_applies_needs_rows_tma_can_take():
     """A weight whose rows are not 16-byte aligned (a column slice) is left to the unfused path."""
     x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(100, 70, device=DEVICE, dtype=torch.bfloat16)
-    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0, 0)
+    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0, 0, True)
     assert applies(x, w[:, :64].contiguous(), *args)
     assert not applies(x, w[:, :64], *args)
     wide = torch.randn(8, 72, device=DEVICE, dtype=torch.bfloat16)
     assert not applies(wide[:, 1:65], w[:, :64].contiguous(), *args)  # rows start off 16 bytes
+
+
+@pytest.fixture
+def recompute_calls(monkeypatch):
+    """The rows of each ``lse_products`` call and the columns of each ``grad_products`` call."""
+    calls = {"lse": [], "grad": []}
+
+    def lse(x, *args):
+        calls["lse"].append(x.shape[0])
+        return lse_products(x, *args)
+
+    def grad(x, w, *args):
+        calls["grad"].append(w.shape[0])
+        return grad_products(x, w, *args)
+
+    monkeypatch.setattr(OPS, "lse_products", lse)
+    monkeypatch.setattr(OPS, "grad_products", grad)
+    return calls
+
+
+def test_lse_and_grad_products_against_fp64():
+    """``lse_products`` (with and without a softcap, no logits stored) and ``grad_products`` of a
+    vocabulary slice (its columns offset) against fp64 from the same bf16 inputs."""
+    x, w, _, labels = make_inputs(140, 64, 700, torch.bfloat16, ignore_frac=0.2)
+    x, w = x.detach(), w.detach()
+    targets = torch.where(labels == -100, -1, labels)
+    gen = torch.Generator().manual_seed(5)
+    big_a = torch.rand(140, generator=gen).to(DEVICE)
+    small_a = torch.rand(140, generator=gen).to(DEVICE)
+    cols = torch.arange(700, device=DEVICE)
+    for cap in (0.0, 20.0):
+        z = x.double() @ w.double().t()
+        t = torch.tanh(z / cap) if cap else None
+        xs = cap * t if cap else z
+        lse = torch.logsumexp(xs, 1)
+        torch.testing.assert_close(lse_products(x, w, cap).double(), lse, rtol=1e-6, atol=1e-5)
+        start, stop = 128, 640  # a slice: its own column numbers, the targets the whole's
+        g = big_a.double()[:, None] * torch.exp(xs - lse[:, None])
+        g = g - small_a.double()[:, None] * (cols[None, :] == targets[:, None])
+        if cap:
+            g = g * (1 - t * t)
+        got = grad_products(x, w[start:stop], targets, lse.float(), big_a, small_a, cap, start)
+        torch.testing.assert_close(got.double(), g[:, start:stop], rtol=2**-8, atol=1e-6)
+
+
+RECOMPUTE = {
+    "low_memory": dict(low_memory=True),
+    "low_memory-softcap-zloss": dict(low_memory=True, softcap=30.0, z_loss_scale=1e-3),
+    "none": dict(reduction="none"),
+    "none-softcap": dict(reduction="none", softcap=5.0, z_loss_scale=1e-2),
+    "slices": dict(low_memory=True, chunk_bytes=4096),
+    "skip_ignored": dict(low_memory=True, skip_ignored=True, softcap=10.0),
+    "sequence": dict(reduction="sequence", low_memory=True),
+}
+
+
+@pytest.mark.parametrize("regime", ["typical", "saturated"])
+@pytest.mark.parametrize("case", list(RECOMPUTE), ids=list(RECOMPUTE))
+def test_recompute_schedule_through_the_products(case, regime, recompute_calls, monkeypatch):
+    """The recompute schedule of a bf16 head (``low_memory``, reduction "none") takes the log-sum-
+    exp and gradient products, over several vocabulary slices where asked, and gives the loss, the
+    z-loss and both gradients of the fp32 reference within bf16's budget for random upstream
+    gradients on every token (the z-loss's own too)."""
+    kw = dict(RECOMPUTE[case])
+    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=7)
+    x, w = _regime(x, w, regime, kw.get("softcap") or 4.0)
+    if kw.get("reduction") == "sequence":
+        kw["position_ids"] = torch.arange(181, device=DEVICE) % 40
+    if "chunk_bytes" in kw:
+        monkeypatch.setattr(OPS, "MIN_SLICE_COLS", 64)
+    check_against_reference(x, w, None, labels, torch.bfloat16, **kw)
+    assert recompute_calls["lse"] and recompute_calls["grad"]
+    if "chunk_bytes" in kw:
+        assert len(recompute_calls["grad"]) > 2 and sum(recompute_calls["grad"]) % 1003 == 0
+
+
+def test_forward_without_gradients_stores_no_logits(recompute_calls, monkeypatch):
+    """Under no_grad a bf16 head computes its loss through ``lse_products`` in one call, whatever
+    the chunk budget (nothing the size of the logits is made)."""
+    x, w, _, labels = make_inputs(150, 32, 900, torch.bfloat16)
+    monkeypatch.setattr(OPS, "MIN_CHUNK_ROWS", 8)
+    with torch.no_grad():
+        got = linear_cross_entropy(x, w, labels, softcap=15.0, chunk_bytes=1024)
+    want = linear_cross_entropy(x.float(), w.float(), labels, softcap=15.0)
+    torch.testing.assert_close(got.loss, want.loss.detach(), rtol=1e-5, atol=1e-5)
+    assert recompute_calls["lse"] == [150] and not recompute_calls["grad"]
 
 
 @pytest.mark.gpu

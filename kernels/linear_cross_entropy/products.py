@@ -1,0 +1,342 @@
+"""The head's logits product with the cross entropy in its epilogue: one persistent Triton GEMM
+(TMA descriptors, Hopper and later) of ``x_rows @ W.T`` whose tiles never reach memory as logits.
+Its three epilogues, by schedule (the package docstring names the schedules):
+
+* ``softcap_products`` (eager schedule, softcapped heads). Every logit the loss sees,
+  x = cap tanh(z / cap), lies in (-cap, cap), so exp(x - cap) needs no running maximum: the tile
+  writes Q = exp(x - cap) (1 - t^2) in bf16 (t = tanh(z / cap)) and adds its rows' sums
+  S = sum_j exp(x_j - cap) into an fp32 vector; lse = cap + log S, and the gradient of
+  ``a ce + b zl`` (``cross_entropy``'s formulas, no label smoothing) is
+
+      dL/dz_ij = c_i Q_ij - a_i (1 - t_iy^2) [j = y_i], c_i = A_i / S_i, A_i = a_i + 2 s lse_i b_i:
+
+  a row scale that folds into the two gradient products (dX = diag(c) (Q W), dW = Q^T (diag(c) X))
+  plus one entry per row, the target's, which ``ops`` adds to each product at fp32. Kept apart,
+  the one large entry of each gradient row is never rounded to bf16: the gradients come out closer
+  to fp32's than the unfused head's. Against the unfused head this saves the log-sum-exp read and
+  the gradient's read and write of each chunk (the Gemma 2 head at 1.02-1.04x its three-product
+  floor where the unfused one took 1.14-1.16x: ``benchmarks/results/linear_cross_entropy-h200-*``).
+* ``lse_products`` (the recompute schedule's forward, and any forward without gradients): no
+  store at all; each tile adds its rows' sums of exp(x - cap) (softcap), or writes its rows'
+  maximum and sum of exp(x - max) per 128-column piece (no softcap), combined into the log-sum-exp.
+* ``grad_products`` (the recompute schedule's backward, per vocabulary slice): lse known, the tile
+  writes the logit gradient d_ij (A_i exp(x_ij - lse_i) - a_i [j = y_i]) itself (d = 1 - t^2, or 1
+  without a softcap), where the unfused backward wrote the logits and swept them.
+
+Each row's target logit (and 1 - t^2) comes from its own fp32 dot product (``target_logits``).
+The logits are fp32 inside the product (not rounded to bf16 first, as the unfused head's are).
+
+Where it applies (``applies``): bf16 hidden states and weight, no bias, no label smoothing, logit
+scale and temperature 1, no statistics, no entropy gradient, rows whose stride TMA can take, a GPU
+of compute capability 9 or later (or the interpreter); for ``softcap_products`` also
+0 < cap <= 40 (exp(-2 cap) a normal fp32 and bf16 number) and a z-loss scale with which A_i keeps
+at least half of a_i for every possible lse (|lse| < log V + cap). Anything else runs unfused.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..dispatch import cdiv, interpreter_enabled, on_device, triton_available
+
+__all__ = [
+    "MAX_SOFTCAP",
+    "applies",
+    "grad_products",
+    "lse_products",
+    "options_apply",
+    "softcap_products",
+    "target_logits",
+    "tensors_apply",
+]
+
+MAX_SOFTCAP = 40.0  # exp(-2 cap) must stay a normal fp32 / bf16 number (> 1.2e-38)
+SOFTCAP_Q, LSE, GRAD = 0, 1, 2  # the kernel's EPILOGUE
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from ..cross_entropy.kernel import _tanh, _tanh_instruction
+
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - a Triton without host descriptors
+        TensorDescriptor = None
+else:  # pragma: no cover
+    triton = TensorDescriptor = None
+
+# Fixed, known-good configuration (H200, three heads: benchmarks/results/gemm_epilogue-*.json):
+# 128 x 256 tiles, K steps of 64, 3 stages, 8 warps, the epilogue in two 128-column pieces.
+BM, BN, BK, STAGES, WARPS, GROUP_M = 128, 256, 64, 3, 8, 8
+PIECE = BN // 2
+TARGET_BLOCK_D = 256
+LOG2E = 1.4426950408889634
+
+head_products_kernel = target_logits_kernel = None
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh_for(u, INTERP: tl.constexpr):
+        if INTERP:  # the interpreter runs no inline assembly
+            return _tanh(u)
+        return _tanh_instruction(u)
+
+    @triton.jit
+    def _rounded(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+        """fp32 to ``dtype`` to nearest even: the GPU's conversion. The interpreter's truncates,
+        so there the bf16 rounding is done on the bits first (finite values)."""
+        if INTERP:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
+    def _tile(tile, num_m, num_n, GROUP: tl.constexpr):
+        """Grouped order of the (row, column) tiles: GROUP row tiles share each weight tile."""
+        in_group = GROUP * num_n
+        first_m = (tile // in_group) * GROUP
+        size_m = min(num_m - first_m, GROUP)
+        return first_m + (tile % size_m), (tile % in_group) // size_m
+
+    @triton.jit
+    def _epilogue(acc, out_desc, off_m, off_n, M, N, cap, row_a, row_b, col_offset,
+                  EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+                  INTERP: tl.constexpr):  # fmt: skip
+        """One (BLOCK_M, BLOCK_N) piece of the tile, by EPILOGUE (the module docstring). The row
+        pointers: SOFTCAP_Q row_a = S; LSE row_a = S (softcap) or the pieces' maxima, row_b their
+        sums (no softcap); GRAD row_a = (lse, A, a) rows of 3 words, row_b = the targets."""
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        live = rows < M
+        if SOFTCAP:
+            t = _tanh_for(acc * (1.0 / cap), INTERP)
+            x = cap * t
+        else:
+            x = acc
+        if EPILOGUE == 2:
+            lse = tl.load(row_a + 3 * rows, mask=live, other=0.0)
+            big_a = tl.load(row_a + 3 * rows + 1, mask=live, other=0.0)
+            small_a = tl.load(row_a + 3 * rows + 2, mask=live, other=0.0)
+            target = tl.load(row_b + rows, mask=live, other=-1)
+            g = big_a[:, None] * tl.exp2((x - lse[:, None]) * 1.4426950408889634)
+            hit = (cols + col_offset)[None, :] == target[:, None]
+            g = tl.where(hit, g - small_a[:, None], g)
+            if SOFTCAP:
+                g = g * (1.0 - t * t)
+            out_desc.store([off_m, off_n], _rounded(g, out_desc.dtype, INTERP))
+        elif SOFTCAP:
+            c = cap * 1.4426950408889634  # exp(x - cap) = 2^(t C - C), C = cap log2(e)
+            e = tl.exp2(t * c - c)
+            if not EVEN_N:
+                e = tl.where(cols[None, :] < N, e, 0.0)
+            if EPILOGUE == 0:
+                q = _rounded(e * (1.0 - t * t), out_desc.dtype, INTERP)
+                out_desc.store([off_m, off_n], q)
+            tl.atomic_add(row_a + rows, tl.sum(e, 1), mask=live, sem="relaxed")
+        else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
+            x2 = x * 1.4426950408889634
+            if not EVEN_N:
+                x2 = tl.where(cols[None, :] < N, x2, float("-inf"))
+            m = tl.max(x2, 1)
+            piece = (off_n // BLOCK_N).to(tl.int64)
+            pieces = tl.cdiv(N, BLOCK_N)
+            tl.store(row_a + rows.to(tl.int64) * pieces + piece, m * 0.6931471805599453, mask=live)
+            s = tl.sum(tl.exp2(x2 - m[:, None]), 1)
+            tl.store(row_b + rows.to(tl.int64) * pieces + piece, s, mask=live)
+
+    @triton.jit
+    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, cap, row_a, row_b, col_offset,
+                             EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                             NUM_PROGRAMS: tl.constexpr, EVEN_N: tl.constexpr,
+                             INTERP: tl.constexpr):  # fmt: skip
+        """x (M x K) times W (N x K) transposed, persistent over the tiles, each tile's epilogue
+        in two column halves (fewer live registers)."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        k_steps = tl.cdiv(K, BLOCK_K)
+        start = tl.program_id(0)
+        tile_out = start - NUM_PROGRAMS
+        for tile in tl.range(start, num_m * num_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _tile(tile, num_m, num_n, GROUP)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_steps):
+                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                if INTERP:  # the interpreter's bf16 dot of descriptor loads is wrong: fp32 there
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc)
+            tile_out += NUM_PROGRAMS
+            pid_m, pid_n = _tile(tile_out, num_m, num_n, GROUP)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
+                                              (0, 2, 1)))  # fmt: skip
+            _epilogue(left, out_desc, off_m, off_n, M, N, cap, row_a, row_b, col_offset,
+                      EPILOGUE, SOFTCAP, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
+            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, cap, row_a, row_b,
+                      col_offset, EPILOGUE, SOFTCAP, BLOCK_M, BLOCK_N // 2, EVEN_N,
+                      INTERP)  # fmt: skip
+
+    @triton.jit
+    def target_logits_kernel(x_ptr, w_ptr, t_ptr, xy_ptr, dy_ptr, K, N, stride_x, stride_w, cap,
+                             SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+                             INTERP: tl.constexpr):  # fmt: skip
+        """Per row: the target's logit as the loss sees it (cap t with a softcap) and 1 - t^2
+        (1 without), from the fp32 dot product of the row and the target's weight row; 0 and 0
+        for a row without a target (outside [0, N))."""
+        row = tl.program_id(0).to(tl.int64)
+        y = tl.load(t_ptr + row)
+        valid = (y >= 0) & (y < N)
+        y = tl.where(valid, y, 0).to(tl.int64)
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            m = cols < K  # a row without a target reads row 0 of W, and stores 0
+            xv = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + y * stride_w + cols, mask=m, other=0.0).to(tl.float32)
+            acc += xv * wv
+        z = tl.sum(acc, 0)
+        if SOFTCAP:
+            t = _tanh_for(z * (1.0 / cap), INTERP)
+            z = cap * t
+            d = 1.0 - t * t
+        else:
+            d = 1.0
+        tl.store(xy_ptr + row, tl.where(valid, z, 0.0))
+        tl.store(dy_ptr + row, tl.where(valid, d, 0.0))
+
+
+@functools.cache
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Row-major with unit stride along the row and 16-byte aligned rows (what TMA takes)."""
+    return (
+        t.dim() == 2
+        and t.stride(1) == 1
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
+                  eager: bool) -> bool:  # fmt: skip
+    """The part of ``applies`` that reads no tensor data (a vocabulary of ``v``): what an
+    autograd forward can decide while traced, for its backward."""
+    if TensorDescriptor is None or head_products_kernel is None:
+        return False
+    if eps != 0.0 or stats or logit_scale != 1.0 or inv_temperature != 1.0 or bias is not None:
+        return False
+    if not (0.0 <= softcap <= MAX_SOFTCAP) or (eager and softcap == 0.0):
+        return False
+    # A = a + 2 s lse b >= a / 2 for every lse in (log V - cap, log V + cap) when a = b
+    return not (eager and 2.0 * z_scale * (math.log(max(v, 1)) + softcap) > 0.5)
+
+
+def tensors_apply(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The part of ``applies`` on the tensors: bf16, rows TMA can take, the device."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.shape[0] == 0:
+        return False
+    if x.shape[-1] % 8:  # rows of 16 bytes: also where lce_fwd gathers the rows it keeps
+        return False
+    if not (_tma_rows(x) and _tma_rows(w)):
+        return False
+    if x.is_cuda:
+        return w.device == x.device and _capability_ok(x.device.index or 0)
+    return x.device.type == "cpu" and interpreter_enabled()
+
+
+def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
+            eager: bool) -> bool:  # fmt: skip
+    """Whether the fused products can take this head (the module docstring's list);
+    ``eager``: for ``softcap_products``, else for ``lse_products`` / ``grad_products``."""
+    return options_apply(w.shape[0], bias, softcap, eps, z_scale, logit_scale, inv_temperature,
+                         stats, eager) and tensors_apply(x, w)  # fmt: skip
+
+
+def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue):
+    n, d = x.shape
+    v = w.shape[0]
+    interp = not x.is_cuda
+    programs = 4 if interp else torch.cuda.get_device_properties(x.device).multi_processor_count
+    programs = min(programs, cdiv(n, BM) * cdiv(v, BN))
+    if out is None:  # no store (LSE): a descriptor the kernel never uses
+        out = x
+    with on_device(x):
+        head_products_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x, [BM, BK]),
+            TensorDescriptor.from_tensor(w, [BN, BK]),
+            TensorDescriptor.from_tensor(out, [BM, PIECE]),
+            n, v, d, float(cap), row_a, row_b, col_offset,
+            EPILOGUE=epilogue, SOFTCAP=cap > 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+            GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % PIECE == 0, INTERP=interp,
+            num_stages=STAGES, num_warps=WARPS,
+        )  # fmt: skip
+
+
+def _rows_out(n: int, v: int, like: torch.Tensor) -> torch.Tensor:
+    """An (n, v) buffer whose rows are padded to a multiple of 8 elements (16 bytes: TMA)."""
+    return torch.empty(n, cdiv(v, 8) * 8, dtype=like.dtype, device=like.device)[:, :v]
+
+
+def target_logits(x, w, targets, cap: float):
+    """(x_y, d_y), fp32 per row: the target's logit as the loss sees it and 1 - t^2 (1 without a
+    softcap); 0 and 0 for a row without a target."""
+    n, d = x.shape
+    x_y = torch.empty(n, dtype=torch.float32, device=x.device)
+    d_y = torch.empty(n, dtype=torch.float32, device=x.device)
+    with on_device(x):
+        target_logits_kernel[(n,)](
+            x, w, targets, x_y, d_y, d, w.shape[0], x.stride(0), w.stride(0), float(cap),
+            SOFTCAP=cap > 0, BLOCK_K=TARGET_BLOCK_D, INTERP=not x.is_cuda, num_warps=4,
+        )  # fmt: skip
+    return x_y, d_y
+
+
+def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float):
+    """``(q, s, x_y, d_y)`` for rows ``x`` (n, D) and weight ``w`` (V, D), cap > 0: Q (n, V)
+    bf16, S, and ``target_logits``. Call only where ``applies(..., eager=True)``."""
+    n, v = x.shape[0], w.shape[0]
+    q = _rows_out(n, v, x)
+    s = torch.zeros(n, dtype=torch.float32, device=x.device)
+    _launch(x, w, q, cap, s, s, 0, SOFTCAP_Q)
+    return q, s, *target_logits(x, w, targets, cap)
+
+
+def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float) -> torch.Tensor:
+    """The rows' log-sum-exp of the logits the loss sees (fp32, n), storing no logits. Call only
+    where ``applies(..., eager=False)``."""
+    n, v = x.shape[0], w.shape[0]
+    f32 = {"dtype": torch.float32, "device": x.device}
+    if cap > 0:
+        s = torch.zeros(n, **f32)
+        _launch(x, w, None, cap, s, s, 0, LSE)
+        return s.log() + cap
+    maxima = torch.empty(n, cdiv(v, PIECE), **f32)
+    sums = torch.empty(n, cdiv(v, PIECE), **f32)
+    _launch(x, w, None, cap, maxima, sums, 0, LSE)
+    top = maxima.amax(1)
+    return top + (sums * (maxima - top[:, None]).exp()).sum(1).log()
+
+
+def grad_products(x, w, targets, lse, big_a, small_a, cap: float, col_offset: int = 0):
+    """The logit gradient (n, V) in x's dtype of the columns ``[col_offset, col_offset + V)``
+    whose weight rows are ``w``: d (A exp(x - lse) - a [j = y]) per row (``A``, ``a``: fp32 (n,),
+    0 on rows without a target). Call only where ``applies(..., eager=False)``."""
+    n, v = x.shape[0], w.shape[0]
+    rows = torch.stack([lse, big_a, small_a], 1).contiguous()
+    out = _rows_out(n, v, x)
+    _launch(x, w, out, cap, rows, targets, col_offset, GRAD)
+    return out
