@@ -113,12 +113,22 @@ def _projection_calls(reference, patched) -> dict:
     )
 
 
+# A bias's gradient is a sum over the batch's tokens whose terms largely cancel (q's and k's
+# through RoPE most), so its error relative to its own largest entry is the largest of a run:
+# measured on an AMD EPYC (2 cores, torch 2.13 CPU), llama-bias, rank 1, with transformers' own
+# projections: k_proj.bias 1.14e-5 (7.1e-6 with surgery's), q_proj.bias 5.5e-6; every weight and
+# norm gradient <= 4.6e-6, those of the models without biases <= 5.3e-7. Another CPU's reduction
+# order had them all under 1e-5. Biases get 3e-5, the rest keep 1e-5.
+BIAS_BUDGET = 3e-5
+
+
 def _over_budget(where: str, r: dict, keys=("loss",)) -> list[str]:
-    """What of a run's result ``r`` is over 1e-5: the ``keys`` and the worst of its ``grads``."""
+    """What of a run's result ``r`` is over budget: the ``keys`` and any of its ``grads`` over
+    1e-5 (a bias's over ``BIAS_BUDGET``)."""
     failed = [f"{where} {key} {r[key]:.2e}" for key in keys if not r[key] <= 1e-5]
-    worst = max(r["grads"], key=r["grads"].get)
-    if not r["grads"][worst] <= 1e-5:
-        failed.append(f"{where} gradient of {worst} {r['grads'][worst]:.2e}")
+    for name, err in r["grads"].items():
+        if not err <= (BIAS_BUDGET if name.endswith(".bias") else 1e-5):
+            failed.append(f"{where} gradient of {name} {err:.2e}")
     return failed
 
 
