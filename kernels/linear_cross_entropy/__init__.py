@@ -23,9 +23,17 @@ disabled: their products are then the products of the unpatched head, and nothin
 cast again (autocast is thread-local state that a custom op would otherwise inherit, forward and
 backward, and ``torch.mm(..., out=...)`` rejects the dtype autocast would pick).
 
-Modules, in reading order: ``ops`` (the upstream-scaling kernel, the chunk plan, and the two
-torch.library ops ``lce_fwd`` and ``lce_bwd_recompute`` that run the schedules) -> ``api`` (the
-one autograd.Function over them, the argument checks, ``linear_cross_entropy`` and
+On a GPU of compute capability 9 or later, bf16 heads without a bias, label smoothing, logit
+scale, temperature or statistics take the fused products (``products``) in place of cuBLAS's
+logits product and the row kernels: the cross entropy in the product's epilogue, so the logits
+are never written (the recompute schedule's forward), written as their gradient (its backward),
+or, with a final softcap, written as exp(x - cap)(1 - t^2) whose row scale folds into the
+gradient products (the eager schedule). Anything else runs as above.
+
+Modules, in reading order: ``products`` (the fused products: one persistent Triton GEMM, three
+epilogues) -> ``ops`` (the upstream-scaling kernel, the chunk plan, and the two torch.library ops
+``lce_fwd`` and ``lce_bwd_recompute`` that run the schedules) -> ``api`` (the one
+autograd.Function over them, the argument checks, ``linear_cross_entropy`` and
 ``linear_cross_entropy_statistics``).
 """
 
