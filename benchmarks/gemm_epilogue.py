@@ -47,6 +47,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt, import_surgery, table, write_json
 
+import_surgery()  # this checkout's: the kernel's helpers below are the package's own
+from surgery.kernels.linear_cross_entropy.products import _rounded  # noqa: E402
+from surgery.kernels.linear_cross_entropy.products import _tanh_for as _tanh  # noqa: E402
+from surgery.kernels.linear_cross_entropy.products import _tile as _tile_pid  # noqa: E402
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PLAIN, SOFTCAP, STATS = 0, 1, 2
 MODES = {"plain": PLAIN, "softcap": SOFTCAP, "stats": STATS}
@@ -57,7 +62,6 @@ CASES = [
     ("gemma2", 8192, 2304, 256000, 30.0),
     ("qwen2.5-7b", 16384, 3584, 152064, 0.0),
 ]
-# (BM, BN, BK, stages, warps, warp-specialised, epilogue split in column halves)
 # (BM, BN, BK, stages, warps, warp-specialised, epilogue pieces per tile, the target's entries
 # found in the epilogue (else gathered after it)). The first run (H200, fbb4d25) had 128 x 128
 # tiles 10-25% behind 128 x 256 ones, bare and with either epilogue: 128 x 256 only here.
@@ -71,34 +75,6 @@ CONFIGS = [
     (128, 256, 64, 4, 8, True, 2, False),
     (128, 256, 64, 3, 8, False, 1, False),
 ]
-
-
-@triton.jit
-def _tanh(u, INTERP: tl.constexpr):
-    if INTERP:  # the interpreter has no inline assembly
-        return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-    return tl.inline_asm_elementwise(
-        "tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 to bf16, to nearest even: the GPU's conversion; the interpreter's truncates, so
-    there the rounding is done on the bits first (finite values)."""
-    if INTERP:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _tile_pid(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % size_m), (tile % in_group) // size_m
 
 
 @triton.jit
@@ -342,8 +318,10 @@ def check(device: torch.device) -> int:
         e_loss_fp32 = abs(float(loss) - ref_loss) / ref_loss
         e_dw = rel(dw, wr.grad)
         e_dx_s = rel(xr.grad, dx_ref)
+        # dx: this head rounds the target's gradient entry into the bf16 Q (about 3.2e-3 here;
+        # surgery's kernel keeps it apart, 1.7e-3); with 1 - t^2 left out it reads >= 7e-3
         ok = (e_mm < 1e-2 and e_loss < 1e-5 and e_loss_fp32 < 5e-3
-              and e_dx < 1.5 * max(e_dx_s, 2e-3) and e_dw < 2e-2)  # fmt: skip
+              and e_dx < 5e-3 and e_dw < 2e-2)  # fmt: skip
         failures += not ok
         print(f"cap {cap} V {v} {split} pieces, target {'in' if target else 'after'}: "
               f"product {e_mm:.2e}  loss {e_loss:.1e} (its logits), {e_loss_fp32:.1e} "
