@@ -19,7 +19,14 @@ from ..cross_entropy import (
 )
 from ..dispatch import cdiv, on_device, triton_available, use_triton
 from .products import applies as products_apply
-from .products import grad_products, lse_products, softcap_products, target_logits
+from .products import (
+    grad_products,
+    lse_products,
+    softcap_products,
+    statistics_row_bytes,
+    target_logits,
+    tma_ready,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -244,8 +251,8 @@ def _softcap_dx(q, w, terms: _TargetTerms, out: torch.Tensor, slice_rows: int) -
 
 
 def _softcap_dw(q, xc, terms: _TargetTerms, dw: torch.Tensor, accumulate: bool, slice_rows):
-    """dw (=, or += where ``accumulate``) Q^T diag(scale) x + E^T x; E's rows added by a sorted
-    (deterministic) accumulation."""
+    """dw (=, or += where ``accumulate``) Q^T diag(scale) x + E^T x; E's rows (rounded to dw's
+    dtype) added by a sorted (deterministic) accumulation."""
     xs = torch.mul(xc, terms.scale[:, None], out=torch.empty_like(xc))  # rounded once
     if accumulate:
         _accumulate_mm(dw, q.t(), xs, slice_rows)
@@ -294,6 +301,8 @@ def lce_fwd(
     grads = weights is not None and (need_dx or need_dw or need_db)
     fused = fused_lse(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
                       grads)  # fmt: skip
+    if fused:
+        x, w = tma_ready(x), tma_ready(w)
     if skip_ignored:
         rows = _kept_rows((targets >= 0) & (True if weights is None else weights != 0))
     if rows is not None:  # the kept rows only, scattered back at the end
@@ -305,8 +314,8 @@ def lce_fwd(
     need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
     accumulate_fp32 = need_dw and w.dtype != torch.float32
     chunk = plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
-    if fused and not grads:
-        chunk = max(n, 1)  # nothing the size of the logits is stored
+    if fused and not grads:  # no logits stored: the budget bounds the statistics
+        chunk = _rows_for(chunk_bytes, statistics_row_bytes(v), n, MIN_CHUNK_ROWS)
     single = chunk >= n
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     ce = torch.empty(n, dtype=torch.float32, device=dev)
@@ -423,6 +432,8 @@ def lce_bwd_recompute(
             x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, 0, eager=False
         )
     )
+    if fused:
+        x, w = tma_ready(x), tma_ready(w)
     n_all, rows = x.shape[0], None
     if skip_ignored:
         live = (coef_ce != 0) | (coef_z != 0)

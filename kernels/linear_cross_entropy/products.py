@@ -27,10 +27,11 @@ Each row's target logit (and 1 - t^2) comes from its own fp32 dot product (``tar
 The logits are fp32 inside the product (not rounded to bf16 first, as the unfused head's are).
 
 Where it applies (``applies``): bf16 hidden states and weight, no bias, no label smoothing, logit
-scale and temperature 1, no statistics, no entropy gradient, rows whose stride TMA can take, a GPU
-of compute capability 9 or later (or the interpreter); for ``softcap_products`` also
-0 < cap <= 40 (exp(-2 cap) a normal fp32 and bf16 number) and a z-loss scale with which A_i keeps
-at least half of a_i for every possible lse (|lse| < log V + cap). Anything else runs unfused.
+scale and temperature 1, no statistics, no entropy gradient, rows of a multiple of 16 bytes (an
+offset view is copied first), a GPU of compute capability 9 or later (or the interpreter); for
+``softcap_products`` also 0 < cap <= 40 (exp(-2 cap) a normal fp32 and bf16 number) and a z-loss
+scale with which A_i keeps at least half of a_i for every possible lse (|lse| < log V + cap).
+Anything else runs unfused.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ __all__ = [
     "lse_products",
     "options_apply",
     "softcap_products",
+    "statistics_row_bytes",
     "target_logits",
     "tensors_apply",
+    "tma_ready",
 ]
 
 MAX_SOFTCAP = 40.0  # exp(-2 cap) must stay a normal fp32 / bf16 number (> 1.2e-38)
@@ -110,8 +113,11 @@ if triton is not None:
                   BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
                   INTERP: tl.constexpr):  # fmt: skip
         """One (BLOCK_M, BLOCK_N) piece of the tile, by EPILOGUE (the module docstring). The row
-        pointers: SOFTCAP_Q row_a = S; LSE row_a = S (softcap) or the pieces' maxima, row_b their
-        sums (no softcap); GRAD row_a = (lse, A, a) rows of 3 words, row_b = the targets."""
+        pointers: SOFTCAP_Q and LSE with a softcap, row_b = the pieces' sums of exp(x - cap);
+        LSE without, row_a = the pieces' maxima, row_b their sums of exp(x - maximum) (rows of
+        two pieces per column tile: a piece wholly past N holds -inf and 0); GRAD row_a = (lse,
+        A, a) rows of 3 words, row_b = the targets. Each piece's own slot, no atomics: the sums
+        are added in one order on the host (deterministic)."""
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         live = rows < M
@@ -139,17 +145,17 @@ if triton is not None:
             if EPILOGUE == 0:
                 q = _rounded(e * (1.0 - t * t), out_desc.dtype, INTERP)
                 out_desc.store([off_m, off_n], q)
-            tl.atomic_add(row_a + rows, tl.sum(e, 1), mask=live, sem="relaxed")
+            slot = rows.to(tl.int64) * (2 * tl.cdiv(N, 2 * BLOCK_N)) + off_n // BLOCK_N
+            tl.store(row_b + slot, tl.sum(e, 1), mask=live)
         else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
             x2 = x * 1.4426950408889634
             if not EVEN_N:
                 x2 = tl.where(cols[None, :] < N, x2, float("-inf"))
             m = tl.max(x2, 1)
-            piece = (off_n // BLOCK_N).to(tl.int64)
-            pieces = tl.cdiv(N, BLOCK_N)
-            tl.store(row_a + rows.to(tl.int64) * pieces + piece, m * 0.6931471805599453, mask=live)
-            s = tl.sum(tl.exp2(x2 - m[:, None]), 1)
-            tl.store(row_b + rows.to(tl.int64) * pieces + piece, s, mask=live)
+            slot = rows.to(tl.int64) * (2 * tl.cdiv(N, 2 * BLOCK_N)) + off_n // BLOCK_N
+            tl.store(row_a + slot, m * 0.6931471805599453, mask=live)
+            m = tl.where(m == float("-inf"), 0.0, m)  # a piece wholly past N: a sum of 0
+            tl.store(row_b + slot, tl.sum(tl.exp2(x2 - m[:, None]), 1), mask=live)
 
     @triton.jit
     def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, cap, row_a, row_b, col_offset,
@@ -246,16 +252,28 @@ def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperat
 
 
 def tensors_apply(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The part of ``applies`` on the tensors: bf16, rows TMA can take, the device."""
+    """The part of ``applies`` on the tensors' metadata (dtype, shape, device: the same for a
+    forward and the backward that recomputes from its saved tensors): bf16, rows of a multiple of
+    16 bytes, a GPU of compute capability 9 or later (or the interpreter). Rows TMA cannot take
+    as they lie (an offset view) are copied first (``tma_ready``), not left unfused: the choice
+    does not depend on where a tensor happens to start."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.shape[0] == 0:
         return False
-    if x.shape[-1] % 8:  # rows of 16 bytes: also where lce_fwd gathers the rows it keeps
-        return False
-    if not (_tma_rows(x) and _tma_rows(w)):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[-1] % 8:
         return False
     if x.is_cuda:
         return w.device == x.device and _capability_ok(x.device.index or 0)
     return x.device.type == "cpu" and interpreter_enabled()
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh copy of it where its rows are not laid out as TMA needs."""
+    return t if _tma_rows(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def statistics_row_bytes(v: int) -> int:
+    """Bytes per row of ``lse_products``' statistics (two fp32 words per 128 columns)."""
+    return 2 * 4 * 2 * cdiv(v, BN)
 
 
 def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
@@ -281,7 +299,7 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue):
             TensorDescriptor.from_tensor(out, [BM, PIECE]),
             n, v, d, float(cap), row_a, row_b, col_offset,
             EPILOGUE=epilogue, SOFTCAP=cap > 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-            GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % PIECE == 0, INTERP=interp,
+            GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % BN == 0, INTERP=interp,
             num_stages=STAGES, num_warps=WARPS,
         )  # fmt: skip
 
@@ -305,27 +323,30 @@ def target_logits(x, w, targets, cap: float):
     return x_y, d_y
 
 
+def _pieces(n: int, v: int, device) -> torch.Tensor:
+    """(n, pieces) fp32: a slot per row and 128-column piece, two per 256-column tile."""
+    return torch.empty(n, 2 * cdiv(v, BN), dtype=torch.float32, device=device)
+
+
 def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float):
     """``(q, s, x_y, d_y)`` for rows ``x`` (n, D) and weight ``w`` (V, D), cap > 0: Q (n, V)
     bf16, S, and ``target_logits``. Call only where ``applies(..., eager=True)``."""
     n, v = x.shape[0], w.shape[0]
     q = _rows_out(n, v, x)
-    s = torch.zeros(n, dtype=torch.float32, device=x.device)
-    _launch(x, w, q, cap, s, s, 0, SOFTCAP_Q)
-    return q, s, *target_logits(x, w, targets, cap)
+    sums = _pieces(n, v, x.device)
+    _launch(x, w, q, cap, sums, sums, 0, SOFTCAP_Q)
+    return q, sums.sum(1), *target_logits(x, w, targets, cap)
 
 
 def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float) -> torch.Tensor:
-    """The rows' log-sum-exp of the logits the loss sees (fp32, n), storing no logits. Call only
-    where ``applies(..., eager=False)``."""
+    """The rows' log-sum-exp of the logits the loss sees (fp32, n), storing no logits (two
+    words per row and 128 columns). Call only where ``applies(..., eager=False)``."""
     n, v = x.shape[0], w.shape[0]
-    f32 = {"dtype": torch.float32, "device": x.device}
+    sums = _pieces(n, v, x.device)
     if cap > 0:
-        s = torch.zeros(n, **f32)
-        _launch(x, w, None, cap, s, s, 0, LSE)
-        return s.log() + cap
-    maxima = torch.empty(n, cdiv(v, PIECE), **f32)
-    sums = torch.empty(n, cdiv(v, PIECE), **f32)
+        _launch(x, w, None, cap, sums, sums, 0, LSE)
+        return sums.sum(1).log() + cap
+    maxima = _pieces(n, v, x.device)
     _launch(x, w, None, cap, maxima, sums, 0, LSE)
     top = maxima.amax(1)
     return top + (sums * (maxima - top[:, None]).exp()).sum(1).log()

@@ -54,13 +54,20 @@ def _regime(x, w, regime: str, cap: float):
     return x, w
 
 
-def test_products_against_fp64():
+# Vocabulary sizes against the 256-column tiles of two 128-column pieces: a multiple of neither
+# (1003), a last tile whose second piece lies wholly past V (300: 44 columns in it; 384: exactly
+# one full piece), a multiple of 256 (1024).
+VOCABS = [1003, 300, 384, 1024]
+
+
+@pytest.mark.parametrize("v", VOCABS)
+def test_products_against_fp64(v):
     """Q, S and the target's capped logit and 1 - t^2 are the module docstring's, computed in
     fp64 from the same bf16 inputs: Q within bf16's rounding, the rest within fp32's."""
     cap = 7.0
-    x, w, _, labels = make_inputs(150, 72, 1003, torch.bfloat16, ignore_frac=0.2)
+    x, w, _, labels = make_inputs(150, 72, v, torch.bfloat16, ignore_frac=0.2)
     x, w = x.detach(), w.detach()
-    labels[3] = 1003  # outside [0, V): no target
+    labels[3] = v  # outside [0, V): no target
     targets = torch.where(labels == -100, -1, labels)
     q, s, x_y, d_y = softcap_products(x, w, targets, cap)
     z = x.double() @ w.double().t()
@@ -68,7 +75,7 @@ def test_products_against_fp64():
     e = torch.exp(cap * t - cap)
     torch.testing.assert_close(q.double(), e * (1 - t * t), rtol=2**-8, atol=0)
     torch.testing.assert_close(s.double(), e.sum(1), rtol=1e-5, atol=0)
-    valid = (targets >= 0) & (targets < 1003)
+    valid = (targets >= 0) & (targets < v)
     rows = valid.nonzero().flatten()
     t_y = t[rows, targets[rows]]
     torch.testing.assert_close(x_y[rows].double(), cap * t_y, rtol=1e-5, atol=1e-5)
@@ -88,6 +95,8 @@ CASES = {
     "skip_ignored": dict(softcap=30.0, skip_ignored=True, z_loss_scale=1e-4),
     "chunks": dict(softcap=20.0, chunk_bytes=16 * 1024, z_loss_scale=1e-4),
     "largest-cap": dict(softcap=40.0),
+    "tail-piece-empty": dict(softcap=30.0, z_loss_scale=1e-4),
+    "tail-piece-full": dict(softcap=5.0),
 }
 
 
@@ -98,7 +107,7 @@ def test_fused_head_matches_reference(case, regime, fused_chunks, monkeypatch):
     loss, the z-loss and both gradients of the fp32 reference within bf16's budget, for random
     upstream gradients on every token."""
     kw = dict(CASES[case])
-    v = 1003 if "odd" in case else 1000
+    v = {"sum-odd-vocab": 1003, "tail-piece-empty": 300, "tail-piece-full": 384}.get(case, 1000)
     d = 32 if "chunk_bytes" in kw else 64  # narrow rows: several chunks beat one
     x, w, _, labels = make_inputs(203, d, v, torch.bfloat16, ignore_frac=0.3, seed=len(case))
     x, w = _regime(x, w, regime, kw["softcap"])
@@ -136,15 +145,21 @@ def test_unfused_where_it_does_not_apply(case, fused_chunks):
     assert not fused_chunks
 
 
-def test_applies_needs_rows_tma_can_take():
-    """A weight whose rows are not 16-byte aligned (a column slice) is left to the unfused path."""
-    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
-    w = torch.randn(100, 70, device=DEVICE, dtype=torch.bfloat16)
+def test_offset_views_are_copied_not_left_unfused(fused_chunks):
+    """Rows TMA cannot take as they lie (views starting off 16 bytes, a weight of padded rows)
+    still take the fused product, through a copy: the choice depends on dtype, shape and device
+    only, the same for a forward and the backward recomputing from its saved tensors. Rows of a
+    size that is no multiple of 16 bytes are left unfused."""
     args = (None, 30.0, 0.0, 0.0, 1.0, 1.0, 0, True)
-    assert applies(x, w[:, :64].contiguous(), *args)
-    assert not applies(x, w[:, :64], *args)
-    wide = torch.randn(8, 72, device=DEVICE, dtype=torch.bfloat16)
-    assert not applies(wide[:, 1:65], w[:, :64].contiguous(), *args)  # rows start off 16 bytes
+    wide = torch.randn(97, 72, device=DEVICE, dtype=torch.bfloat16)
+    padded = torch.randn(300, 80, device=DEVICE, dtype=torch.bfloat16) / 8
+    x, w = wide[:, 1:65], padded[:, :64]  # rows start 2 bytes off; rows 160 bytes apart
+    assert applies(x, w, *args)
+    assert not applies(wide[:, :60], w[:, :60], *args)
+    labels = torch.randint(0, 300, (97,), device=DEVICE)
+    check_against_reference(x.requires_grad_(), w.requires_grad_(), None, labels,
+                            torch.bfloat16, softcap=30.0)  # fmt: skip
+    assert fused_chunks == [97]
 
 
 @pytest.fixture
@@ -165,23 +180,24 @@ def recompute_calls(monkeypatch):
     return calls
 
 
-def test_lse_and_grad_products_against_fp64():
+@pytest.mark.parametrize("v", VOCABS)
+def test_lse_and_grad_products_against_fp64(v):
     """``lse_products`` (with and without a softcap, no logits stored) and ``grad_products`` of a
     vocabulary slice (its columns offset) against fp64 from the same bf16 inputs."""
-    x, w, _, labels = make_inputs(140, 64, 700, torch.bfloat16, ignore_frac=0.2)
+    x, w, _, labels = make_inputs(140, 64, v, torch.bfloat16, ignore_frac=0.2)
     x, w = x.detach(), w.detach()
     targets = torch.where(labels == -100, -1, labels)
     gen = torch.Generator().manual_seed(5)
     big_a = torch.rand(140, generator=gen).to(DEVICE)
     small_a = torch.rand(140, generator=gen).to(DEVICE)
-    cols = torch.arange(700, device=DEVICE)
+    cols = torch.arange(v, device=DEVICE)
     for cap in (0.0, 20.0):
         z = x.double() @ w.double().t()
         t = torch.tanh(z / cap) if cap else None
         xs = cap * t if cap else z
         lse = torch.logsumexp(xs, 1)
         torch.testing.assert_close(lse_products(x, w, cap).double(), lse, rtol=1e-6, atol=1e-5)
-        start, stop = 128, 640  # a slice: its own column numbers, the targets the whole's
+        start, stop = 128, v - 40  # a slice: its own column numbers, the targets the whole's
         g = big_a.double()[:, None] * torch.exp(xs - lse[:, None])
         g = g - small_a.double()[:, None] * (cols[None, :] == targets[:, None])
         if cap:
@@ -221,16 +237,25 @@ def test_recompute_schedule_through_the_products(case, regime, recompute_calls, 
         assert len(recompute_calls["grad"]) > 2 and sum(recompute_calls["grad"]) % 1003 == 0
 
 
-def test_forward_without_gradients_stores_no_logits(recompute_calls, monkeypatch):
-    """Under no_grad a bf16 head computes its loss through ``lse_products`` in one call, whatever
-    the chunk budget (nothing the size of the logits is made)."""
-    x, w, _, labels = make_inputs(150, 32, 900, torch.bfloat16)
+@pytest.mark.parametrize("v", [900, 300])
+@pytest.mark.parametrize("cap", [15.0, 0.0])
+def test_forward_without_gradients_stores_no_logits(v, cap, recompute_calls, monkeypatch):
+    """Under no_grad a bf16 head computes its loss through ``lse_products`` alone: the chunk
+    budget bounds its statistics (two words per row and 128 columns), not logits it never makes:
+    one call where the logits of every row would not fit, several where the statistics would
+    not either; the loss is fp32's."""
+    x, w, _, labels = make_inputs(150, 32, v, torch.bfloat16)
     monkeypatch.setattr(OPS, "MIN_CHUNK_ROWS", 8)
+    monkeypatch.setattr(OPS, "_ALIGN", 8)
+    want = linear_cross_entropy(x.float(), w.float(), labels, softcap=cap or None).loss.detach()
     with torch.no_grad():
-        got = linear_cross_entropy(x, w, labels, softcap=15.0, chunk_bytes=1024)
-    want = linear_cross_entropy(x.float(), w.float(), labels, softcap=15.0)
-    torch.testing.assert_close(got.loss, want.loss.detach(), rtol=1e-5, atol=1e-5)
-    assert recompute_calls["lse"] == [150] and not recompute_calls["grad"]
+        for budget, one_call in ((150 * v * 2 // 2, True), (1024, False)):
+            recompute_calls["lse"].clear()
+            got = linear_cross_entropy(x, w, labels, softcap=cap or None, chunk_bytes=budget)
+            torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-5)
+            calls = recompute_calls["lse"]
+            assert sum(calls) == 150 and (calls == [150]) == one_call, calls
+    assert not recompute_calls["grad"]
 
 
 @pytest.mark.gpu
