@@ -38,6 +38,8 @@ class Case:
     explicit_layout: bool = False
     # The per-token outputs (linear_log_probs) instead of the loss.
     log_probs: bool = False
+    # bf16 hidden states and head: the fused products on each rank's slice (products.py)
+    bf16: bool = False
 
 
 def _log_probs_reference(hidden, weight, labels, bias=None, outputs=("log_probs",), **kw):
@@ -109,6 +111,8 @@ def _inputs(case: Case):
     labels[0, 2] = labels[1, 5] = case.options.get("ignore_index", -100)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
     upstream = torch.randn(B, T, generator=g)
+    if case.bf16:
+        hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
     return hidden, weight, bias, labels, positions, upstream
 
 
@@ -265,3 +269,56 @@ def test_without_a_process_group_it_says_so():
         vocab_parallel_linear_cross_entropy(
             torch.randn(4, 8), torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
         )
+
+
+BF16_CASES = [
+    Case("bf16-mean", bf16=True),
+    Case("bf16-none-upstream", bf16=True, options=dict(reduction="none", z_loss_scale=1e-2)),
+    Case("bf16-softcap-z", bf16=True, options=dict(softcap=3.0, z_loss_scale=1e-3)),
+    Case("bf16-explicit-layout", bf16=True, explicit_layout=True, options=dict(softcap=20.0)),
+    Case("bf16-sequence-parallel", bf16=True, sequence_parallel=True,
+         options=dict(reduction="none")),
+]  # fmt: skip
+
+
+def _bf16_worker(rank: int, port: int, out: str, cases: list) -> None:
+    world = cases[0]
+
+    def compute():
+        import importlib
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+        calls = []
+        for name in ("lse_products", "grad_products", "softcap_products"):
+            fn = getattr(ops, name)
+            setattr(ops, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+        mesh = init_device_mesh("cpu", (world,))
+        results = {}
+        for case in cases[1:]:
+            calls.clear()
+            results[case.name] = _run_case(case, rank, world, mesh)
+            results[case.name]["fused"] = sorted(set(calls))
+        return results
+
+    gloo_rank(rank, port, world, out, compute)
+
+
+def test_vocab_parallel_bf16_through_the_fused_products(tmp_path):
+    """bf16 on 2 ranks: each rank's slice takes the fused products (the forward's log-sum-exp,
+    the backward's gradient product with the slice's column offset) and its loss, z-loss and
+    gradients equal the unsharded bf16 kernel's (itself fused) within bf16's rounding of the
+    gradients (2^-8 of their largest, here 1e-2 of it: the two round different fp32 values)."""
+    per_rank = run_ranks(_bf16_worker, 2, tmp_path, [2, *BF16_CASES])
+    failed = []
+    for rank, results in enumerate(per_rank):
+        for name, errors in results.items():
+            fused = errors.pop("fused")
+            if not {"lse_products", "grad_products"} <= set(fused):
+                failed.append(f"rank {rank} {name}: fused products not taken ({fused})")
+            scale = max(errors.pop("scale"), 1.0)
+            for key, err in errors.items():
+                if not err <= 1e-2 * scale:
+                    failed.append(f"rank {rank} {name} {key}: {err:.2e}")
+    assert not failed, "\n".join(failed)
