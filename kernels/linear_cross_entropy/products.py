@@ -31,13 +31,14 @@ scale and temperature 1, no statistics, no entropy gradient, rows of a multiple 
 offset view is copied first), a GPU of compute capability 9 or later (or the interpreter); for
 ``softcap_products`` also 0 < cap <= 40 (exp(-2 cap) a normal fp32 and bf16 number) and a z-loss
 scale with which A_i keeps at least half of a_i for every possible lse (|lse| < log V + cap).
-Anything else runs unfused.
+Anything else runs unfused, as does everything with ``SURGERY_FUSED_PRODUCTS=0``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 MAX_SOFTCAP = 40.0  # exp(-2 cap) must stay a normal fp32 / bf16 number (> 1.2e-38)
+ENABLED = os.environ.get("SURGERY_FUSED_PRODUCTS", "1") != "0"
+"""``SURGERY_FUSED_PRODUCTS=0`` (read at import) leaves every head to the unfused path: cuBLAS's
+products and the row kernels, for a comparison or to rule the fused products out."""
 SOFTCAP_Q, LSE, GRAD = 0, 1, 2  # the kernel's EPILOGUE
 
 if triton_available():
@@ -241,7 +245,7 @@ def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperat
                   eager: bool) -> bool:  # fmt: skip
     """The part of ``applies`` that reads no tensor data (a vocabulary of ``v``): what an
     autograd forward can decide while traced, for its backward."""
-    if TensorDescriptor is None or head_products_kernel is None:
+    if not ENABLED or TensorDescriptor is None or head_products_kernel is None:
         return False
     if eps != 0.0 or stats or logit_scale != 1.0 or inv_temperature != 1.0 or bias is not None:
         return False

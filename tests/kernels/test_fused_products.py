@@ -135,6 +135,16 @@ NOT_FUSED = {
 }
 
 
+def test_switched_off_by_the_environment(fused_chunks, monkeypatch):
+    """With ``SURGERY_FUSED_PRODUCTS=0`` (the module's ``ENABLED``) a head the products would
+    take runs unfused, and is right."""
+    monkeypatch.setattr(importlib.import_module(OPS.__name__.rsplit(".", 1)[0] + ".products"),
+                        "ENABLED", False)  # fmt: skip
+    x, w, _, labels = make_inputs(97, 32, 300, torch.bfloat16)
+    check_against_reference(x, w, None, labels, torch.bfloat16, softcap=30.0)
+    assert not fused_chunks
+
+
 @pytest.mark.parametrize("case", list(NOT_FUSED), ids=list(NOT_FUSED))
 def test_unfused_where_it_does_not_apply(case, fused_chunks):
     """The options the fused product cannot take leave it out (and stay right)."""
