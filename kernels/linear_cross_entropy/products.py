@@ -4,8 +4,9 @@ Its three epilogues, by schedule (the package docstring names the schedules):
 
 * ``softcap_products`` (eager schedule, softcapped heads). Every logit the loss sees,
   x = cap tanh(z / cap), lies in (-cap, cap), so exp(x - cap) needs no running maximum: the tile
-  writes Q = exp(x - cap) (1 - t^2) in bf16 (t = tanh(z / cap)) and adds its rows' sums
-  S = sum_j exp(x_j - cap) into an fp32 vector; lse = cap + log S, and the gradient of
+  writes Q = exp(x - cap) (1 - t^2) in bf16 (t = tanh(z / cap)) and its rows' sums of
+  exp(x_j - cap) per 128-column piece, added on the host in one order (deterministic, no atomics)
+  into S; lse = cap + log S, and the gradient of
   ``a ce + b zl`` (``cross_entropy``'s formulas, no label smoothing) is
 
       dL/dz_ij = c_i Q_ij - a_i (1 - t_iy^2) [j = y_i], c_i = A_i / S_i, A_i = a_i + 2 s lse_i b_i:
@@ -15,10 +16,10 @@ Its three epilogues, by schedule (the package docstring names the schedules):
   the one large entry of each gradient row is never rounded to bf16: the gradients come out closer
   to fp32's than the unfused head's. Against the unfused head this saves the log-sum-exp read and
   the gradient's read and write of each chunk (the Gemma 2 head at 1.02-1.04x its three-product
-  floor where the unfused one took 1.14-1.16x: ``benchmarks/results/linear_cross_entropy-h200-*``).
+  floor where the unfused one took 1.09-1.16x: ``benchmarks/results/linear_cross_entropy-h200-*``).
 * ``lse_products`` (the recompute schedule's forward, and any forward without gradients): no
-  store at all; each tile adds its rows' sums of exp(x - cap) (softcap), or writes its rows'
-  maximum and sum of exp(x - max) per 128-column piece (no softcap), combined into the log-sum-exp.
+  store but the pieces' statistics: the rows' sums of exp(x - cap) (softcap), or their maximum and
+  sum of exp(x - max) (no softcap) per 128-column piece, combined into the log-sum-exp.
 * ``grad_products`` (the recompute schedule's backward, per vocabulary slice): lse known, the tile
   writes the logit gradient d_ij (A_i exp(x_ij - lse_i) - a_i [j = y_i]) itself (d = 1 - t^2, or 1
   without a softcap), where the unfused backward wrote the logits and swept them.
