@@ -31,7 +31,6 @@ from .products import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOW_MEMORY_CHUNK_BYTES",
-    "fused_lse",
     "lce_bwd_recompute",
     "lce_fwd",
     "plan_token_chunk",
@@ -196,23 +195,20 @@ def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int, fill: float = 
     return part.new_full((n, *part.shape[1:]), fill).index_copy_(0, rows, part)
 
 
-def fused_lse(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
-              grads: bool) -> bool:  # fmt: skip
-    """Whether ``lce_fwd`` runs through the fused products (``products``): its log-sum-exp is
-    then that of the fp32 products, and a backward recomputing the logits must take them too
-    (``lce_bwd_recompute``'s ``fused_lse``). ``grads``: the forward computes the gradients (the
-    eager schedule: softcapped heads only)."""
-    return products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
-                          stats, eager=grads)  # fmt: skip
+def _row_losses(lse, x_y, targets, v: int, z_scale: float):
+    """``(valid, ce, zl)`` of rows whose log-sum-exp and target logit the fused products gave
+    (no label smoothing): 0 on rows without a target in [0, v)."""
+    valid = (targets >= 0) & (targets < v)
+    ce = torch.where(valid, lse - x_y, 0.0)
+    return valid, ce, torch.where(valid, z_scale * lse * lse, 0.0)
 
 
 def _lse_chunk(xc, w, targets, cap: float, z_scale: float):
     """One chunk's ``(lse, ce, zl)`` through ``lse_products``: no logits stored."""
     lse = lse_products(xc, w, cap)
     x_y, _ = target_logits(xc, w, targets, cap)
-    valid = (targets >= 0) & (targets < w.shape[0])
-    ce = torch.where(valid, lse - x_y, 0.0)
-    return lse, ce, torch.where(valid, z_scale * lse * lse, 0.0)
+    _, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
+    return lse, ce, zl
 
 
 class _TargetTerms(NamedTuple):
@@ -232,10 +228,8 @@ def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
     row, is kept apart in fp32 (``E``) and added to each gradient product at fp32."""
     q, s, x_y, d_y = softcap_products(xc, w, targets, cap)
     v = w.shape[0]
-    valid = (targets >= 0) & (targets < v)
     lse = s.log() + cap
-    ce = torch.where(valid, lse - x_y, 0.0)
-    zl = torch.where(valid, z_scale * lse * lse, 0.0)
+    valid, ce, zl = _row_losses(lse, x_y, targets, v, z_scale)
     r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
     scale = torch.where(valid, coef * r / s, 0.0)
     corr = torch.where(valid, -coef * d_y, 0.0)
@@ -299,8 +293,10 @@ def lce_fwd(
     """
     n_all, rows = x.shape[0], None
     grads = weights is not None and (need_dx or need_dw or need_db)
-    fused = fused_lse(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
-                      grads)  # fmt: skip
+    # through the fused products: their lse is the fp32 products' (a backward recomputing the
+    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads only
+    fused = products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
+                           stats, eager=grads)  # fmt: skip
     if fused:
         x, w = tma_ready(x), tma_ready(w)
     if skip_ignored:
@@ -422,7 +418,7 @@ def lce_bwd_recompute(
     ``targets`` and ``lse`` are then the whole vocabulary's, and the hidden gradient is this
     slice's part of it.
 
-    ``fused_lse``: ``lse`` came from the fused products (``fused_lse``); the logits are then
+    ``fused_lse``: ``lse`` came from the fused products (``lce_fwd`` took them); the logits are then
     recomputed by ``grad_products`` where it applies (no entropy gradient), which writes each
     slice's gradient in place of its logits."""
     fused = (

@@ -82,7 +82,6 @@ else:  # pragma: no cover
 BM, BN, BK, STAGES, WARPS, GROUP_M = 128, 256, 64, 3, 8, 8
 PIECE = BN // 2
 TARGET_BLOCK_D = 256
-LOG2E = 1.4426950408889634
 
 head_products_kernel = target_logits_kernel = None
 
@@ -126,6 +125,8 @@ if triton is not None:
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         live = rows < M
+        # this piece's slot in the (rows, pieces) statistics (SOFTCAP_Q and LSE)
+        slot = rows.to(tl.int64) * (2 * tl.cdiv(N, 2 * BLOCK_N)) + off_n // BLOCK_N
         if SOFTCAP:
             t = _tanh_for(acc * (1.0 / cap), INTERP)
             x = cap * t
@@ -150,14 +151,12 @@ if triton is not None:
             if EPILOGUE == 0:
                 q = _rounded(e * (1.0 - t * t), out_desc.dtype, INTERP)
                 out_desc.store([off_m, off_n], q)
-            slot = rows.to(tl.int64) * (2 * tl.cdiv(N, 2 * BLOCK_N)) + off_n // BLOCK_N
             tl.store(row_b + slot, tl.sum(e, 1), mask=live)
         else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
             x2 = x * 1.4426950408889634
             if not EVEN_N:
                 x2 = tl.where(cols[None, :] < N, x2, float("-inf"))
             m = tl.max(x2, 1)
-            slot = rows.to(tl.int64) * (2 * tl.cdiv(N, 2 * BLOCK_N)) + off_n // BLOCK_N
             tl.store(row_a + slot, m * 0.6931471805599453, mask=live)
             m = tl.where(m == float("-inf"), 0.0, m)  # a piece wholly past N: a sum of 0
             tl.store(row_b + slot, tl.sum(tl.exp2(x2 - m[:, None]), 1), mask=live)

@@ -26,19 +26,25 @@ from tests.kernels.test_linear_cross_entropy import (
 from tests.utils import DEVICE, assert_close_budget, assert_no_sync_and_graph_replay
 
 OPS = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+PRODUCTS = importlib.import_module("surgery.kernels.linear_cross_entropy.products")
+
+
+def _count_calls(monkeypatch, name: str, size) -> list[int]:
+    """``ops``' calls of the product ``name``, each recorded as ``size(x, w)``."""
+    calls, fn = [], getattr(PRODUCTS, name)
+
+    def counted(x, w, *args):
+        calls.append(size(x, w))
+        return fn(x, w, *args)
+
+    monkeypatch.setattr(OPS, name, counted)
+    return calls
 
 
 @pytest.fixture
 def fused_chunks(monkeypatch):
     """The chunks ``lce_fwd`` ran through the fused product (their row counts)."""
-    rows = []
-
-    def counted(x, *args):
-        rows.append(x.shape[0])
-        return softcap_products(x, *args)
-
-    monkeypatch.setattr(OPS, "softcap_products", counted)
-    return rows
+    return _count_calls(monkeypatch, "softcap_products", lambda x, w: x.shape[0])
 
 
 def _regime(x, w, regime: str, cap: float):
@@ -138,8 +144,7 @@ NOT_FUSED = {
 def test_switched_off_by_the_environment(fused_chunks, monkeypatch):
     """With ``SURGERY_FUSED_PRODUCTS=0`` (the module's ``ENABLED``) a head the products would
     take runs unfused, and is right."""
-    monkeypatch.setattr(importlib.import_module(OPS.__name__.rsplit(".", 1)[0] + ".products"),
-                        "ENABLED", False)  # fmt: skip
+    monkeypatch.setattr(PRODUCTS, "ENABLED", False)
     x, w, _, labels = make_inputs(97, 32, 300, torch.bfloat16)
     check_against_reference(x, w, None, labels, torch.bfloat16, softcap=30.0)
     assert not fused_chunks
@@ -175,19 +180,10 @@ def test_offset_views_are_copied_not_left_unfused(fused_chunks):
 @pytest.fixture
 def recompute_calls(monkeypatch):
     """The rows of each ``lse_products`` call and the columns of each ``grad_products`` call."""
-    calls = {"lse": [], "grad": []}
-
-    def lse(x, *args):
-        calls["lse"].append(x.shape[0])
-        return lse_products(x, *args)
-
-    def grad(x, w, *args):
-        calls["grad"].append(w.shape[0])
-        return grad_products(x, w, *args)
-
-    monkeypatch.setattr(OPS, "lse_products", lse)
-    monkeypatch.setattr(OPS, "grad_products", grad)
-    return calls
+    return {
+        "lse": _count_calls(monkeypatch, "lse_products", lambda x, w: x.shape[0]),
+        "grad": _count_calls(monkeypatch, "grad_products", lambda x, w: w.shape[0]),
+    }
 
 
 @pytest.mark.parametrize("v", VOCABS)
