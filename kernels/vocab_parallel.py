@@ -177,7 +177,7 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     by_name = dict(zip(STATISTICS, statistics, strict=True))
     out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0)}
     # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
-    out["fused"] = options_apply(v, bias, softcap, 0.0, 0.0, *transform, stats, False)
+    out["fused"] = options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
     for key in want:
         if key == "total":
             out[key] = by_name["mean_logits"] * v

@@ -78,8 +78,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # whether lce_fwd took the fused products (their log-sum-exp is the fp32 products'),
         # decided without reading tensor data (traced, x and w are fake); the backward's op
         # checks the tensors themselves
-        ctx.fused_lse = options_apply(w.shape[0], bias, softcap, eps, z_scale, *transform, stats,
-                                      eager)  # fmt: skip
+        ctx.fused_lse = options_apply(w.shape[0], bias, softcap, eps, z_scale, *transform, eager)
         ctx.hint = hint if weights is None and not compiled else None
         ctx.guess = guess
         ctx.set_materialize_grads(False)

@@ -203,12 +203,26 @@ def _row_losses(lse, x_y, targets, v: int, z_scale: float):
     return valid, ce, torch.where(valid, z_scale * lse * lse, 0.0)
 
 
-def _lse_chunk(xc, w, targets, cap: float, z_scale: float):
-    """One chunk's ``(lse, ce, zl)`` through ``lse_products``: no logits stored."""
-    lse = lse_products(xc, w, cap)
+def _lse_chunk(xc, w, targets, cap: float, z_scale: float, stats: int):
+    """One chunk's ``(lse, ce, zl, valid, statistics)`` through ``lse_products``: no logits
+    stored."""
+    lse, values = lse_products(xc, w, cap, stats)
     x_y, _ = target_logits(xc, w, targets, cap)
-    _, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
-    return lse, ce, zl
+    valid, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
+    return lse, ce, zl, valid, values
+
+
+def _fill_statistics(statistics: dict, values: dict, valid, targets) -> None:
+    """The requested statistics' slices (``statistics``) from a fused chunk's ``values``
+    (``products._row_statistics``), as the unfused kernels fill them: 0 (``is_top1`` False,
+    ``predicted`` -1) on rows without a target."""
+    for name, out in statistics.items():
+        if name == "is_top1":
+            out.copy_(valid & (values["predicted"] == targets))
+        elif name == "predicted":
+            out.copy_(torch.where(valid, values["predicted"], -1))
+        else:
+            out.copy_(torch.where(valid, values[name], 0.0))
 
 
 class _TargetTerms(NamedTuple):
@@ -221,12 +235,13 @@ class _TargetTerms(NamedTuple):
     in_q: torch.Tensor  # (n,) fp32: corr / scale, E's entries in Q's units (finite where scale 0)
 
 
-def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
-    """One chunk's ``(lse, ce, zl, q, terms)`` through ``softcap_products`` (its docstring has
-    the formulas), ``terms`` (``_TargetTerms``) for ``coef``, the rows' weights on ce and zl. Q
+def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float, stats: int):
+    """One chunk's ``(lse, ce, zl, valid, statistics, q, terms)`` through ``softcap_products``
+    (its docstring has the formulas), ``terms`` (``_TargetTerms``) for ``coef``, the rows'
+    weights on ce and zl. Q
     stays as the product wrote it: the target's entry of the gradient, the one large entry of its
     row, is kept apart in fp32 (``E``) and added to each gradient product at fp32."""
-    q, s, x_y, d_y = softcap_products(xc, w, targets, cap)
+    q, s, x_y, d_y, values = softcap_products(xc, w, targets, cap, stats)
     v = w.shape[0]
     lse = s.log() + cap
     valid, ce, zl = _row_losses(lse, x_y, targets, v, z_scale)
@@ -234,7 +249,8 @@ def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float):
     scale = torch.where(valid, coef * r / s, 0.0)
     corr = torch.where(valid, -coef * d_y, 0.0)
     in_q = torch.where(valid, -d_y * s / r, 0.0)
-    return lse, ce, zl, q, _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
+    terms = _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
+    return lse, ce, zl, valid, values, q, terms
 
 
 def _softcap_dx(q, w, terms: _TargetTerms, out: torch.Tensor, slice_rows: int) -> None:
@@ -296,7 +312,7 @@ def lce_fwd(
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads only
     fused = products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
-                           stats, eager=grads)  # fmt: skip
+                           eager=grads)  # fmt: skip
     if fused:
         x, w = tma_ready(x), tma_ready(w)
     if skip_ignored:
@@ -311,7 +327,7 @@ def lce_fwd(
     accumulate_fp32 = need_dw and w.dtype != torch.float32
     chunk = plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
     if fused and not grads:  # no logits stored: the budget bounds the statistics
-        chunk = _rows_for(chunk_bytes, statistics_row_bytes(v), n, MIN_CHUNK_ROWS)
+        chunk = _rows_for(chunk_bytes, statistics_row_bytes(v, stats), n, MIN_CHUNK_ROWS)
     single = chunk >= n
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     ce = torch.empty(n, dtype=torch.float32, device=dev)
@@ -332,11 +348,14 @@ def lce_fwd(
         xc = x[n0:n1]
         terms = None  # the fused product's gradient terms
         if fused and grads:
-            rl, rc, rz, logits, terms = _softcap_chunk(
-                xc, w, targets[n0:n1], weights[n0:n1], softcap, z_scale
+            rl, rc, rz, valid, values, logits, terms = _softcap_chunk(
+                xc, w, targets[n0:n1], weights[n0:n1], softcap, z_scale, stats
             )
         elif fused:
-            rl, rc, rz = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale)
+            rl, rc, rz, valid, values = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale, stats)
+        if fused:
+            part = {k: t[n0:n1] for k, t in statistics.items()}
+            _fill_statistics(part, values, valid, targets[n0:n1])
         else:
             logits = _logits(xc, w, bias)
             rl, rc, rz = cross_entropy_fwd(
@@ -419,14 +438,10 @@ def lce_bwd_recompute(
     slice's part of it.
 
     ``fused_lse``: ``lse`` came from the fused products (``lce_fwd`` took them); the logits are then
-    recomputed by ``grad_products`` where it applies (no entropy gradient), which writes each
-    slice's gradient in place of its logits."""
-    fused = (
-        fused_lse
-        and coef_entropy is None
-        and products_apply(
-            x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, 0, eager=False
-        )
+    recomputed by ``grad_products`` where it applies, which writes each slice's gradient in place
+    of its logits."""
+    fused = fused_lse and products_apply(
+        x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=False
     )
     if fused:
         x, w = tma_ready(x), tma_ready(w)
@@ -456,11 +471,14 @@ def lce_bwd_recompute(
         valid = (targets >= 0) & (targets < (vocab_total or v))
         big_a = torch.where(valid, coef_ce + 2.0 * z_scale * lse * coef_z, 0.0)
         small_a = torch.where(valid, coef_ce, 0.0)
+        if coef_entropy is not None:
+            coef_entropy = torch.where(valid, coef_entropy, 0.0)
     for v0 in range(0, v, cols):
         v1 = min(v0 + cols, v)
         wc = w[v0:v1]
         if fused:
-            logits = grad_products(x, wc, targets, lse, big_a, small_a, softcap, vocab_start + v0)
+            logits = grad_products(x, wc, targets, lse, big_a, small_a, softcap, vocab_start + v0,
+                                   entropy, coef_entropy)  # fmt: skip
         else:
             logits = _logits(x, wc, None if bias is None else bias[v0:v1])
             cross_entropy_bwd(

@@ -40,9 +40,11 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
+from ..cross_entropy import STATISTICS
 from ..dispatch import cdiv, interpreter_enabled, on_device, triton_available
 
 __all__ = [
@@ -63,6 +65,10 @@ ENABLED = os.environ.get("SURGERY_FUSED_PRODUCTS", "1") != "0"
 """``SURGERY_FUSED_PRODUCTS=0`` (read at import) leaves every head to the unfused path: cuBLAS's
 products and the row kernels, for a comparison or to rule the fused products out."""
 SOFTCAP_Q, LSE, GRAD = 0, 1, 2  # the kernel's EPILOGUE
+# The kernel's STATS: a plane of per-piece sums each (``_piece_statistics``), by the statistic it
+# serves: sum e (x - r) (entropy), sum exp(2 (x - max)), sum x, the first maximum's column.
+PLANE_BITS = {"entropy": 1, "log_sum_sq_probs": 2, "mean_logits": 4, "is_top1": 8, "predicted": 8}
+PLANE_COUNT = 4
 
 if triton_available():
     import triton
@@ -112,16 +118,44 @@ if triton is not None:
         return first_m + (tile % size_m), (tile % in_group) // size_m
 
     @triton.jit
-    def _epilogue(acc, out_desc, off_m, off_n, M, N, cap, row_a, row_b, col_offset,
-                  EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-                  INTERP: tl.constexpr):  # fmt: skip
+    def _piece_statistics(x, xm, e, ref, off_n, cols, live, slot, row_a, planes, plane, N,
+                          STATS: tl.constexpr, STORE_MAX: tl.constexpr,
+                          EVEN_N: tl.constexpr):  # fmt: skip
+        """A piece's statistics, one plane each (``STATS``' bits, ``PLANES``): ``x`` the logits,
+        ``xm`` the same with -inf past N, ``e`` = exp(x - ref) (0 past N) for the rows' reference
+        ``ref`` (cap, or the piece's maximum). ``STORE_MAX``: the piece's maximum into ``row_a``
+        (with a softcap; without one the log-sum-exp has stored it)."""
+        if STATS & 1:  # sum e (x - ref): the entropy
+            tl.store(planes + slot, tl.sum(e * (x - ref[:, None]), 1), mask=live)
+        if STATS & 10:
+            m = tl.max(xm, 1)
+            if STORE_MAX:
+                tl.store(row_a + slot, m, mask=live)
+            if STATS & 2:  # sum exp(2 (x - m)), each term <= 1 (a piece past N: 0)
+                shift = tl.where(m == float("-inf"), 0.0, ref - m)
+                u = e * tl.exp2(shift * 1.4426950408889634)[:, None]
+                tl.store(planes + plane + slot, tl.sum(u * u, 1), mask=live)
+            if STATS & 8:  # the first maximum's column: is_top1, predicted
+                first = off_n + tl.argmax(xm, 1, tie_break_left=True)
+                tl.store(planes + 3 * plane + slot, first.to(tl.float32), mask=live)
+        if STATS & 4:  # sum x: the mean logit
+            xs = x if EVEN_N else tl.where(cols[None, :] < N, x, 0.0)
+            tl.store(planes + 2 * plane + slot, tl.sum(xs, 1), mask=live)
+
+    @triton.jit
+    def _epilogue(acc, out_desc, off_m, off_n, M, N, cap, row_a, row_b, planes, plane,
+                  col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+                  STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVEN_N: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """One (BLOCK_M, BLOCK_N) piece of the tile, by EPILOGUE (the module docstring). The row
-        pointers: SOFTCAP_Q and LSE with a softcap, row_b = the pieces' sums of exp(x - cap);
-        LSE without, row_a = the pieces' maxima, row_b their sums of exp(x - maximum) (rows of
-        two pieces per column tile: a piece wholly past N holds -inf and 0); GRAD row_a = (lse,
-        A, a) rows of 3 words, row_b = the targets. Each piece's own slot, no atomics: the sums
-        are added in one order on the host (deterministic)."""
+        pointers: SOFTCAP_Q and LSE with a softcap, row_b = the pieces' sums of exp(x - cap) and
+        row_a their maxima (stored where STATS asks for them); LSE without, row_a = the pieces'
+        maxima, row_b their sums of exp(x - maximum) (rows of two pieces per column tile: a piece
+        wholly past N holds -inf and 0); ``planes``: STATS' planes of the same shape, ``plane``
+        words apart. GRAD: row_a = (lse, A, a) rows of 3 words, or (lse, A, a, e, h) where STATS
+        (the entropy's gradient, e its upstream gradient and h the entropy), row_b = the
+        targets. Each piece's own slot, no atomics: the sums are added in one order on the host
+        (deterministic)."""
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         live = rows < M
@@ -133,11 +167,17 @@ if triton is not None:
         else:
             x = acc
         if EPILOGUE == 2:
-            lse = tl.load(row_a + 3 * rows, mask=live, other=0.0)
-            big_a = tl.load(row_a + 3 * rows + 1, mask=live, other=0.0)
-            small_a = tl.load(row_a + 3 * rows + 2, mask=live, other=0.0)
+            words = 5 if STATS else 3
+            lse = tl.load(row_a + words * rows, mask=live, other=0.0)
+            big_a = tl.load(row_a + words * rows + 1, mask=live, other=0.0)
+            small_a = tl.load(row_a + words * rows + 2, mask=live, other=0.0)
             target = tl.load(row_b + rows, mask=live, other=-1)
-            g = big_a[:, None] * tl.exp2((x - lse[:, None]) * 1.4426950408889634)
+            p = tl.exp2((x - lse[:, None]) * 1.4426950408889634)
+            g = big_a[:, None] * p
+            if STATS:  # the entropy's gradient: -e p (x - lse + h)
+                e_up = tl.load(row_a + words * rows + 3, mask=live, other=0.0)
+                h = tl.load(row_a + words * rows + 4, mask=live, other=0.0)
+                g -= e_up[:, None] * p * (x - (lse - h)[:, None])
             hit = (cols + col_offset)[None, :] == target[:, None]
             g = tl.where(hit, g - small_a[:, None], g)
             if SOFTCAP:
@@ -152,6 +192,11 @@ if triton is not None:
                 q = _rounded(e * (1.0 - t * t), out_desc.dtype, INTERP)
                 out_desc.store([off_m, off_n], q)
             tl.store(row_b + slot, tl.sum(e, 1), mask=live)
+            if STATS:
+                xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
+                ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + cap
+                _piece_statistics(x, xm, e, ref, off_n, cols, live, slot, row_a, planes, plane,
+                                  N, STATS, True, EVEN_N)  # fmt: skip
         else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
             x2 = x * 1.4426950408889634
             if not EVEN_N:
@@ -159,11 +204,17 @@ if triton is not None:
             m = tl.max(x2, 1)
             tl.store(row_a + slot, m * 0.6931471805599453, mask=live)
             m = tl.where(m == float("-inf"), 0.0, m)  # a piece wholly past N: a sum of 0
-            tl.store(row_b + slot, tl.sum(tl.exp2(x2 - m[:, None]), 1), mask=live)
+            p = tl.exp2(x2 - m[:, None])
+            tl.store(row_b + slot, tl.sum(p, 1), mask=live)
+            if STATS:
+                xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
+                _piece_statistics(x, xm, p, m * 0.6931471805599453, off_n, cols, live, slot,
+                                  row_a, planes, plane, N, STATS, False, EVEN_N)  # fmt: skip
 
     @triton.jit
-    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, cap, row_a, row_b, col_offset,
-                             EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, cap, row_a, row_b, planes,
+                             plane, col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+                             STATS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                              NUM_PROGRAMS: tl.constexpr, EVEN_N: tl.constexpr,
@@ -191,11 +242,12 @@ if triton is not None:
             off_n = pid_n * BLOCK_N
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
                                               (0, 2, 1)))  # fmt: skip
-            _epilogue(left, out_desc, off_m, off_n, M, N, cap, row_a, row_b, col_offset,
-                      EPILOGUE, SOFTCAP, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
-            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, cap, row_a, row_b,
-                      col_offset, EPILOGUE, SOFTCAP, BLOCK_M, BLOCK_N // 2, EVEN_N,
+            _epilogue(left, out_desc, off_m, off_n, M, N, cap, row_a, row_b, planes, plane,
+                      col_offset, EPILOGUE, SOFTCAP, STATS, BLOCK_M, BLOCK_N // 2, EVEN_N,
                       INTERP)  # fmt: skip
+            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, cap, row_a, row_b,
+                      planes, plane, col_offset, EPILOGUE, SOFTCAP, STATS, BLOCK_M,
+                      BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
 
     @triton.jit
     def target_logits_kernel(x_ptr, w_ptr, t_ptr, xy_ptr, dy_ptr, K, N, stride_x, stride_w, cap,
@@ -241,13 +293,13 @@ def _tma_rows(t: torch.Tensor) -> bool:
     )
 
 
-def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
+def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
                   eager: bool) -> bool:  # fmt: skip
     """The part of ``applies`` that reads no tensor data (a vocabulary of ``v``): what an
     autograd forward can decide while traced, for its backward."""
     if not ENABLED or TensorDescriptor is None or head_products_kernel is None:
         return False
-    if eps != 0.0 or stats or logit_scale != 1.0 or inv_temperature != 1.0 or bias is not None:
+    if eps != 0.0 or logit_scale != 1.0 or inv_temperature != 1.0 or bias is not None:
         return False
     if not (0.0 <= softcap <= MAX_SOFTCAP) or (eager and softcap == 0.0):
         return False
@@ -275,20 +327,21 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if _tma_rows(t) else t.clone(memory_format=torch.contiguous_format)
 
 
-def statistics_row_bytes(v: int) -> int:
-    """Bytes per row of ``lse_products``' statistics (two fp32 words per 128 columns)."""
-    return 2 * 4 * 2 * cdiv(v, BN)
+def statistics_row_bytes(v: int, stats: int = 0) -> int:
+    """Bytes per row of ``lse_products``' statistics (two fp32 words per 128 columns, and one
+    more per plane where ``stats`` asks for any)."""
+    return 2 * 4 * (2 + (PLANE_COUNT if stats else 0)) * cdiv(v, BN)
 
 
-def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, stats,
+def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
             eager: bool) -> bool:  # fmt: skip
     """Whether the fused products can take this head (the module docstring's list);
     ``eager``: for ``softcap_products``, else for ``lse_products`` / ``grad_products``."""
     return options_apply(w.shape[0], bias, softcap, eps, z_scale, logit_scale, inv_temperature,
-                         stats, eager) and tensors_apply(x, w)  # fmt: skip
+                         eager) and tensors_apply(x, w)  # fmt: skip
 
 
-def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue):
+def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bits=0):
     n, d = x.shape
     v = w.shape[0]
     interp = not x.is_cuda
@@ -296,15 +349,16 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue):
     programs = min(programs, cdiv(n, BM) * cdiv(v, BN))
     if out is None:  # no store (LSE): a descriptor the kernel never uses
         out = x
+    plane = 0 if planes is None else planes.stride(0)
     with on_device(x):
         head_products_kernel[(programs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]),
             TensorDescriptor.from_tensor(w, [BN, BK]),
             TensorDescriptor.from_tensor(out, [BM, PIECE]),
-            n, v, d, float(cap), row_a, row_b, col_offset,
-            EPILOGUE=epilogue, SOFTCAP=cap > 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-            GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % BN == 0, INTERP=interp,
-            num_stages=STAGES, num_warps=WARPS,
+            n, v, d, float(cap), row_a, row_b, row_b if planes is None else planes, plane,
+            col_offset, EPILOGUE=epilogue, SOFTCAP=cap > 0, STATS=bits, BLOCK_M=BM, BLOCK_N=BN,
+            BLOCK_K=BK, GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % BN == 0,
+            INTERP=interp, num_stages=STAGES, num_warps=WARPS,
         )  # fmt: skip
 
 
@@ -327,41 +381,103 @@ def target_logits(x, w, targets, cap: float):
     return x_y, d_y
 
 
-def _pieces(n: int, v: int, device) -> torch.Tensor:
-    """(n, pieces) fp32: a slot per row and 128-column piece, two per 256-column tile."""
-    return torch.empty(n, 2 * cdiv(v, BN), dtype=torch.float32, device=device)
+def _pieces(n: int, v: int, device, planes: int = 0) -> torch.Tensor:
+    """(n, pieces) fp32: a slot per row and 128-column piece, two per 256-column tile; with
+    ``planes``, (planes, n, pieces)."""
+    shape = (planes,) * bool(planes) + (n, 2 * cdiv(v, BN))
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float):
-    """``(q, s, x_y, d_y)`` for rows ``x`` (n, D) and weight ``w`` (V, D), cap > 0: Q (n, V)
-    bf16, S, and ``target_logits``. Call only where ``applies(..., eager=True)``."""
+def _plane_bits(stats: int) -> int:
+    """The kernel's ``STATS`` (bits of ``PLANES``) for ``stats``, a bit mask of ``STATISTICS``."""
+    return sum({PLANE_BITS[name] for i, name in enumerate(STATISTICS) if stats >> i & 1})
+
+
+class _Pieces(NamedTuple):
+    """A launch's per-piece statistics: ``sums`` of exp(x - cap) (softcap) or exp(x - maxima)
+    (none), the pieces' ``maxima`` (where computed), the ``planes`` of ``PLANES``."""
+
+    sums: torch.Tensor
+    maxima: torch.Tensor | None
+    planes: torch.Tensor | None
+
+
+def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int) -> _Pieces:
+    n, v = x.shape[0], w.shape[0]
+    bits = _plane_bits(stats)
+    sums = _pieces(n, v, x.device)
+    maxima = _pieces(n, v, x.device) if cap == 0 or bits & 10 else None
+    planes = _pieces(n, v, x.device, PLANE_COUNT) if bits else None
+    _launch(x, w, out, cap, sums if maxima is None else maxima, sums, 0, epilogue, planes, bits)
+    return _Pieces(sums, maxima, planes)
+
+
+def _row_statistics(pieces: _Pieces, stats: int, cap: float, v: int, lse, s) -> dict:
+    """The rows' ``STATISTICS`` asked for by ``stats`` from the pieces' (``predicted``, int64,
+    in place of ``is_top1`` too), for every row (``ops`` masks those without a target); ``lse``
+    and ``s`` = sum exp(x - cap) (softcap) or exp(x - max) (none) the rows' own."""
+    names = {name for i, name in enumerate(STATISTICS) if stats >> i & 1}
+    out, (sums, maxima, planes) = {}, pieces
+    top = None if maxima is None else maxima.amax(1, keepdim=True)
+    if "entropy" in names:  # H = log s - sum e (x - r) / s, both relative to one reference r
+        t = planes[0]
+        if cap > 0:  # r = cap in every piece
+            t = t.sum(1)
+        else:  # r = the piece's maximum: moved to the row's, pieces past V (-inf, 0) add 0
+            scale = (maxima - top).exp()
+            t = ((t + torch.where(sums > 0, (maxima - top) * sums, 0.0)) * scale).sum(1)
+        out["entropy"] = s.log() - t / s
+    if "log_sum_sq_probs" in names:  # log sum exp(2 (x - lse))
+        squares = (planes[1] * (2.0 * (maxima - top)).exp()).sum(1)
+        out["log_sum_sq_probs"] = squares.log() + 2.0 * (top[:, 0] - lse)
+    if "mean_logits" in names:
+        out["mean_logits"] = planes[2].sum(1) / v
+    if names & {"is_top1", "predicted"}:  # the first piece holding the row's maximum
+        first = maxima.argmax(1, keepdim=True)
+        out["predicted"] = planes[3].gather(1, first)[:, 0].to(torch.int64)
+    return out
+
+
+def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float,
+                     stats: int = 0):  # fmt: skip
+    """``(q, s, x_y, d_y, statistics)`` for rows ``x`` (n, D) and weight ``w`` (V, D), cap > 0:
+    Q (n, V) bf16, S, ``target_logits`` and the ``STATISTICS`` asked for by ``stats``
+    (``_row_statistics``). Call only where ``applies(..., eager=True)``."""
     n, v = x.shape[0], w.shape[0]
     q = _rows_out(n, v, x)
-    sums = _pieces(n, v, x.device)
-    _launch(x, w, q, cap, sums, sums, 0, SOFTCAP_Q)
-    return q, sums.sum(1), *target_logits(x, w, targets, cap)
+    pieces = _launch_pieces(x, w, q, cap, SOFTCAP_Q, stats)
+    s = pieces.sums.sum(1)
+    values = _row_statistics(pieces, stats, cap, v, cap + s.log(), s)
+    return q, s, *target_logits(x, w, targets, cap), values
 
 
-def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float) -> torch.Tensor:
-    """The rows' log-sum-exp of the logits the loss sees (fp32, n), storing no logits (two
-    words per row and 128 columns). Call only where ``applies(..., eager=False)``."""
-    n, v = x.shape[0], w.shape[0]
-    sums = _pieces(n, v, x.device)
+def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float, stats: int = 0):
+    """``(lse, statistics)``: the rows' log-sum-exp of the logits the loss sees (fp32, n) and the
+    ``STATISTICS`` asked for by ``stats`` (``_row_statistics``), storing no logits (two words per
+    row and 128 columns, four more with statistics). Call only where ``applies(...,
+    eager=False)``."""
+    v = w.shape[0]
+    pieces = _launch_pieces(x, w, None, cap, LSE, stats)
     if cap > 0:
-        _launch(x, w, None, cap, sums, sums, 0, LSE)
-        return sums.sum(1).log() + cap
-    maxima = _pieces(n, v, x.device)
-    _launch(x, w, None, cap, maxima, sums, 0, LSE)
-    top = maxima.amax(1)
-    return top + (sums * (maxima - top[:, None]).exp()).sum(1).log()
+        s = pieces.sums.sum(1)
+        lse = s.log() + cap
+    else:
+        top = pieces.maxima.amax(1)
+        s = (pieces.sums * (pieces.maxima - top[:, None]).exp()).sum(1)
+        lse = top + s.log()
+    return lse, _row_statistics(pieces, stats, cap, v, lse, s)
 
 
-def grad_products(x, w, targets, lse, big_a, small_a, cap: float, col_offset: int = 0):
+def grad_products(x, w, targets, lse, big_a, small_a, cap: float, col_offset: int = 0,
+                  entropy=None, coef_entropy=None):  # fmt: skip
     """The logit gradient (n, V) in x's dtype of the columns ``[col_offset, col_offset + V)``
-    whose weight rows are ``w``: d (A exp(x - lse) - a [j = y]) per row (``A``, ``a``: fp32 (n,),
-    0 on rows without a target). Call only where ``applies(..., eager=False)``."""
+    whose weight rows are ``w``: d (A p - a [j = y] - e p (x - lse + h)) per row, p = exp(x -
+    lse) (``A``, ``a``, ``e`` = ``coef_entropy``: fp32 (n,), 0 on rows without a target; the
+    last term only where ``entropy``, h, is given). Call only where ``applies(...,
+    eager=False)``."""
     n, v = x.shape[0], w.shape[0]
-    rows = torch.stack([lse, big_a, small_a], 1).contiguous()
+    words = [lse, big_a, small_a] + ([] if entropy is None else [coef_entropy, entropy])
+    rows = torch.stack(words, 1).contiguous()
     out = _rows_out(n, v, x)
-    _launch(x, w, out, cap, rows, targets, col_offset, GRAD)
+    _launch(x, w, out, cap, rows, targets, col_offset, GRAD, bits=int(entropy is not None))
     return out

@@ -11,18 +11,22 @@ import importlib
 import pytest
 import torch
 
-from surgery.kernels import linear_cross_entropy
+from surgery.kernels import linear_cross_entropy, linear_cross_entropy_statistics
 from surgery.kernels.linear_cross_entropy.products import (
     applies,
     grad_products,
     lse_products,
     softcap_products,
 )
+from surgery.kernels.log_probs import UpstreamHint, linear_log_probs
+from surgery.kernels.reference import linear_log_probs_reference
 from tests.kernels.test_linear_cross_entropy import (
     _chunked_fp32_reference,
     check_against_reference,
     make_inputs,
 )
+from tests.kernels.test_log_probs import eager_reference as eager_log_probs_reference
+from tests.kernels.test_log_probs import weighted_grads
 from tests.utils import DEVICE, assert_close_budget, assert_no_sync_and_graph_replay
 
 OPS = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
@@ -75,7 +79,7 @@ def test_products_against_fp64(v):
     x, w = x.detach(), w.detach()
     labels[3] = v  # outside [0, V): no target
     targets = torch.where(labels == -100, -1, labels)
-    q, s, x_y, d_y = softcap_products(x, w, targets, cap)
+    q, s, x_y, d_y, _ = softcap_products(x, w, targets, cap)
     z = x.double() @ w.double().t()
     t = torch.tanh(z / cap)
     e = torch.exp(cap * t - cap)
@@ -165,7 +169,7 @@ def test_offset_views_are_copied_not_left_unfused(fused_chunks):
     still take the fused product, through a copy: the choice depends on dtype, shape and device
     only, the same for a forward and the backward recomputing from its saved tensors. Rows of a
     size that is no multiple of 16 bytes are left unfused."""
-    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0, 0, True)
+    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0, True)
     wide = torch.randn(97, 72, device=DEVICE, dtype=torch.bfloat16)
     padded = torch.randn(300, 80, device=DEVICE, dtype=torch.bfloat16) / 8
     x, w = wide[:, 1:65], padded[:, :64]  # rows start 2 bytes off; rows 160 bytes apart
@@ -202,7 +206,7 @@ def test_lse_and_grad_products_against_fp64(v):
         t = torch.tanh(z / cap) if cap else None
         xs = cap * t if cap else z
         lse = torch.logsumexp(xs, 1)
-        torch.testing.assert_close(lse_products(x, w, cap).double(), lse, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(lse_products(x, w, cap)[0].double(), lse, rtol=1e-6, atol=1e-5)
         start, stop = 128, v - 40  # a slice: its own column numbers, the targets the whole's
         g = big_a.double()[:, None] * torch.exp(xs - lse[:, None])
         g = g - small_a.double()[:, None] * (cols[None, :] == targets[:, None])
@@ -262,6 +266,202 @@ def test_forward_without_gradients_stores_no_logits(v, cap, recompute_calls, mon
             calls = recompute_calls["lse"]
             assert sum(calls) == 150 and (calls == [150]) == one_call, calls
     assert not recompute_calls["grad"]
+
+
+# --- statistics (entropy, log sum p^2, mean logit, the first maximum) and the entropy's gradient
+
+ALL_STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "predicted")
+EVERY_STATISTIC = sum(1 << i for i in range(len(ALL_STATISTICS)))
+
+
+def _fp64_statistics(xs: torch.Tensor) -> dict:
+    """The statistics of rows of fp64 logits ``xs`` as ``STATISTICS`` defines them."""
+    log_p = torch.log_softmax(xs, 1)
+    return {
+        "entropy": -(log_p.exp() * log_p).sum(1),
+        "log_sum_sq_probs": torch.logsumexp(2.0 * log_p, 1),
+        "mean_logits": xs.mean(1),
+    }
+
+
+def _assert_first_maximum(predicted, xs: torch.Tensor, tol: float, clear_rows: bool = True):
+    """``predicted`` is each row's argmax of the fp64 logits ``xs``, except on rows whose two
+    largest logits lie within ``tol`` (where fp32 products may order them either way): there a
+    column within ``tol`` of the maximum. ``clear_rows``: most rows are clear (saturated logits,
+    tied at the cap in fp32, are not)."""
+    top2 = xs.topk(2, 1).values
+    clear = top2[:, 0] - top2[:, 1] > tol
+    assert not clear_rows or clear.float().mean() > 0.5  # the check has rows to bite on
+    assert torch.equal(predicted[clear].cpu(), xs.argmax(1)[clear].cpu())
+    chosen = xs.gather(1, predicted[:, None].clamp(0, xs.shape[1] - 1))[:, 0]
+    assert (chosen >= top2[:, 0] - tol).all()
+
+
+@pytest.mark.parametrize("v", VOCABS)
+@pytest.mark.parametrize("cap", [0.0, 20.0], ids=["plain", "softcap"])
+def test_piece_statistics_against_fp64(cap, v):
+    """The statistics ``lse_products`` (and, capped, ``softcap_products``) gather per piece and
+    combine per row, against fp64 from the same bf16 inputs: the entropy, log sum p^2 and the
+    mean logit within fp32's rounding, the first maximum's column exactly where no two logits
+    come within it; the log-sum-exp and Q the same as without statistics."""
+    x, w, _, labels = make_inputs(140, 64, v, torch.bfloat16, ignore_frac=0.2, seed=3)
+    x, w = x.detach(), w.detach()
+    targets = torch.where(labels == -100, -1, labels)
+    z = x.double() @ w.double().t()
+    xs = cap * torch.tanh(z / cap) if cap else z
+    want = _fp64_statistics(xs)
+    plain = lse_products(x, w, cap)
+    lse, got = lse_products(x, w, cap, EVERY_STATISTIC)
+    runs = [got]
+    assert torch.equal(lse, plain[0]) and plain[1] == {}
+    if cap:
+        q0, s0, *_ = softcap_products(x, w, targets, cap)
+        q, s, _, _, values = softcap_products(x, w, targets, cap, EVERY_STATISTIC)
+        assert torch.equal(q, q0) and torch.equal(s, s0)
+        runs.append(values)
+    for got in runs:
+        assert set(got) == {"entropy", "log_sum_sq_probs", "mean_logits", "predicted"}
+        for name, ref in want.items():
+            torch.testing.assert_close(got[name].double(), ref, rtol=1e-5, atol=2e-5, msg=name)
+        assert got["predicted"].dtype == torch.int64
+        _assert_first_maximum(got["predicted"], xs, 1e-4)
+
+
+@pytest.mark.parametrize("cap", [0.0, 20.0], ids=["plain", "softcap"])
+def test_first_maximum_breaks_ties_to_the_left_across_pieces(cap):
+    """Logits tied exactly (weight rows repeated): ``predicted`` is the first of them, as argmax
+    takes it, whether the copies share a piece (600, 601), lie in two pieces of a tile (130 and
+    200) or in two tiles (5 and 900); the first copy in a later piece than the row's other large
+    logits."""
+    x, w, _, _ = make_inputs(64, 64, 1003, torch.bfloat16)
+    x, w = x.detach().clone(), w.detach().clone()
+    copies = {0: [130, 200, 600, 601], 1: [5, 900]}
+    for half, cols in copies.items():
+        w[cols] = w[cols[0]].clone()
+        rows = slice(32 * half, 32 * half + 32)
+        x[rows] += (8.0 * w[cols[0]] / w[cols[0]].float().norm()).to(x.dtype)
+    z = x.float() @ w.float().t()
+    assert (z[:32, 130] == z[:32, 600]).all() and (z[:32, 130] > z[:32, :130].amax(1)).all()
+    stats = 1 << ALL_STATISTICS.index("predicted")
+    predicted = lse_products(x, w, cap, stats)[1]["predicted"]
+    assert (predicted[:32] == 130).all() and (predicted[32:] == 5).all(), predicted
+    if cap:
+        targets = torch.zeros(64, dtype=torch.long, device=DEVICE)
+        assert torch.equal(softcap_products(x, w, targets, cap, stats)[4]["predicted"], predicted)
+
+
+@pytest.fixture
+def grad_entropy_calls(monkeypatch):
+    """Whether each ``grad_products`` call carried the entropy's gradient."""
+    calls, fn = [], PRODUCTS.grad_products
+
+    def counted(*args):
+        calls.append(len(args) > 8 and args[8] is not None)
+        return fn(*args)
+
+    monkeypatch.setattr(OPS, "grad_products", counted)
+    return calls
+
+
+STATISTICS_CASES = {
+    # (softcap, low_memory, gradients): the schedule and epilogue that run
+    "softcap-eager": (30.0, False, True),  # softcap_products with its statistics
+    "softcap-recompute": (30.0, True, True),  # lse_products, then grad_products
+    "plain-recompute": (0.0, True, True),
+    "softcap-no-grad": (30.0, False, False),  # lse_products alone
+    "plain-no-grad": (0.0, False, False),
+}
+
+
+@pytest.mark.parametrize("regime", ["typical", "saturated"])
+@pytest.mark.parametrize("case", list(STATISTICS_CASES), ids=list(STATISTICS_CASES))
+def test_statistics_through_the_fused_products(case, regime, fused_chunks, recompute_calls,
+                                               grad_entropy_calls):  # fmt: skip
+    """A bf16 head asked for every statistic takes the fused products (they no longer leave
+    statistics to the unfused path): the statistics within fp32's rounding of fp64 (0, False, -1
+    on rows without a target), the loss and every gradient exactly those of the same head asked
+    for none."""
+    cap, low_memory, gradients = STATISTICS_CASES[case]
+    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=11)
+    x, w = _regime(x, w, regime, cap or 4.0)
+    if not gradients:
+        x, w = x.detach(), w.detach()
+    kw = dict(softcap=cap or None, low_memory=low_memory, z_loss_scale=1e-4)
+    (loss, z), stats = linear_cross_entropy_statistics(x, w, labels, statistics=ALL_STATISTICS,
+                                                       **kw)  # fmt: skip
+    ran = {"fused": len(fused_chunks), "lse": len(recompute_calls["lse"])}
+    assert ran == ({"fused": 1, "lse": 0} if cap and gradients and not low_memory
+                   else {"fused": 0, "lse": 1}), ran  # fmt: skip
+    plain = linear_cross_entropy(x, w, labels, **kw)
+    assert torch.equal(loss, plain.loss) and torch.equal(z, plain.z_loss)
+    if gradients:
+        got = torch.autograd.grad(loss + z, (x, w))
+        want = torch.autograd.grad(plain.loss + plain.z_loss, (x, w))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    z64 = x.double() @ w.double().t()
+    xs = cap * torch.tanh(z64 / cap) if cap else z64
+    valid = labels != -100
+    for name, ref in _fp64_statistics(xs).items():
+        assert stats[name].dtype == torch.float32 and (stats[name][~valid] == 0).all()
+        torch.testing.assert_close(stats[name][valid].double(), ref[valid], rtol=1e-5, atol=2e-5,
+                                   msg=name)  # fmt: skip
+    predicted = stats["predicted"]
+    assert (predicted[~valid] == -1).all() and not stats["is_top1"][~valid].any()
+    _assert_first_maximum(predicted[valid], xs[valid], 1e-4, regime == "typical")
+    assert torch.equal(stats["is_top1"], valid & (predicted == labels))
+
+
+@pytest.mark.parametrize("case", ["plain", "softcap", "softcap-eager"])
+def test_entropy_gradient_through_grad_products(case, grad_entropy_calls, fused_chunks):
+    """An upstream gradient on the entropy (an RL entropy bonus) beside the log-probabilities'
+    is computed by ``grad_products`` (the entropy's term in its epilogue) and lands within bf16's
+    budget of fp64's, as ``test_log_probs`` measures the unfused path: in the recompute schedule,
+    and after the eager one (an ``UpstreamHint`` taught a uniform upstream gradient: the
+    log-probabilities' gradients from ``softcap_products``, the entropy's recomputed)."""
+    cap = 0.0 if case == "plain" else 30.0
+    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
+    kw = dict(outputs=("log_probs", "entropy"), softcap=cap or None, chunk_bytes=1 << 20)
+    if case == "softcap-eager":
+        g_lp = torch.full_like(g_lp, -0.25)  # uniform: the hint's next forward is eager
+        kw["upstream"] = hint = UpstreamHint()
+        weighted_grads(linear_log_probs(x, w, labels, **kw), (x, w), g_lp, g_ent * 0)
+        assert hint.uniform and not fused_chunks
+    out = linear_log_probs(x, w, labels, **kw)
+    got = weighted_grads(out, (x, w), g_lp, g_ent)
+    assert grad_entropy_calls and all(grad_entropy_calls[-1:])
+    assert bool(fused_chunks) == (case == "softcap-eager")
+    ref = linear_log_probs_reference(x, w, labels, softcap=cap or None, dtype=torch.float64)
+    eager = eager_log_probs_reference(x, w, None, labels, softcap=cap or None)
+    ref_g = weighted_grads(ref, (x, w), g_lp.double(), g_ent.double())
+    eager_g = weighted_grads(eager, (x, w), g_lp, g_ent)
+    for name in ("log_probs", "entropy"):
+        assert_close_budget(getattr(out, name).double(), getattr(ref, name),
+                            getattr(eager, name).double(), torch.bfloat16, name)  # fmt: skip
+    for name, a, r, e in zip(("grad_hidden", "grad_weight"), got, ref_g, eager_g):
+        assert_close_budget(a.double(), r, e.double(), torch.bfloat16, name)
+
+
+def test_grad_products_entropy_term_against_fp64():
+    """``grad_products``' entropy term, -e p (x - lse + h), against fp64 (with a softcap)."""
+    cap, v = 20.0, 1003
+    x, w, _, labels = make_inputs(140, 64, v, torch.bfloat16, ignore_frac=0.2, seed=9)
+    x, w = x.detach(), w.detach()
+    targets = torch.where(labels == -100, -1, labels)
+    gen = torch.Generator().manual_seed(6)
+    big_a, small_a, e = (torch.rand(140, generator=gen).to(DEVICE) for _ in range(3))
+    z = x.double() @ w.double().t()
+    t = torch.tanh(z / cap)
+    xs = cap * t
+    lse = torch.logsumexp(xs, 1)
+    p = torch.exp(xs - lse[:, None])
+    h = -(p * (xs - lse[:, None])).sum(1)
+    cols = torch.arange(v, device=DEVICE)
+    g = big_a.double()[:, None] * p - small_a.double()[:, None] * (cols == targets[:, None])
+    g = (g - e.double()[:, None] * p * (xs - lse[:, None] + h[:, None])) * (1 - t * t)
+    got = grad_products(x, w, targets, lse.float(), big_a, small_a, cap, 0, h.float(), e)
+    torch.testing.assert_close(got.double(), g, rtol=2**-8, atol=1e-6)
 
 
 @pytest.mark.gpu
