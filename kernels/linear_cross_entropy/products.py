@@ -68,7 +68,6 @@ SOFTCAP_Q, LSE, GRAD = 0, 1, 2  # the kernel's EPILOGUE
 # The kernel's STATS: a plane of per-piece sums each (``_piece_statistics``), by the statistic it
 # serves: sum e (x - r) (entropy), sum exp(2 (x - max)), sum x, the first maximum's column.
 PLANE_BITS = {"entropy": 1, "log_sum_sq_probs": 2, "mean_logits": 4, "is_top1": 8, "predicted": 8}
-PLANE_COUNT = 4
 
 if triton_available():
     import triton
@@ -121,7 +120,8 @@ if triton is not None:
     def _piece_statistics(x, xm, e, ref, off_n, cols, live, slot, row_a, planes, plane, N,
                           STATS: tl.constexpr, STORE_MAX: tl.constexpr,
                           EVEN_N: tl.constexpr):  # fmt: skip
-        """A piece's statistics, one plane each (``STATS``' bits, ``PLANES``): ``x`` the logits,
+        """A piece's statistics, one plane each (``STATS``' bits, ``PLANE_BITS``; the planes of
+        the bits set, in their order): ``x`` the logits,
         ``xm`` the same with -inf past N, ``e`` = exp(x - ref) (0 past N) for the rows' reference
         ``ref`` (cap, or the piece's maximum). ``STORE_MAX``: the piece's maximum into ``row_a``
         (with a softcap; without one the log-sum-exp has stored it)."""
@@ -134,13 +134,16 @@ if triton is not None:
             if STATS & 2:  # sum exp(2 (x - m)), each term <= 1 (a piece past N: 0)
                 shift = tl.where(m == float("-inf"), 0.0, ref - m)
                 u = e * tl.exp2(shift * 1.4426950408889634)[:, None]
-                tl.store(planes + plane + slot, tl.sum(u * u, 1), mask=live)
+                at = (STATS & 1) * plane
+                tl.store(planes + at + slot, tl.sum(u * u, 1), mask=live)
             if STATS & 8:  # the first maximum's column: is_top1, predicted
                 first = off_n + tl.argmax(xm, 1, tie_break_left=True)
-                tl.store(planes + 3 * plane + slot, first.to(tl.float32), mask=live)
+                at = ((STATS & 1) + (STATS >> 1 & 1) + (STATS >> 2 & 1)) * plane
+                tl.store(planes + at + slot, first.to(tl.float32), mask=live)
         if STATS & 4:  # sum x: the mean logit
             xs = x if EVEN_N else tl.where(cols[None, :] < N, x, 0.0)
-            tl.store(planes + 2 * plane + slot, tl.sum(xs, 1), mask=live)
+            at = ((STATS & 1) + (STATS >> 1 & 1)) * plane
+            tl.store(planes + at + slot, tl.sum(xs, 1), mask=live)
 
     @triton.jit
     def _epilogue(acc, out_desc, off_m, off_n, M, N, cap, row_a, row_b, planes, plane,
@@ -329,8 +332,8 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def statistics_row_bytes(v: int, stats: int = 0) -> int:
     """Bytes per row of ``lse_products``' statistics (two fp32 words per 128 columns, and one
-    more per plane where ``stats`` asks for any)."""
-    return 2 * 4 * (2 + (PLANE_COUNT if stats else 0)) * cdiv(v, BN)
+    more per plane that ``stats`` asks for)."""
+    return 2 * 4 * (2 + _plane_bits(stats).bit_count()) * cdiv(v, BN)
 
 
 def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
@@ -389,7 +392,8 @@ def _pieces(n: int, v: int, device, planes: int = 0) -> torch.Tensor:
 
 
 def _plane_bits(stats: int) -> int:
-    """The kernel's ``STATS`` (bits of ``PLANES``) for ``stats``, a bit mask of ``STATISTICS``."""
+    """The kernel's ``STATS`` (bits of ``PLANE_BITS``) for ``stats``, a bit mask of
+    ``STATISTICS``."""
     return sum({PLANE_BITS[name] for i, name in enumerate(STATISTICS) if stats >> i & 1})
 
 
@@ -407,7 +411,7 @@ def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int) -> _Pieces:
     bits = _plane_bits(stats)
     sums = _pieces(n, v, x.device)
     maxima = _pieces(n, v, x.device) if cap == 0 or bits & 10 else None
-    planes = _pieces(n, v, x.device, PLANE_COUNT) if bits else None
+    planes = _pieces(n, v, x.device, bits.bit_count()) if bits else None
     _launch(x, w, out, cap, sums if maxima is None else maxima, sums, 0, epilogue, planes, bits)
     return _Pieces(sums, maxima, planes)
 
@@ -417,10 +421,12 @@ def _row_statistics(pieces: _Pieces, stats: int, cap: float, v: int, lse, s) -> 
     in place of ``is_top1`` too), for every row (``ops`` masks those without a target); ``lse``
     and ``s`` = sum exp(x - cap) (softcap) or exp(x - max) (none) the rows' own."""
     names = {name for i, name in enumerate(STATISTICS) if stats >> i & 1}
+    bits = _plane_bits(stats)
     out, (sums, maxima, planes) = {}, pieces
+    planes = dict(zip([b for b in (1, 2, 4, 8) if bits & b], planes if bits else ()))
     top = None if maxima is None else maxima.amax(1, keepdim=True)
     if "entropy" in names:  # H = log s - sum e (x - r) / s, both relative to one reference r
-        t = planes[0]
+        t = planes[1]
         if cap > 0:  # r = cap in every piece
             t = t.sum(1)
         else:  # r = the piece's maximum: moved to the row's, pieces past V (-inf, 0) add 0
@@ -428,13 +434,13 @@ def _row_statistics(pieces: _Pieces, stats: int, cap: float, v: int, lse, s) -> 
             t = ((t + torch.where(sums > 0, (maxima - top) * sums, 0.0)) * scale).sum(1)
         out["entropy"] = s.log() - t / s
     if "log_sum_sq_probs" in names:  # log sum exp(2 (x - lse))
-        squares = (planes[1] * (2.0 * (maxima - top)).exp()).sum(1)
+        squares = (planes[2] * (2.0 * (maxima - top)).exp()).sum(1)
         out["log_sum_sq_probs"] = squares.log() + 2.0 * (top[:, 0] - lse)
     if "mean_logits" in names:
-        out["mean_logits"] = planes[2].sum(1) / v
+        out["mean_logits"] = planes[4].sum(1) / v
     if names & {"is_top1", "predicted"}:  # the first piece holding the row's maximum
         first = maxima.argmax(1, keepdim=True)
-        out["predicted"] = planes[3].gather(1, first)[:, 0].to(torch.int64)
+        out["predicted"] = planes[8].gather(1, first)[:, 0].to(torch.int64)
     return out
 
 

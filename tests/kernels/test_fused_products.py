@@ -303,7 +303,8 @@ def test_piece_statistics_against_fp64(cap, v):
     """The statistics ``lse_products`` (and, capped, ``softcap_products``) gather per piece and
     combine per row, against fp64 from the same bf16 inputs: the entropy, log sum p^2 and the
     mean logit within fp32's rounding, the first maximum's column exactly where no two logits
-    come within it; the log-sum-exp and Q the same as without statistics."""
+    come within it; the log-sum-exp and Q the same as without statistics, each statistic the
+    same asked for alone or with others."""
     x, w, _, labels = make_inputs(140, 64, v, torch.bfloat16, ignore_frac=0.2, seed=3)
     x, w = x.detach(), w.detach()
     targets = torch.where(labels == -100, -1, labels)
@@ -319,6 +320,10 @@ def test_piece_statistics_against_fp64(cap, v):
         q, s, _, _, values = softcap_products(x, w, targets, cap, EVERY_STATISTIC)
         assert torch.equal(q, q0) and torch.equal(s, s0)
         runs.append(values)
+    for subset in (("entropy", "is_top1"), ("log_sum_sq_probs", "mean_logits"), ("mean_logits",)):
+        bits = sum(1 << ALL_STATISTICS.index(name) for name in subset)
+        some = lse_products(x, w, cap, bits)[1]
+        assert all(torch.equal(t, got[k]) for k, t in some.items()), subset  # planes by rank
     for got in runs:
         assert set(got) == {"entropy", "log_sum_sq_probs", "mean_logits", "predicted"}
         for name, ref in want.items():
