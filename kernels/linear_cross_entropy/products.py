@@ -21,15 +21,22 @@ Its three epilogues, by schedule (the package docstring names the schedules):
   store but the pieces' statistics: the rows' sums of exp(x - cap) (softcap), or their maximum and
   sum of exp(x - max) (no softcap) per 128-column piece, combined into the log-sum-exp.
 * ``grad_products`` (the recompute schedule's backward, per vocabulary slice): lse known, the tile
-  writes the logit gradient d_ij (A_i exp(x_ij - lse_i) - a_i [j = y_i]) itself (d = 1 - t^2, or 1
-  without a softcap), where the unfused backward wrote the logits and swept them.
+  writes the logit gradient d_ij (A_i p_ij - a_i [j = y_i] - e_i p_ij (x_ij - lse_i + h_i)) itself
+  (p = exp(x - lse), d = 1 - t^2, or 1 without a softcap; the last term, an entropy h's gradient
+  with upstream e, only where asked), where the unfused backward wrote the logits and swept them.
+
+The first two also gather ``STATISTICS`` where asked, one fp32 plane of (rows, pieces) each
+(``PLANE_BITS``): sum e (x - r) with e = exp(x - r) for the sums' reference r (the entropy,
+log s - that / s), sum exp(2 (x - m)) for the piece's maximum m (log sum p^2), sum x (the mean
+logit) and the piece's first column holding m (``is_top1``, ``predicted``: the first piece holding
+the row's maximum, as argmax takes the first), combined per row on the host.
 
 Each row's target logit (and 1 - t^2) comes from its own fp32 dot product (``target_logits``).
 The logits are fp32 inside the product (not rounded to bf16 first, as the unfused head's are).
 
 Where it applies (``applies``): bf16 hidden states and weight, no bias, no label smoothing, logit
-scale and temperature 1, no statistics, no entropy gradient, rows of a multiple of 16 bytes (an
-offset view is copied first), a GPU of compute capability 9 or later (or the interpreter); for
+scale and temperature 1, rows of a multiple of 16 bytes (an offset view is copied first), a GPU
+of compute capability 9 or later (or the interpreter); for
 ``softcap_products`` also 0 < cap <= 40 (exp(-2 cap) a normal fp32 and bf16 number) and a z-loss
 scale with which A_i keeps at least half of a_i for every possible lse (|lse| < log V + cap).
 Anything else runs unfused, as does everything with ``SURGERY_FUSED_PRODUCTS=0``.
@@ -117,14 +124,14 @@ if triton is not None:
         return first_m + (tile % size_m), (tile % in_group) // size_m
 
     @triton.jit
-    def _piece_statistics(x, xm, e, ref, off_n, cols, live, slot, row_a, planes, plane, N,
+    def _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane, N,
                           STATS: tl.constexpr, STORE_MAX: tl.constexpr,
                           EVEN_N: tl.constexpr):  # fmt: skip
         """A piece's statistics, one plane each (``STATS``' bits, ``PLANE_BITS``; the planes of
-        the bits set, in their order): ``x`` the logits,
-        ``xm`` the same with -inf past N, ``e`` = exp(x - ref) (0 past N) for the rows' reference
-        ``ref`` (cap, or the piece's maximum). ``STORE_MAX``: the piece's maximum into ``row_a``
-        (with a softcap; without one the log-sum-exp has stored it)."""
+        the bits set, in their order): ``x`` the logits, ``xm`` the same with -inf past N, ``e`` =
+        exp(x - ref) (0 past N) for the rows' reference ``ref`` (cap, or the piece's maximum).
+        ``STORE_MAX``: the piece's maximum into ``row_a`` (with a softcap; without one the
+        log-sum-exp has stored it)."""
         if STATS & 1:  # sum e (x - ref): the entropy
             tl.store(planes + slot, tl.sum(e * (x - ref[:, None]), 1), mask=live)
         if STATS & 10:
@@ -136,8 +143,11 @@ if triton is not None:
                 u = e * tl.exp2(shift * 1.4426950408889634)[:, None]
                 at = (STATS & 1) * plane
                 tl.store(planes + at + slot, tl.sum(u * u, 1), mask=live)
-            if STATS & 8:  # the first maximum's column: is_top1, predicted
-                first = off_n + tl.argmax(xm, 1, tie_break_left=True)
+            if STATS & 8:  # the first maximum's column (is_top1, predicted): the maximum's and
+                # a minimum's reductions cost less than tl.argmax's reduction of (value, index)
+                # pairs (benchmarks/results/fused_statistics-h200-*)
+                at_max = tl.where(xm == m[:, None], cols[None, :], N)
+                first = tl.min(at_max, 1)
                 at = ((STATS & 1) + (STATS >> 1 & 1) + (STATS >> 2 & 1)) * plane
                 tl.store(planes + at + slot, first.to(tl.float32), mask=live)
         if STATS & 4:  # sum x: the mean logit
@@ -198,7 +208,7 @@ if triton is not None:
             if STATS:
                 xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
                 ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + cap
-                _piece_statistics(x, xm, e, ref, off_n, cols, live, slot, row_a, planes, plane,
+                _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane,
                                   N, STATS, True, EVEN_N)  # fmt: skip
         else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
             x2 = x * 1.4426950408889634
@@ -211,7 +221,7 @@ if triton is not None:
             tl.store(row_b + slot, tl.sum(p, 1), mask=live)
             if STATS:
                 xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
-                _piece_statistics(x, xm, p, m * 0.6931471805599453, off_n, cols, live, slot,
+                _piece_statistics(x, xm, p, m * 0.6931471805599453, cols, live, slot,
                                   row_a, planes, plane, N, STATS, False, EVEN_N)  # fmt: skip
 
     @triton.jit
