@@ -48,7 +48,7 @@ from .linear_cross_entropy import (
     prepare_head_inputs,
 )
 from .linear_cross_entropy.ops import _logits
-from .linear_cross_entropy.products import options_apply
+from .linear_cross_entropy.products import options_apply, target_logits, tensors_apply
 from .log_probs import check_log_probs_options, token_log_probs
 from .reference import LossOutput, TokenLogProbs
 
@@ -170,17 +170,24 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     names = {"total": "mean_logits", "entropy": "entropy", "log_sum_sq_probs": "log_sum_sq_probs",
              "is_top1": "is_top1", "predicted": "predicted"}  # fmt: skip
     stats = sum(1 << STATISTICS.index(names[k]) for k in want if k in names)
+    # whether lce_fwd takes the fused products (for the backward: lce_bwd_recompute's fused_lse)
+    fused = options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
+    if fused and "max" in want:  # the slice's maximum at its first maximum's column, below
+        stats |= 1 << STATISTICS.index("predicted")
     ce, _, lse, _, _, _, *statistics = lce_fwd(
         x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, False, False, False,
         False, *transform, stats,
     )  # fmt: skip
     by_name = dict(zip(STATISTICS, statistics, strict=True))
-    out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0)}
-    # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
-    out["fused"] = options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
+    out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0), "fused": fused}
     for key in want:
         if key == "total":
             out[key] = by_name["mean_logits"] * v
+        elif key == "max" and fused and tensors_apply(x, w):
+            # The logit at the slice's first maximum, from its own fp32 dot product on every
+            # rank alike: the ranks' maxima compare as the fused products' logits do (fp32), not
+            # as an unfused product's bf16 ones would.
+            out[key] = target_logits(x, w, by_name["predicted"], softcap)[0]
         elif key == "max":
             out[key] = _row_max(x, w, bias, softcap, transform, chunk_bytes)
         elif key == "is_top1":

@@ -211,18 +211,15 @@ if triton is not None:
                 _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane,
                                   N, STATS, True, EVEN_N)  # fmt: skip
         else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
-            x2 = x * 1.4426950408889634
-            if not EVEN_N:
-                x2 = tl.where(cols[None, :] < N, x2, float("-inf"))
-            m = tl.max(x2, 1)
-            tl.store(row_a + slot, m * 0.6931471805599453, mask=live)
+            xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
+            m = tl.max(xm, 1)  # the logits' own maximum: the pieces' order is argmax's
+            tl.store(row_a + slot, m, mask=live)
             m = tl.where(m == float("-inf"), 0.0, m)  # a piece wholly past N: a sum of 0
-            p = tl.exp2(x2 - m[:, None])
+            p = tl.exp2((xm - m[:, None]) * 1.4426950408889634)
             tl.store(row_b + slot, tl.sum(p, 1), mask=live)
             if STATS:
-                xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
-                _piece_statistics(x, xm, p, m * 0.6931471805599453, cols, live, slot,
-                                  row_a, planes, plane, N, STATS, False, EVEN_N)  # fmt: skip
+                _piece_statistics(x, xm, p, m, cols, live, slot, row_a, planes, plane, N, STATS,
+                                  False, EVEN_N)  # fmt: skip
 
     @triton.jit
     def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, cap, row_a, row_b, planes,

@@ -355,6 +355,32 @@ def test_first_maximum_breaks_ties_to_the_left_across_pieces(cap):
         assert torch.equal(softcap_products(x, w, targets, cap, stats)[4]["predicted"], predicted)
 
 
+def test_first_maximum_tells_adjacent_fp32_logits_apart():
+    """Without a softcap, two pieces' maxima one fp32 step apart (columns 5 and 200, their logits
+    sums of bf16 products that fp32 holds exactly): ``predicted`` is the larger's column, as
+    argmax takes it (the pieces' maxima are the logits' own, not rounded through log2 units)."""
+    a = torch.tensor(3.0) + 34 * 2.0**-22  # x log2(e) ln(2) rounds a and b to one number
+    b = torch.nextafter(a, torch.tensor(9.0))
+
+    def parts(v):  # v as three bf16 numbers whose fp32 sum is v
+        out = []
+        for _ in range(3):
+            out.append(v.bfloat16().float())
+            v = v - out[-1]
+        assert v == 0
+        return torch.stack(out)
+
+    x = torch.zeros(32, 64)
+    x[:, :3] = 1.0
+    w = torch.randn(512, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    w[[5, 200]] = 0.0
+    w[5, :3], w[200, :3] = parts(a), parts(b)
+    x, w = x.to(DEVICE, torch.bfloat16), w.to(DEVICE, torch.bfloat16)
+    assert ((x.float() @ w.float().t()).argmax(1) == 200).all()
+    stats = 1 << ALL_STATISTICS.index("predicted")
+    assert (lse_products(x, w, 0.0, stats)[1]["predicted"] == 200).all()
+
+
 @pytest.fixture
 def grad_entropy_calls(monkeypatch):
     """Whether each ``grad_products`` call carried the entropy's gradient."""

@@ -40,6 +40,9 @@ class Case:
     log_probs: bool = False
     # bf16 hidden states and head: the fused products on each rank's slice (products.py)
     bf16: bool = False
+    # Rows 0 and V - 1 (the first and last ranks') the same but for one bf16 step of one weight,
+    # the row every token points along: their logits tie in bf16, not in fp32 (row V - 1 larger)
+    near_tie: bool = False
 
 
 def _log_probs_reference(hidden, weight, labels, bias=None, outputs=("log_probs",), **kw):
@@ -104,6 +107,11 @@ def _inputs(case: Case):
     hidden = torch.randn(B, T, D, generator=g)
     weight = torch.randn(case.vocab, D, generator=g) / D**0.5
     bias = torch.randn(case.vocab, generator=g) if case.bias else None
+    if case.near_tie:
+        weight[-1] = weight[0] = weight[0].bfloat16().float()
+        weight[-1, 0] = torch.nextafter(weight[0, 0].bfloat16(), torch.tensor(9.0).bfloat16())
+        hidden += 12.0 * weight[0] / weight[0].norm()
+        hidden[..., 0] = hidden[..., 0].abs() + 1.0  # the step raises row V - 1's logit
     labels = torch.randint(0, case.vocab, (B, T), generator=g)
     # Half the targets the largest logit, so that is_top1 is seen both ways.
     argmax = (hidden @ weight.T + (0 if bias is None else bias)).argmax(-1)
@@ -278,6 +286,9 @@ BF16_CASES = [
     Case("bf16-explicit-layout", bf16=True, explicit_layout=True, options=dict(softcap=20.0)),
     Case("bf16-sequence-parallel", bf16=True, sequence_parallel=True,
          options=dict(reduction="none")),
+    # the first maximum found across ranks as the fused products find it (fp32 logits)
+    Case("bf16-near-tie-top1", bf16=True, log_probs=True, near_tie=True, vocab=301,
+         options=dict(outputs=("log_probs", "is_top1", "predicted"))),
 ]  # fmt: skip
 
 
