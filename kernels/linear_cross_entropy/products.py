@@ -75,6 +75,7 @@ SOFTCAP_Q, LSE, GRAD = 0, 1, 2  # the kernel's EPILOGUE
 # The kernel's STATS: a plane of per-piece sums each (``_piece_statistics``), by the statistic it
 # serves: sum e (x - r) (entropy), sum exp(2 (x - max)), sum x, the first maximum's column.
 PLANE_BITS = {"entropy": 1, "log_sum_sq_probs": 2, "mean_logits": 4, "is_top1": 8, "predicted": 8}
+NEEDS_MAXIMA = PLANE_BITS["log_sum_sq_probs"] | PLANE_BITS["is_top1"]  # the kernel's STATS & 10
 
 if triton_available():
     import triton
@@ -134,7 +135,7 @@ if triton is not None:
         log-sum-exp has stored it)."""
         if STATS & 1:  # sum e (x - ref): the entropy
             tl.store(planes + slot, tl.sum(e * (x - ref[:, None]), 1), mask=live)
-        if STATS & 10:
+        if STATS & 10:  # NEEDS_MAXIMA
             m = tl.max(xm, 1)
             if STORE_MAX:
                 tl.store(row_a + slot, m, mask=live)
@@ -406,7 +407,7 @@ def _plane_bits(stats: int) -> int:
 
 class _Pieces(NamedTuple):
     """A launch's per-piece statistics: ``sums`` of exp(x - cap) (softcap) or exp(x - maxima)
-    (none), the pieces' ``maxima`` (where computed), the ``planes`` of ``PLANES``."""
+    (none), the pieces' ``maxima`` (where computed), the planes of ``PLANE_BITS`` asked for."""
 
     sums: torch.Tensor
     maxima: torch.Tensor | None
@@ -417,7 +418,7 @@ def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int) -> _Pieces:
     n, v = x.shape[0], w.shape[0]
     bits = _plane_bits(stats)
     sums = _pieces(n, v, x.device)
-    maxima = _pieces(n, v, x.device) if cap == 0 or bits & 10 else None
+    maxima = _pieces(n, v, x.device) if cap == 0 or bits & NEEDS_MAXIMA else None
     planes = _pieces(n, v, x.device, bits.bit_count()) if bits else None
     _launch(x, w, out, cap, sums if maxima is None else maxima, sums, 0, epilogue, planes, bits)
     return _Pieces(sums, maxima, planes)
@@ -430,7 +431,8 @@ def _row_statistics(pieces: _Pieces, stats: int, cap: float, v: int, lse, s) -> 
     names = {name for i, name in enumerate(STATISTICS) if stats >> i & 1}
     bits = _plane_bits(stats)
     out, (sums, maxima, planes) = {}, pieces
-    planes = dict(zip([b for b in (1, 2, 4, 8) if bits & b], planes if bits else ()))
+    planes = dict(zip(sorted(b for b in set(PLANE_BITS.values()) if bits & b),
+                      planes if bits else ()))  # fmt: skip
     top = None if maxima is None else maxima.amax(1, keepdim=True)
     if "entropy" in names:  # H = log s - sum e (x - r) / s, both relative to one reference r
         t = planes[1]
@@ -466,9 +468,8 @@ def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ca
 
 def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float, stats: int = 0):
     """``(lse, statistics)``: the rows' log-sum-exp of the logits the loss sees (fp32, n) and the
-    ``STATISTICS`` asked for by ``stats`` (``_row_statistics``), storing no logits (two words per
-    row and 128 columns, four more with statistics). Call only where ``applies(...,
-    eager=False)``."""
+    ``STATISTICS`` asked for by ``stats`` (``_row_statistics``), storing no logits
+    (``statistics_row_bytes``). Call only where ``applies(..., eager=False)``."""
     v = w.shape[0]
     pieces = _launch_pieces(x, w, None, cap, LSE, stats)
     if cap > 0:
