@@ -404,25 +404,39 @@ STATISTICS_CASES = {
 }
 
 
+@pytest.mark.parametrize("layout", ["whole", "chunks-skip_ignored"])
 @pytest.mark.parametrize("regime", ["typical", "saturated"])
 @pytest.mark.parametrize("case", list(STATISTICS_CASES), ids=list(STATISTICS_CASES))
-def test_statistics_through_the_fused_products(case, regime, fused_chunks, recompute_calls,
-                                               grad_entropy_calls):  # fmt: skip
+def test_statistics_through_the_fused_products(case, regime, layout, fused_chunks,
+                                               recompute_calls, grad_entropy_calls,
+                                               monkeypatch):  # fmt: skip
     """A bf16 head asked for every statistic takes the fused products (they no longer leave
     statistics to the unfused path): the statistics within fp32's rounding of fp64 (0, False, -1
     on rows without a target), the loss and every gradient exactly those of the same head asked
-    for none."""
+    for none; in one token chunk, and in several of the rows with a target only
+    (``skip_ignored``)."""
     cap, low_memory, gradients = STATISTICS_CASES[case]
-    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=11)
+    # several chunks: more rows, narrower (the eager plan takes one chunk unless several would
+    # hold less than half of it, its fp32 weight-gradient accumulator counted)
+    n, d = (181, 64) if layout == "whole" else (401, 32)
+    x, w, _, labels = make_inputs(n, d, 1003, torch.bfloat16, ignore_frac=0.3, seed=11)
     x, w = _regime(x, w, regime, cap or 4.0)
     if not gradients:
         x, w = x.detach(), w.detach()
     kw = dict(softcap=cap or None, low_memory=low_memory, z_loss_scale=1e-4)
+    if layout != "whole":
+        for name in ("_ALIGN", "MIN_CHUNK_ROWS"):
+            monkeypatch.setattr(OPS, name, 8)
+        kw.update(chunk_bytes=16 * 1024, skip_ignored=True)
     (loss, z), stats = linear_cross_entropy_statistics(x, w, labels, statistics=ALL_STATISTICS,
                                                        **kw)  # fmt: skip
-    ran = {"fused": len(fused_chunks), "lse": len(recompute_calls["lse"])}
-    assert ran == ({"fused": 1, "lse": 0} if cap and gradients and not low_memory
-                   else {"fused": 0, "lse": 1}), ran  # fmt: skip
+    eager = bool(cap and gradients and not low_memory)
+    calls = fused_chunks if eager else recompute_calls["lse"]
+    assert not (recompute_calls["lse"] if eager else fused_chunks)
+    if layout == "whole":
+        assert calls == [n]
+    else:  # several chunks of the rows with a target
+        assert len(calls) > 1 and sum(calls) == int((labels != -100).sum()), calls
     plain = linear_cross_entropy(x, w, labels, **kw)
     assert torch.equal(loss, plain.loss) and torch.equal(z, plain.z_loss)
     if gradients:
