@@ -187,7 +187,7 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
             # The logit at the slice's first maximum, from its own fp32 dot product on every
             # rank alike: the ranks' maxima compare as the fused products' logits do (fp32), not
             # as an unfused product's bf16 ones would.
-            out[key] = target_logits(x, w, by_name["predicted"], softcap)[0]
+            out[key] = target_logits(x, w, by_name["predicted"], softcap, transform)[0]
         elif key == "max":
             out[key] = _row_max(x, w, bias, softcap, transform, chunk_bytes)
         elif key == "is_top1":

@@ -21,6 +21,7 @@ from ..dispatch import cdiv, on_device, triton_available, use_triton
 from .products import applies as products_apply
 from .products import (
     grad_products,
+    logit_map,
     lse_products,
     softcap_products,
     statistics_row_bytes,
@@ -203,11 +204,11 @@ def _row_losses(lse, x_y, targets, v: int, z_scale: float):
     return valid, ce, torch.where(valid, z_scale * lse * lse, 0.0)
 
 
-def _lse_chunk(xc, w, targets, cap: float, z_scale: float, stats: int):
+def _lse_chunk(xc, w, targets, cap: float, z_scale: float, stats: int, transform):
     """One chunk's ``(lse, ce, zl, valid, statistics)`` through ``lse_products``: no logits
     stored."""
-    lse, values = lse_products(xc, w, cap, stats)
-    x_y, _ = target_logits(xc, w, targets, cap)
+    lse, values = lse_products(xc, w, cap, stats, transform)
+    x_y, _ = target_logits(xc, w, targets, cap, transform)
     valid, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
     return lse, ce, zl, valid, values
 
@@ -235,19 +236,21 @@ class _TargetTerms(NamedTuple):
     in_q: torch.Tensor  # (n,) fp32: corr / scale, E's entries in Q's units (finite where scale 0)
 
 
-def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float, stats: int):
+def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float, stats: int, transform):
     """One chunk's ``(lse, ce, zl, valid, statistics, q, terms)`` through ``softcap_products``
-    (its docstring has the formulas), ``terms`` (``_TargetTerms``) for ``coef``, the rows'
-    weights on ce and zl. Q
-    stays as the product wrote it: the target's entry of the gradient, the one large entry of its
-    row, is kept apart in fp32 (``E``) and added to each gradient product at fp32."""
-    q, s, x_y, d_y, values = softcap_products(xc, w, targets, cap, stats)
+    (its docstring has the formulas, with cap / T for cap, and dx/dz's factor s / T in
+    ``scale`` and ``corr``), ``terms`` (``_TargetTerms``) for ``coef``, the rows' weights on ce
+    and zl. Q stays as the product wrote it: the target's entry of the gradient, the one large
+    entry of its row, is kept apart in fp32 (``E``) and added to each gradient product at
+    fp32."""
+    q, s, x_y, d_y, values = softcap_products(xc, w, targets, cap, stats, transform)
     v = w.shape[0]
-    lse = s.log() + cap
+    _, x_cap, slope = logit_map(cap, transform)
+    lse = s.log() + x_cap
     valid, ce, zl = _row_losses(lse, x_y, targets, v, z_scale)
     r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
-    scale = torch.where(valid, coef * r / s, 0.0)
-    corr = torch.where(valid, -coef * d_y, 0.0)
+    scale = torch.where(valid, coef * r / s * slope, 0.0)
+    corr = torch.where(valid, -coef * d_y * slope, 0.0)
     in_q = torch.where(valid, -d_y * s / r, 0.0)
     terms = _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
     return lse, ce, zl, valid, values, q, terms
@@ -313,6 +316,7 @@ def lce_fwd(
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads only
     fused = products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
                            eager=grads)  # fmt: skip
+    transform = (logit_scale, inv_temperature)
     if fused:
         x, w = tma_ready(x), tma_ready(w)
     if skip_ignored:
@@ -349,10 +353,11 @@ def lce_fwd(
         terms = None  # the fused product's gradient terms
         if fused and grads:
             rl, rc, rz, valid, values, logits, terms = _softcap_chunk(
-                xc, w, targets[n0:n1], weights[n0:n1], softcap, z_scale, stats
+                xc, w, targets[n0:n1], weights[n0:n1], softcap, z_scale, stats, transform
             )
         elif fused:
-            rl, rc, rz, valid, values = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale, stats)
+            rl, rc, rz, valid, values = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale, stats,
+                                                   transform)  # fmt: skip
         if fused:
             part = {k: t[n0:n1] for k, t in statistics.items()}
             _fill_statistics(part, values, valid, targets[n0:n1])
@@ -443,6 +448,7 @@ def lce_bwd_recompute(
     fused = fused_lse and products_apply(
         x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=False
     )
+    transform = (logit_scale, inv_temperature)
     if fused:
         x, w = tma_ready(x), tma_ready(w)
     n_all, rows = x.shape[0], None
@@ -478,7 +484,7 @@ def lce_bwd_recompute(
         wc = w[v0:v1]
         if fused:
             logits = grad_products(x, wc, targets, lse, big_a, small_a, softcap, vocab_start + v0,
-                                   entropy, coef_entropy)  # fmt: skip
+                                   entropy, coef_entropy, transform)  # fmt: skip
         else:
             logits = _logits(x, wc, None if bias is None else bias[v0:v1])
             cross_entropy_bwd(

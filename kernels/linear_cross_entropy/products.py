@@ -34,12 +34,18 @@ the row's maximum, as argmax takes the first), combined per row on the host.
 Each row's target logit (and 1 - t^2) comes from its own fp32 dot product (``target_logits``).
 The logits are fp32 inside the product (not rounded to bf16 first, as the unfused head's are).
 
-Where it applies (``applies``): bf16 hidden states and weight, no bias, no label smoothing, logit
-scale and temperature 1, rows of a multiple of 16 bytes (an offset view is copied first), a GPU
+A logit scale s and a temperature T (``transform`` = (s, 1 / T)) enter where the tile makes its
+logits (``logit_map``): x = (cap / T) tanh(s z / cap), or s z / T without a softcap, so every
+epilogue above holds with cap / T in place of cap, and dx/dz gains the factor s / T, folded into
+the rows' coefficients (A, a, e) on the host. The log-sum-exp by the pieces' sums of exp(x - cap)
+takes scaled caps up to ``MAX_SOFTCAP``; past it, the pieces' maxima, as without a softcap.
+
+Where it applies (``applies``): bf16 hidden states and weight, no bias, no label smoothing,
+finite s and T > 0, rows of a multiple of 16 bytes (an offset view is copied first), a GPU
 of compute capability 9 or later (or the interpreter); for
-``softcap_products`` also 0 < cap <= 40 (exp(-2 cap) a normal fp32 and bf16 number) and a z-loss
-scale with which A_i keeps at least half of a_i for every possible lse (|lse| < log V + cap).
-Anything else runs unfused, as does everything with ``SURGERY_FUSED_PRODUCTS=0``.
+``softcap_products`` also 0 < cap / T <= 40 (exp(-2 cap / T) a normal fp32 and bf16 number) and a
+z-loss scale with which A_i keeps at least half of a_i for every possible lse (|lse| < log V +
+cap / T). Anything else runs unfused, as does everything with ``SURGERY_FUSED_PRODUCTS=0``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ __all__ = [
     "MAX_SOFTCAP",
     "applies",
     "grad_products",
+    "logit_map",
     "lse_products",
     "options_apply",
     "softcap_products",
@@ -157,15 +164,18 @@ if triton is not None:
             tl.store(planes + at + slot, tl.sum(xs, 1), mask=live)
 
     @triton.jit
-    def _epilogue(acc, out_desc, off_m, off_n, M, N, cap, row_a, row_b, planes, plane,
+    def _epilogue(acc, out_desc, off_m, off_n, M, N, z_mul, x_cap, row_a, row_b, planes, plane,
                   col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EVEN_N: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-        """One (BLOCK_M, BLOCK_N) piece of the tile, by EPILOGUE (the module docstring). The row
-        pointers: SOFTCAP_Q and LSE with a softcap, row_b = the pieces' sums of exp(x - cap) and
-        row_a their maxima (stored where STATS asks for them); LSE without, row_a = the pieces'
-        maxima, row_b their sums of exp(x - maximum) (rows of two pieces per column tile: a piece
-        wholly past N holds -inf and 0); ``planes``: STATS' planes of the same shape, ``plane``
+                  SCALED: tl.constexpr, BY_CAP: tl.constexpr, STATS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+                  INTERP: tl.constexpr):  # fmt: skip
+        """One (BLOCK_M, BLOCK_N) piece of the tile, by EPILOGUE (the module docstring). The
+        logits: x = x_cap tanh(acc z_mul) (SOFTCAP), acc z_mul (SCALED) or acc (``logit_map``).
+        The row pointers: SOFTCAP_Q, and LSE by the cap (BY_CAP), row_b = the pieces' sums of
+        exp(x - x_cap) and row_a their maxima (stored where STATS asks for them); LSE by the
+        maxima, row_a = the pieces' maxima, row_b their sums of exp(x - maximum) (rows of two
+        pieces per column tile: a piece wholly past N holds -inf and 0); ``planes``: STATS'
+        planes of the same shape, ``plane``
         words apart. GRAD: row_a = (lse, A, a) rows of 3 words, or (lse, A, a, e, h) where STATS
         (the entropy's gradient, e its upstream gradient and h the entropy), row_b = the
         targets. Each piece's own slot, no atomics: the sums are added in one order on the host
@@ -176,8 +186,10 @@ if triton is not None:
         # this piece's slot in the (rows, pieces) statistics (SOFTCAP_Q and LSE)
         slot = rows.to(tl.int64) * (2 * tl.cdiv(N, 2 * BLOCK_N)) + off_n // BLOCK_N
         if SOFTCAP:
-            t = _tanh_for(acc * (1.0 / cap), INTERP)
-            x = cap * t
+            t = _tanh_for(acc * z_mul, INTERP)
+            x = x_cap * t
+        elif SCALED:
+            x = acc * z_mul
         else:
             x = acc
         if EPILOGUE == 2:
@@ -197,8 +209,8 @@ if triton is not None:
             if SOFTCAP:
                 g = g * (1.0 - t * t)
             out_desc.store([off_m, off_n], _rounded(g, out_desc.dtype, INTERP))
-        elif SOFTCAP:
-            c = cap * 1.4426950408889634  # exp(x - cap) = 2^(t C - C), C = cap log2(e)
+        elif BY_CAP:
+            c = x_cap * 1.4426950408889634  # exp(x - x_cap) = 2^(t C - C), C = x_cap log2(e)
             e = tl.exp2(t * c - c)
             if not EVEN_N:
                 e = tl.where(cols[None, :] < N, e, 0.0)
@@ -208,10 +220,10 @@ if triton is not None:
             tl.store(row_b + slot, tl.sum(e, 1), mask=live)
             if STATS:
                 xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
-                ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + cap
+                ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + x_cap
                 _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane,
                                   N, STATS, True, EVEN_N)  # fmt: skip
-        else:  # LSE without a softcap: this piece's maximum and sum of exp(x - maximum)
+        else:  # LSE by the maxima: this piece's maximum and sum of exp(x - maximum)
             xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
             m = tl.max(xm, 1)  # the logits' own maximum: the pieces' order is argmax's
             tl.store(row_a + slot, m, mask=live)
@@ -223,8 +235,9 @@ if triton is not None:
                                   False, EVEN_N)  # fmt: skip
 
     @triton.jit
-    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, cap, row_a, row_b, planes,
-                             plane, col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, z_mul, x_cap, row_a, row_b,
+                             planes, plane, col_offset, EPILOGUE: tl.constexpr,
+                             SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BY_CAP: tl.constexpr,
                              STATS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -253,20 +266,20 @@ if triton is not None:
             off_n = pid_n * BLOCK_N
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
                                               (0, 2, 1)))  # fmt: skip
-            _epilogue(left, out_desc, off_m, off_n, M, N, cap, row_a, row_b, planes, plane,
-                      col_offset, EPILOGUE, SOFTCAP, STATS, BLOCK_M, BLOCK_N // 2, EVEN_N,
-                      INTERP)  # fmt: skip
-            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, cap, row_a, row_b,
-                      planes, plane, col_offset, EPILOGUE, SOFTCAP, STATS, BLOCK_M,
+            _epilogue(left, out_desc, off_m, off_n, M, N, z_mul, x_cap, row_a, row_b, planes,
+                      plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP, STATS, BLOCK_M,
                       BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
+            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, z_mul, x_cap, row_a,
+                      row_b, planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP,
+                      STATS, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
 
     @triton.jit
-    def target_logits_kernel(x_ptr, w_ptr, t_ptr, xy_ptr, dy_ptr, K, N, stride_x, stride_w, cap,
-                             SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
-                             INTERP: tl.constexpr):  # fmt: skip
-        """Per row: the target's logit as the loss sees it (cap t with a softcap) and 1 - t^2
-        (1 without), from the fp32 dot product of the row and the target's weight row; 0 and 0
-        for a row without a target (outside [0, N))."""
+    def target_logits_kernel(x_ptr, w_ptr, t_ptr, xy_ptr, dy_ptr, K, N, stride_x, stride_w,
+                             z_mul, x_cap, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
+                             BLOCK_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """Per row: the target's logit as the loss sees it (``_epilogue``'s x) and 1 - t^2 (1
+        without a softcap), from the fp32 dot product of the row and the target's weight row; 0
+        and 0 for a row without a target (outside [0, N))."""
         row = tl.program_id(0).to(tl.int64)
         y = tl.load(t_ptr + row)
         valid = (y >= 0) & (y < N)
@@ -280,10 +293,12 @@ if triton is not None:
             acc += xv * wv
         z = tl.sum(acc, 0)
         if SOFTCAP:
-            t = _tanh_for(z * (1.0 / cap), INTERP)
-            z = cap * t
+            t = _tanh_for(z * z_mul, INTERP)
+            z = x_cap * t
             d = 1.0 - t * t
         else:
+            if SCALED:
+                z = z * z_mul
             d = 1.0
         tl.store(xy_ptr + row, tl.where(valid, z, 0.0))
         tl.store(dy_ptr + row, tl.where(valid, d, 0.0))
@@ -310,12 +325,39 @@ def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperat
     autograd forward can decide while traced, for its backward."""
     if not ENABLED or TensorDescriptor is None or head_products_kernel is None:
         return False
-    if eps != 0.0 or logit_scale != 1.0 or inv_temperature != 1.0 or bias is not None:
+    if eps != 0.0 or bias is not None or not math.isfinite(logit_scale):
         return False
-    if not (0.0 <= softcap <= MAX_SOFTCAP) or (eager and softcap == 0.0):
+    if not (math.isfinite(inv_temperature) and inv_temperature > 0.0 and 0.0 <= softcap < math.inf):
         return False
+    if not eager:
+        return True
+    x_cap = logit_map(softcap, (logit_scale, inv_temperature)).x_cap
     # A = a + 2 s lse b >= a / 2 for every lse in (log V - cap, log V + cap) when a = b
-    return not (eager and 2.0 * z_scale * (math.log(max(v, 1)) + softcap) > 0.5)
+    return _by_cap(x_cap) and not 2.0 * z_scale * (math.log(max(v, 1)) + x_cap) > 0.5
+
+
+class LogitMap(NamedTuple):
+    """How the tile makes the logits the loss sees from its product z (``logit_map``)."""
+
+    z_mul: float  # x = x_cap tanh(z z_mul) with a softcap, z z_mul without
+    x_cap: float  # cap / T; 0 without a softcap
+    slope: float  # s / T: dx/dz = slope (1 - t^2) with a softcap, slope without
+
+
+def logit_map(cap: float, transform=(1.0, 1.0)) -> LogitMap:
+    """The tile's form of x = (cap / T) tanh(s z / cap), or s z / T without a softcap (cap 0),
+    for ``transform`` = (s, 1 / T), the logit scale and the inverse temperature."""
+    scale, inv_temperature = transform
+    slope = scale * inv_temperature
+    if cap > 0:
+        return LogitMap(scale / cap, cap * inv_temperature, slope)
+    return LogitMap(slope, 0.0, slope)
+
+
+def _by_cap(x_cap: float) -> bool:
+    """Whether the sums of exp(x - x_cap) stay normal fp32 numbers for every x in (-x_cap, x_cap)
+    (the log-sum-exp by the cap, and Q; else by the pieces' maxima)."""
+    return 0.0 < x_cap <= MAX_SOFTCAP
 
 
 def tensors_apply(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -352,9 +394,11 @@ def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
                          eager) and tensors_apply(x, w)  # fmt: skip
 
 
-def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bits=0):
+def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bits=0,
+            transform=(1.0, 1.0)):  # fmt: skip
     n, d = x.shape
     v = w.shape[0]
+    z_mul, x_cap, _ = logit_map(cap, transform)
     interp = not x.is_cuda
     programs = 4 if interp else torch.cuda.get_device_properties(x.device).multi_processor_count
     programs = min(programs, cdiv(n, BM) * cdiv(v, BN))
@@ -366,8 +410,10 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bit
             TensorDescriptor.from_tensor(x, [BM, BK]),
             TensorDescriptor.from_tensor(w, [BN, BK]),
             TensorDescriptor.from_tensor(out, [BM, PIECE]),
-            n, v, d, float(cap), row_a, row_b, row_b if planes is None else planes, plane,
-            col_offset, EPILOGUE=epilogue, SOFTCAP=cap > 0, STATS=bits, BLOCK_M=BM, BLOCK_N=BN,
+            n, v, d, float(z_mul), float(x_cap), row_a, row_b,
+            row_b if planes is None else planes, plane, col_offset, EPILOGUE=epilogue,
+            SOFTCAP=cap > 0, SCALED=cap == 0 and z_mul != 1.0, BY_CAP=_by_cap(x_cap), STATS=bits,
+            BLOCK_M=BM, BLOCK_N=BN,
             BLOCK_K=BK, GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % BN == 0,
             INTERP=interp, num_stages=STAGES, num_warps=WARPS,
         )  # fmt: skip
@@ -378,16 +424,18 @@ def _rows_out(n: int, v: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(n, cdiv(v, 8) * 8, dtype=like.dtype, device=like.device)[:, :v]
 
 
-def target_logits(x, w, targets, cap: float):
-    """(x_y, d_y), fp32 per row: the target's logit as the loss sees it and 1 - t^2 (1 without a
-    softcap); 0 and 0 for a row without a target."""
+def target_logits(x, w, targets, cap: float, transform=(1.0, 1.0)):
+    """(x_y, d_y), fp32 per row: the target's logit as the loss sees it (``logit_map``) and
+    1 - t^2 (1 without a softcap); 0 and 0 for a row without a target."""
     n, d = x.shape
+    z_mul, x_cap, _ = logit_map(cap, transform)
     x_y = torch.empty(n, dtype=torch.float32, device=x.device)
     d_y = torch.empty(n, dtype=torch.float32, device=x.device)
     with on_device(x):
         target_logits_kernel[(n,)](
-            x, w, targets, x_y, d_y, d, w.shape[0], x.stride(0), w.stride(0), float(cap),
-            SOFTCAP=cap > 0, BLOCK_K=TARGET_BLOCK_D, INTERP=not x.is_cuda, num_warps=4,
+            x, w, targets, x_y, d_y, d, w.shape[0], x.stride(0), w.stride(0), float(z_mul),
+            float(x_cap), SOFTCAP=cap > 0, SCALED=cap == 0 and z_mul != 1.0,
+            BLOCK_K=TARGET_BLOCK_D, INTERP=not x.is_cuda, num_warps=4,
         )  # fmt: skip
     return x_y, d_y
 
@@ -406,37 +454,42 @@ def _plane_bits(stats: int) -> int:
 
 
 class _Pieces(NamedTuple):
-    """A launch's per-piece statistics: ``sums`` of exp(x - cap) (softcap) or exp(x - maxima)
-    (none), the pieces' ``maxima`` (where computed), the planes of ``PLANE_BITS`` asked for."""
+    """A launch's per-piece statistics: ``sums`` of exp(x - ``ref``) for the reference ``ref``,
+    the scaled cap (``_by_cap``), or of exp(x - maxima) (``ref`` 0), the pieces' ``maxima``
+    (where computed), the planes of ``PLANE_BITS`` asked for."""
 
     sums: torch.Tensor
     maxima: torch.Tensor | None
     planes: torch.Tensor | None
+    ref: float
 
 
-def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int) -> _Pieces:
+def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int, transform) -> _Pieces:
     n, v = x.shape[0], w.shape[0]
     bits = _plane_bits(stats)
+    x_cap = logit_map(cap, transform).x_cap
+    ref = x_cap if _by_cap(x_cap) else 0.0
     sums = _pieces(n, v, x.device)
-    maxima = _pieces(n, v, x.device) if cap == 0 or bits & NEEDS_MAXIMA else None
+    maxima = _pieces(n, v, x.device) if ref == 0 or bits & NEEDS_MAXIMA else None
     planes = _pieces(n, v, x.device, bits.bit_count()) if bits else None
-    _launch(x, w, out, cap, sums if maxima is None else maxima, sums, 0, epilogue, planes, bits)
-    return _Pieces(sums, maxima, planes)
+    _launch(x, w, out, cap, sums if maxima is None else maxima, sums, 0, epilogue, planes, bits,
+            transform)  # fmt: skip
+    return _Pieces(sums, maxima, planes, ref)
 
 
-def _row_statistics(pieces: _Pieces, stats: int, cap: float, v: int, lse, s) -> dict:
+def _row_statistics(pieces: _Pieces, stats: int, v: int, lse, s) -> dict:
     """The rows' ``STATISTICS`` asked for by ``stats`` from the pieces' (``predicted``, int64,
     in place of ``is_top1`` too), for every row (``ops`` masks those without a target); ``lse``
-    and ``s`` = sum exp(x - cap) (softcap) or exp(x - max) (none) the rows' own."""
+    and ``s`` = sum exp(x - ref) (the pieces' ``ref``) or exp(x - max) (ref 0) the rows' own."""
     names = {name for i, name in enumerate(STATISTICS) if stats >> i & 1}
     bits = _plane_bits(stats)
-    out, (sums, maxima, planes) = {}, pieces
+    out, (sums, maxima, planes, ref) = {}, pieces
     planes = dict(zip(sorted(b for b in set(PLANE_BITS.values()) if bits & b),
                       planes if bits else ()))  # fmt: skip
     top = None if maxima is None else maxima.amax(1, keepdim=True)
     if "entropy" in names:  # H = log s - sum e (x - r) / s, both relative to one reference r
         t = planes[1]
-        if cap > 0:  # r = cap in every piece
+        if ref > 0:  # r = the scaled cap in every piece
             t = t.sum(1)
         else:  # r = the piece's maximum: moved to the row's, pieces past V (-inf, 0) add 0
             scale = (maxima - top).exp()
@@ -454,44 +507,51 @@ def _row_statistics(pieces: _Pieces, stats: int, cap: float, v: int, lse, s) -> 
 
 
 def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float,
-                     stats: int = 0):  # fmt: skip
+                     stats: int = 0, transform=(1.0, 1.0)):  # fmt: skip
     """``(q, s, x_y, d_y, statistics)`` for rows ``x`` (n, D) and weight ``w`` (V, D), cap > 0:
-    Q (n, V) bf16, S, ``target_logits`` and the ``STATISTICS`` asked for by ``stats``
-    (``_row_statistics``). Call only where ``applies(..., eager=True)``."""
+    Q (n, V) bf16 and S for the scaled cap (``logit_map``'s x_cap), ``target_logits`` and the
+    ``STATISTICS`` asked for by ``stats`` (``_row_statistics``). Call only where ``applies(...,
+    eager=True)``."""
     n, v = x.shape[0], w.shape[0]
     q = _rows_out(n, v, x)
-    pieces = _launch_pieces(x, w, q, cap, SOFTCAP_Q, stats)
+    pieces = _launch_pieces(x, w, q, cap, SOFTCAP_Q, stats, transform)
     s = pieces.sums.sum(1)
-    values = _row_statistics(pieces, stats, cap, v, cap + s.log(), s)
-    return q, s, *target_logits(x, w, targets, cap), values
+    values = _row_statistics(pieces, stats, v, pieces.ref + s.log(), s)
+    return q, s, *target_logits(x, w, targets, cap, transform), values
 
 
-def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float, stats: int = 0):
-    """``(lse, statistics)``: the rows' log-sum-exp of the logits the loss sees (fp32, n) and the
-    ``STATISTICS`` asked for by ``stats`` (``_row_statistics``), storing no logits
-    (``statistics_row_bytes``). Call only where ``applies(..., eager=False)``."""
+def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float, stats: int = 0,
+                 transform=(1.0, 1.0)):  # fmt: skip
+    """``(lse, statistics)``: the rows' log-sum-exp of the logits the loss sees (fp32, n;
+    ``logit_map``) and the ``STATISTICS`` asked for by ``stats`` (``_row_statistics``), storing
+    no logits (``statistics_row_bytes``). Call only where ``applies(..., eager=False)``."""
     v = w.shape[0]
-    pieces = _launch_pieces(x, w, None, cap, LSE, stats)
-    if cap > 0:
+    pieces = _launch_pieces(x, w, None, cap, LSE, stats, transform)
+    if pieces.ref > 0:
         s = pieces.sums.sum(1)
-        lse = s.log() + cap
+        lse = s.log() + pieces.ref
     else:
         top = pieces.maxima.amax(1)
         s = (pieces.sums * (pieces.maxima - top[:, None]).exp()).sum(1)
         lse = top + s.log()
-    return lse, _row_statistics(pieces, stats, cap, v, lse, s)
+    return lse, _row_statistics(pieces, stats, v, lse, s)
 
 
 def grad_products(x, w, targets, lse, big_a, small_a, cap: float, col_offset: int = 0,
-                  entropy=None, coef_entropy=None):  # fmt: skip
+                  entropy=None, coef_entropy=None, transform=(1.0, 1.0)):  # fmt: skip
     """The logit gradient (n, V) in x's dtype of the columns ``[col_offset, col_offset + V)``
-    whose weight rows are ``w``: d (A p - a [j = y] - e p (x - lse + h)) per row, p = exp(x -
+    whose weight rows are ``w``: k d (A p - a [j = y] - e p (x - lse + h)) per row, p = exp(x -
     lse) (``A``, ``a``, ``e`` = ``coef_entropy``: fp32 (n,), 0 on rows without a target; the
-    last term only where ``entropy``, h, is given). Call only where ``applies(...,
-    eager=False)``."""
+    last term only where ``entropy``, h, is given; x and k = s / T by ``logit_map``). Call only
+    where ``applies(..., eager=False)``."""
     n, v = x.shape[0], w.shape[0]
+    k = logit_map(cap, transform).slope
+    if k != 1.0:  # dx/dz's factor, folded into the rows' coefficients
+        big_a, small_a = big_a * k, small_a * k
+        coef_entropy = None if coef_entropy is None else coef_entropy * k
     words = [lse, big_a, small_a] + ([] if entropy is None else [coef_entropy, entropy])
     rows = torch.stack(words, 1).contiguous()
     out = _rows_out(n, v, x)
-    _launch(x, w, out, cap, rows, targets, col_offset, GRAD, bits=int(entropy is not None))
+    _launch(x, w, out, cap, rows, targets, col_offset, GRAD, bits=int(entropy is not None),
+            transform=transform)  # fmt: skip
     return out

@@ -17,6 +17,7 @@ from surgery.kernels.linear_cross_entropy.products import (
     grad_products,
     lse_products,
     softcap_products,
+    target_logits,
 )
 from surgery.kernels.log_probs import UpstreamHint, linear_log_probs
 from surgery.kernels.reference import linear_log_probs_reference
@@ -507,6 +508,121 @@ def test_grad_products_entropy_term_against_fp64():
     g = (g - e.double()[:, None] * p * (xs - lse[:, None] + h[:, None])) * (1 - t * t)
     got = grad_products(x, w, targets, lse.float(), big_a, small_a, cap, 0, h.float(), e)
     torch.testing.assert_close(got.double(), g, rtol=2**-8, atol=1e-6)
+
+
+# --- a logit scale and a temperature: x = (cap / T) tanh(s z / cap), or s z / T
+
+# (softcap, logit scale, temperature): without a softcap; the scaled cap within MAX_SOFTCAP (the
+# sums by the cap) and past it (by the pieces' maxima: GRPO's Gemma 2 head at temperature 0.7)
+TRANSFORMS = {
+    "plain-hot": (0.0, 1.0, 0.7),
+    "plain-scaled": (0.0, 0.5, 1.25),
+    "softcap-by-cap": (20.0, 1.3, 0.8),
+    "softcap-by-maxima": (30.0, 1.0, 0.7),
+    "cap-50-by-maxima": (50.0, 1.0, 1.0),
+}
+
+
+def _scaled_fp64(x, w, cap: float, scale: float, temperature: float):
+    """(xs, dx/dz) in fp64: the logits the loss sees and their derivative in the product z."""
+    z = x.double() @ w.double().t() * scale
+    if not cap:
+        return z / temperature, torch.full_like(z, scale / temperature)
+    t = torch.tanh(z / cap)
+    return cap * t / temperature, (1 - t * t) * scale / temperature
+
+
+@pytest.mark.parametrize("case", list(TRANSFORMS), ids=list(TRANSFORMS))
+def test_scaled_logits_products_against_fp64(case):
+    """``lse_products`` (with every statistic), ``target_logits`` and ``grad_products`` (entropy
+    term included) of logits under a logit scale and a temperature, against fp64."""
+    cap, scale, temperature = TRANSFORMS[case]
+    transform = (scale, 1.0 / temperature)
+    v = 1003
+    x, w, _, labels = make_inputs(140, 64, v, torch.bfloat16, ignore_frac=0.2, seed=12)
+    x, w = x.detach(), w.detach()
+    targets = torch.where(labels == -100, -1, labels)
+    xs, slope = _scaled_fp64(x, w, cap, scale, temperature)
+    lse = torch.logsumexp(xs, 1)
+    got_lse, stats = lse_products(x, w, cap, EVERY_STATISTIC, transform)
+    torch.testing.assert_close(got_lse.double(), lse, rtol=1e-6, atol=1e-5)
+    for name, ref in _fp64_statistics(xs).items():
+        torch.testing.assert_close(stats[name].double(), ref, rtol=1e-5, atol=2e-5, msg=name)
+    _assert_first_maximum(stats["predicted"], xs, 1e-4)
+    valid = targets >= 0
+    x_y, _ = target_logits(x, w, targets, cap, transform)
+    want_y = xs.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    torch.testing.assert_close(x_y[valid].double(), want_y[valid], rtol=1e-5, atol=1e-5)
+    gen = torch.Generator().manual_seed(8)
+    big_a, small_a, e = (torch.rand(140, generator=gen).to(DEVICE) for _ in range(3))
+    p = torch.exp(xs - lse[:, None])
+    h = -(p * (xs - lse[:, None])).sum(1)
+    cols = torch.arange(v, device=DEVICE)
+    g = big_a.double()[:, None] * p - small_a.double()[:, None] * (cols == targets[:, None])
+    g = (g - e.double()[:, None] * p * (xs - lse[:, None] + h[:, None])) * slope
+    start = 128  # a slice: its own column numbers, the targets the whole's
+    got = grad_products(x, w[start:], targets, lse.float(), big_a, small_a, cap, start,
+                        h.float(), e, transform)  # fmt: skip
+    torch.testing.assert_close(got.double(), g[:, start:], rtol=2**-8, atol=1e-6)
+
+
+# (softcap, logit scale, temperature, eager): GRPO's pass (the recompute schedule) at its
+# temperature, and the eager schedule under an UpstreamHint (a scaled cap within MAX_SOFTCAP)
+SCALED_HEADS = {
+    "plain-hot": (0.0, 1.0, 0.7, False),
+    "softcap-by-cap": (20.0, 1.3, 0.8, False),
+    "softcap-by-maxima": (30.0, 1.0, 0.7, False),
+    "softcap-eager": (20.0, 1.3, 0.8, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SCALED_HEADS), ids=list(SCALED_HEADS))
+def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
+                                          grad_entropy_calls):  # fmt: skip
+    """``linear_log_probs`` with a temperature and a logit scale takes the fused products (it
+    ran unfused before they took the two): every output within bf16's budget of fp64's, and the
+    gradients of random upstream gradients on the log-probabilities and the entropy (an RL
+    objective)."""
+    cap, scale, temperature, eager = SCALED_HEADS[case]
+    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
+    opts = dict(softcap=cap or None, logit_scale=scale, temperature=temperature)
+    kw = dict(outputs=("log_probs", *ALL_STATISTICS[:3]), chunk_bytes=1 << 20, **opts)
+    if eager:
+        g_lp = torch.full_like(g_lp, -0.25)  # uniform: the hint's next forward is eager
+        kw["upstream"] = hint = UpstreamHint()
+        weighted_grads(linear_log_probs(x, w, labels, **kw), (x, w), g_lp, g_ent * 0)
+        assert hint.uniform and not fused_chunks
+    out = linear_log_probs(x, w, labels, **kw)
+    got = weighted_grads(out, (x, w), g_lp, g_ent)
+    assert bool(fused_chunks) == eager and recompute_calls["lse"]
+    assert grad_entropy_calls and grad_entropy_calls[-1]
+    ref = linear_log_probs_reference(x, w, labels, dtype=torch.float64, **opts)
+    base = eager_log_probs_reference(x, w, None, labels, **opts)
+    for name in ("log_probs", *ALL_STATISTICS[:3]):
+        assert_close_budget(getattr(out, name).double(), getattr(ref, name),
+                            getattr(base, name).double(), torch.bfloat16, name)  # fmt: skip
+    ref_g = weighted_grads(ref, (x, w), g_lp.double(), g_ent.double())
+    base_g = weighted_grads(base, (x, w), g_lp, g_ent)
+    for name, a, r, e in zip(("grad_hidden", "grad_weight"), got, ref_g, base_g):
+        assert_close_budget(a.double(), r, e.double(), torch.bfloat16, name)
+
+
+def test_eager_schedule_leaves_a_scaled_cap_past_the_bound(fused_chunks, recompute_calls):
+    """The eager schedule's Q needs exp(-2 cap / T) a normal number: a cap of 30 at temperature
+    0.7 (42.9 scaled) runs its eager gradients unfused, and its recompute through the products by
+    the pieces' maxima."""
+    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.7)
+    assert not PRODUCTS.options_apply(1003, *args, True)
+    assert PRODUCTS.options_apply(1003, *args, False)
+    assert PRODUCTS.options_apply(1003, None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.75, True)  # 40
+    x, w, _, labels = make_inputs(97, 32, 300, torch.bfloat16)
+    kw = dict(outputs=("log_probs",), softcap=30.0, temperature=0.7, upstream=UpstreamHint())
+    for _ in range(2):  # the second forward is eager (a uniform upstream gradient)
+        out = linear_log_probs(x, w, labels, **kw)
+        torch.autograd.grad(out.log_probs.sum(), (x, w))
+    assert not fused_chunks and len(recompute_calls["lse"]) == 1
 
 
 @pytest.mark.gpu
