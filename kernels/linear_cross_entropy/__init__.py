@@ -23,12 +23,12 @@ disabled: their products are then the products of the unpatched head, and nothin
 cast again (autocast is thread-local state that a custom op would otherwise inherit, forward and
 backward, and ``torch.mm(..., out=...)`` rejects the dtype autocast would pick).
 
-On a GPU of compute capability 9 or later, bf16 heads without a bias, label smoothing, logit
-scale or temperature take the fused products (``products``) in place of cuBLAS's logits product
-and the row kernels: the cross entropy (and any requested statistics, and the entropy's gradient)
-in the product's epilogue, so the logits are never written (the recompute schedule's forward),
-written as their gradient (its backward), or, with a final softcap, written as
-exp(x - cap)(1 - t^2) whose row scale folds into the gradient products (the eager schedule).
+On a GPU of compute capability 9 or later, bf16 heads without a bias or label smoothing (a logit
+scale and a temperature are taken) use the fused products (``products``) in place of cuBLAS's
+logits product and the row kernels: the cross entropy (and any requested statistics, and the
+entropy's gradient) in the product's epilogue, so the logits are never written (the recompute
+schedule's forward), written as their gradient (its backward), or, with a final softcap, written
+as exp(x - cap)(1 - t^2) whose row scale folds into the gradient products (the eager schedule).
 Anything else runs as above.
 
 Modules, in reading order: ``products`` (the fused products: one persistent Triton GEMM, three

@@ -357,12 +357,23 @@ def _trl_chunked_log_probs():
     return chunked.ChunkedLogProbFunction
 
 
+BESIDE_TRL = {  # softcap, temperature, logit scale
+    "plain": (None, 1.0, 1.0),
+    "softcap": (30.0, 1.0, 1.0),
+    "plain-hot": (None, 0.7, 1.0),  # GRPO's temperature
+    "softcap-hot": (30.0, 0.7, 1.0),  # cap / T past the fused products' MAX_SOFTCAP
+    "softcap-scaled": (20.0, 0.8, 1.3),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
-def test_gpu_bf16_against_fp32_beside_trl(softcap):
+@pytest.mark.parametrize("case", list(BESIDE_TRL), ids=list(BESIDE_TRL))
+def test_gpu_bf16_against_fp32_beside_trl(case):
     """bf16 at a real vocabulary: every output and gradient within the error of TRL's own head
     (both against an fp32 reference on the full logits), for an RL-like upstream gradient on the
-    log-probabilities and the entropy."""
+    log-probabilities and the entropy, with a softcap, a temperature and a logit scale."""
+    softcap, temperature, scale = BESIDE_TRL[case]
+    opts = dict(softcap=softcap, temperature=temperature, logit_scale=scale)
     trl_head = _trl_chunked_log_probs()
     n, d, v = 1024, 1024, 32000
     x, w, _, labels = make_inputs(n, d, v, torch.bfloat16, bias=False)
@@ -376,7 +387,7 @@ def test_gpu_bf16_against_fp32_beside_trl(softcap):
         return [t.detach().float() for t in (lp, ent, *got)], top1
 
     def ours_fn():
-        out = linear_log_probs(x, w, labels, outputs=outputs, softcap=softcap)
+        out = linear_log_probs(x, w, labels, outputs=outputs, **opts)
         return out.log_probs, out.entropy, out.is_top1
 
     ours, top1 = run(ours_fn)
@@ -384,14 +395,14 @@ def test_gpu_bf16_against_fp32_beside_trl(softcap):
     safe = labels.clamp(min=0)
 
     def trl_fn():
-        lp, ent, _, _, top = trl_head.apply(x[valid], w, None, safe[valid], 1.0, 32768, softcap,
-                                            1.0, outputs)  # fmt: skip
+        lp, ent, _, _, top = trl_head.apply(x[valid], w, None, safe[valid], temperature, 32768,
+                                            softcap, scale, outputs)  # fmt: skip
         full = [torch.zeros(n, device="cuda", dtype=t.dtype).masked_scatter(valid, t)
                 for t in (lp, ent, top)]  # fmt: skip
         return full[0], full[1], full[2]
 
     theirs, trl_top1 = run(trl_fn)
-    ref = linear_log_probs_reference(x, w, labels, softcap=softcap)
+    ref = linear_log_probs_reference(x, w, labels, **opts)
     ref_g = torch.autograd.grad((ref.log_probs * g_lp).sum() + (ref.entropy * g_ent).sum(), (x, w))
     want = [t.detach() for t in (ref.log_probs, ref.entropy, *ref_g)]
     for name, a, t, r in zip(("log_probs", "entropy", "dx", "dw"), ours, theirs, want):
