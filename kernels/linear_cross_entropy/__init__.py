@@ -27,9 +27,10 @@ On a GPU of compute capability 9 or later, bf16 heads without a bias or label sm
 scale and a temperature are taken) use the fused products (``products``) in place of cuBLAS's
 logits product and the row kernels: the cross entropy (and any requested statistics, and the
 entropy's gradient) in the product's epilogue, so the logits are never written (the recompute
-schedule's forward), written as their gradient (its backward), or, with a final softcap, written
-as exp(x - cap)(1 - t^2) whose row scale folds into the gradient products (the eager schedule).
-Anything else runs as above.
+schedule's forward), written as their gradient (its backward), or, with a final softcap of at
+most 40 once divided by the temperature, written as exp(x - cap / T)(1 - t^2) whose row scale
+folds into the gradient products (the eager schedule; its z-loss within a bound). Anything else,
+the eager schedule of a head without a softcap included, runs as above.
 
 Modules, in reading order: ``products`` (the fused products: one persistent Triton GEMM, three
 epilogues) -> ``ops`` (the upstream-scaling kernel, the chunk plan, and the two torch.library ops

@@ -313,7 +313,8 @@ def lce_fwd(
     n_all, rows = x.shape[0], None
     grads = weights is not None and (need_dx or need_dw or need_db)
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
-    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads only
+    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads
+    # with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only (products.options_apply)
     fused = products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
                            eager=grads)  # fmt: skip
     transform = (logit_scale, inv_temperature)

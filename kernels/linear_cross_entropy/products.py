@@ -18,8 +18,9 @@ Its three epilogues, by schedule (the package docstring names the schedules):
   the gradient's read and write of each chunk (the Gemma 2 head at 1.02-1.04x its three-product
   floor where the unfused one took 1.09-1.16x: ``benchmarks/results/linear_cross_entropy-h200-*``).
 * ``lse_products`` (the recompute schedule's forward, and any forward without gradients): no
-  store but the pieces' statistics: the rows' sums of exp(x - cap) (softcap), or their maximum and
-  sum of exp(x - max) (no softcap) per 128-column piece, combined into the log-sum-exp.
+  store but the pieces' statistics: the rows' sums of exp(x - cap) (a softcap within
+  ``MAX_SOFTCAP``), or their maximum and sum of exp(x - max) (any other) per 128-column piece,
+  combined into the log-sum-exp.
 * ``grad_products`` (the recompute schedule's backward, per vocabulary slice): lse known, the tile
   writes the logit gradient d_ij (A_i p_ij - a_i [j = y_i] - e_i p_ij (x_ij - lse_i + h_i)) itself
   (p = exp(x - lse), d = 1 - t^2, or 1 without a softcap; the last term, an entropy h's gradient
@@ -74,7 +75,7 @@ __all__ = [
     "tma_ready",
 ]
 
-MAX_SOFTCAP = 40.0  # exp(-2 cap) must stay a normal fp32 / bf16 number (> 1.2e-38)
+MAX_SOFTCAP = 40.0  # exp(-2 cap / T) must stay a normal fp32 / bf16 number (> 1.2e-38)
 ENABLED = os.environ.get("SURGERY_FUSED_PRODUCTS", "1") != "0"
 """``SURGERY_FUSED_PRODUCTS=0`` (read at import) leaves every head to the unfused path: cuBLAS's
 products and the row kernels, for a comparison or to rule the fused products out."""
@@ -137,9 +138,9 @@ if triton is not None:
                           EVEN_N: tl.constexpr):  # fmt: skip
         """A piece's statistics, one plane each (``STATS``' bits, ``PLANE_BITS``; the planes of
         the bits set, in their order): ``x`` the logits, ``xm`` the same with -inf past N, ``e`` =
-        exp(x - ref) (0 past N) for the rows' reference ``ref`` (cap, or the piece's maximum).
-        ``STORE_MAX``: the piece's maximum into ``row_a`` (with a softcap; without one the
-        log-sum-exp has stored it)."""
+        exp(x - ref) (0 past N) for the rows' reference ``ref`` (the scaled cap, or the piece's
+        maximum). ``STORE_MAX``: the piece's maximum into ``row_a`` (by the cap, BY_CAP; by the
+        maxima the log-sum-exp has stored it)."""
         if STATS & 1:  # sum e (x - ref): the entropy
             tl.store(planes + slot, tl.sum(e * (x - ref[:, None]), 1), mask=live)
         if STATS & 10:  # NEEDS_MAXIMA
@@ -325,14 +326,15 @@ def options_apply(v: int, bias, softcap, eps, z_scale, logit_scale, inv_temperat
     autograd forward can decide while traced, for its backward."""
     if not ENABLED or TensorDescriptor is None or head_products_kernel is None:
         return False
-    if eps != 0.0 or bias is not None or not math.isfinite(logit_scale):
+    if eps != 0.0 or bias is not None or not (inv_temperature > 0.0 and softcap >= 0.0):
         return False
-    if not (math.isfinite(inv_temperature) and inv_temperature > 0.0 and 0.0 <= softcap < math.inf):
+    scales = logit_map(softcap, (logit_scale, inv_temperature))
+    if not all(math.isfinite(u) for u in (logit_scale, inv_temperature, softcap, *scales)):
         return False
     if not eager:
         return True
-    x_cap = logit_map(softcap, (logit_scale, inv_temperature)).x_cap
-    # A = a + 2 s lse b >= a / 2 for every lse in (log V - cap, log V + cap) when a = b
+    # A = a + 2 s lse b >= a / 2 for every lse in (log V - x_cap, log V + x_cap) when a = b
+    x_cap = scales.x_cap
     return _by_cap(x_cap) and not 2.0 * z_scale * (math.log(max(v, 1)) + x_cap) > 0.5
 
 
@@ -412,7 +414,8 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bit
             TensorDescriptor.from_tensor(out, [BM, PIECE]),
             n, v, d, float(z_mul), float(x_cap), row_a, row_b,
             row_b if planes is None else planes, plane, col_offset, EPILOGUE=epilogue,
-            SOFTCAP=cap > 0, SCALED=cap == 0 and z_mul != 1.0, BY_CAP=_by_cap(x_cap), STATS=bits,
+            SOFTCAP=cap > 0, SCALED=cap == 0 and z_mul != 1.0,
+            BY_CAP=epilogue != GRAD and _by_cap(x_cap), STATS=bits,
             BLOCK_M=BM, BLOCK_N=BN,
             BLOCK_K=BK, GROUP=GROUP_M, NUM_PROGRAMS=programs, EVEN_N=v % BN == 0,
             INTERP=interp, num_stages=STAGES, num_warps=WARPS,
@@ -513,6 +516,8 @@ def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ca
     ``STATISTICS`` asked for by ``stats`` (``_row_statistics``). Call only where ``applies(...,
     eager=True)``."""
     n, v = x.shape[0], w.shape[0]
+    if not _by_cap(logit_map(cap, transform).x_cap):
+        raise ValueError(f"softcap_products needs 0 < cap / T <= {MAX_SOFTCAP}")
     q = _rows_out(n, v, x)
     pieces = _launch_pieces(x, w, q, cap, SOFTCAP_Q, stats, transform)
     s = pieces.sums.sum(1)

@@ -513,14 +513,21 @@ def test_grad_products_entropy_term_against_fp64():
 # --- a logit scale and a temperature: x = (cap / T) tanh(s z / cap), or s z / T
 
 # (softcap, logit scale, temperature): without a softcap; the scaled cap within MAX_SOFTCAP (the
-# sums by the cap) and past it (by the pieces' maxima: GRPO's Gemma 2 head at temperature 0.7)
+# sums by the cap) and past it (by the pieces' maxima: GRPO's Gemma 2 head at temperature 0.7);
+# negative scales (the logits' order turned over)
 TRANSFORMS = {
     "plain-hot": (0.0, 1.0, 0.7),
-    "plain-scaled": (0.0, 0.5, 1.25),
+    "plain-negative-scale": (0.0, -0.5, 1.25),
     "softcap-by-cap": (20.0, 1.3, 0.8),
+    "softcap-negative-scale": (20.0, -1.3, 0.8),
     "softcap-by-maxima": (30.0, 1.0, 0.7),
     "cap-50-by-maxima": (50.0, 1.0, 1.0),
 }
+# Every logit near -cap / T ("flat": there the sums by the cap would leave fp32's normal numbers
+# past MAX_SOFTCAP) or on tanh's tails ("saturated"); without a softcap, typical logits only.
+REGIMES = ("typical", "flat", "saturated")
+SCALED_CASES = [(case, regime) for case, (cap, *_) in TRANSFORMS.items()
+                for regime in (REGIMES if cap else REGIMES[:1])]  # fmt: skip
 
 
 def _scaled_fp64(x, w, cap: float, scale: float, temperature: float):
@@ -532,15 +539,17 @@ def _scaled_fp64(x, w, cap: float, scale: float, temperature: float):
     return cap * t / temperature, (1 - t * t) * scale / temperature
 
 
-@pytest.mark.parametrize("case", list(TRANSFORMS), ids=list(TRANSFORMS))
-def test_scaled_logits_products_against_fp64(case):
+@pytest.mark.parametrize(
+    ("case", "regime"), SCALED_CASES, ids=[f"{c}-{r}" for c, r in SCALED_CASES]
+)
+def test_scaled_logits_products_against_fp64(case, regime):
     """``lse_products`` (with every statistic), ``target_logits`` and ``grad_products`` (entropy
     term included) of logits under a logit scale and a temperature, against fp64."""
     cap, scale, temperature = TRANSFORMS[case]
     transform = (scale, 1.0 / temperature)
     v = 1003
     x, w, _, labels = make_inputs(140, 64, v, torch.bfloat16, ignore_frac=0.2, seed=12)
-    x, w = x.detach(), w.detach()
+    x, w = _regime(x.detach(), w.detach(), regime, cap / scale if cap else 0.0)
     targets = torch.where(labels == -100, -1, labels)
     xs, slope = _scaled_fp64(x, w, cap, scale, temperature)
     lse = torch.logsumexp(xs, 1)
@@ -548,7 +557,7 @@ def test_scaled_logits_products_against_fp64(case):
     torch.testing.assert_close(got_lse.double(), lse, rtol=1e-6, atol=1e-5)
     for name, ref in _fp64_statistics(xs).items():
         torch.testing.assert_close(stats[name].double(), ref, rtol=1e-5, atol=2e-5, msg=name)
-    _assert_first_maximum(stats["predicted"], xs, 1e-4)
+    _assert_first_maximum(stats["predicted"], xs, 1e-4, regime == "typical")
     valid = targets >= 0
     x_y, _ = target_logits(x, w, targets, cap, transform)
     want_y = xs.gather(1, targets.clamp(min=0)[:, None])[:, 0]
@@ -571,6 +580,7 @@ def test_scaled_logits_products_against_fp64(case):
 SCALED_HEADS = {
     "plain-hot": (0.0, 1.0, 0.7, False),
     "softcap-by-cap": (20.0, 1.3, 0.8, False),
+    "softcap-negative-scale": (20.0, -1.3, 0.8, False),
     "softcap-by-maxima": (30.0, 1.0, 0.7, False),
     "softcap-eager": (20.0, 1.3, 0.8, True),
 }
@@ -580,15 +590,15 @@ SCALED_HEADS = {
 def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
                                           grad_entropy_calls):  # fmt: skip
     """``linear_log_probs`` with a temperature and a logit scale takes the fused products (it
-    ran unfused before they took the two): every output within bf16's budget of fp64's, and the
-    gradients of random upstream gradients on the log-probabilities and the entropy (an RL
-    objective)."""
+    ran unfused before they took the two): every output within bf16's budget of fp64's (the
+    first maximum: fp64's argmax), and the gradients of random upstream gradients on the
+    log-probabilities and the entropy (an RL objective)."""
     cap, scale, temperature, eager = SCALED_HEADS[case]
     x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=3)
     gen = torch.Generator().manual_seed(4)
     g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
     opts = dict(softcap=cap or None, logit_scale=scale, temperature=temperature)
-    kw = dict(outputs=("log_probs", *ALL_STATISTICS[:3]), chunk_bytes=1 << 20, **opts)
+    kw = dict(outputs=("log_probs", *ALL_STATISTICS), chunk_bytes=1 << 20, **opts)
     if eager:
         g_lp = torch.full_like(g_lp, -0.25)  # uniform: the hint's next forward is eager
         kw["upstream"] = hint = UpstreamHint()
@@ -603,6 +613,10 @@ def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
     for name in ("log_probs", *ALL_STATISTICS[:3]):
         assert_close_budget(getattr(out, name).double(), getattr(ref, name),
                             getattr(base, name).double(), torch.bfloat16, name)  # fmt: skip
+    valid = labels != -100
+    xs, _ = _scaled_fp64(x, w, cap, scale, temperature)
+    _assert_first_maximum(out.predicted[valid], xs[valid], 1e-4)
+    assert torch.equal(out.is_top1, valid & (out.predicted == labels))
     ref_g = weighted_grads(ref, (x, w), g_lp.double(), g_ent.double())
     base_g = weighted_grads(base, (x, w), g_lp, g_ent)
     for name, a, r, e in zip(("grad_hidden", "grad_weight"), got, ref_g, base_g):
@@ -611,18 +625,60 @@ def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
 
 def test_eager_schedule_leaves_a_scaled_cap_past_the_bound(fused_chunks, recompute_calls):
     """The eager schedule's Q needs exp(-2 cap / T) a normal number: a cap of 30 at temperature
-    0.7 (42.9 scaled) runs its eager gradients unfused, and its recompute through the products by
-    the pieces' maxima."""
+    0.7 (42.9 scaled) runs its eager gradients unfused (and right), its recompute through the
+    products by the pieces' maxima; a scaled cap of exactly 40 takes the eager products."""
     args = (None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.7)
     assert not PRODUCTS.options_apply(1003, *args, True)
     assert PRODUCTS.options_apply(1003, *args, False)
-    assert PRODUCTS.options_apply(1003, None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.75, True)  # 40
+    assert PRODUCTS.options_apply(1003, None, 40.0, 0.0, 0.0, 1.0, 1.0, True)
+    assert not PRODUCTS.options_apply(1003, None, 40.0, 0.0, 0.0, 1.0, 1.0 / 0.999, True)
     x, w, _, labels = make_inputs(97, 32, 300, torch.bfloat16)
-    kw = dict(outputs=("log_probs",), softcap=30.0, temperature=0.7, upstream=UpstreamHint())
+    opts = dict(softcap=30.0, temperature=0.7)
+    kw = dict(outputs=("log_probs",), upstream=UpstreamHint(), **opts)
     for _ in range(2):  # the second forward is eager (a uniform upstream gradient)
         out = linear_log_probs(x, w, labels, **kw)
-        torch.autograd.grad(out.log_probs.sum(), (x, w))
+        got = torch.autograd.grad(out.log_probs.sum(), (x, w))
     assert not fused_chunks and len(recompute_calls["lse"]) == 1
+    ref = linear_log_probs_reference(x, w, labels, dtype=torch.float64, **opts)
+    base = eager_log_probs_reference(x, w, None, labels, **opts)
+    assert_close_budget(out.log_probs.double(), ref.log_probs, base.log_probs.double(),
+                        torch.bfloat16, "log_probs")  # fmt: skip
+    ref_g = torch.autograd.grad(ref.log_probs.sum(), (x, w))
+    base_g = torch.autograd.grad(base.log_probs.sum(), (x, w))
+    for name, a, r, e in zip(("grad_hidden", "grad_weight"), got, ref_g, base_g):
+        assert_close_budget(a.double(), r, e.double(), torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("scale", [1.3, -1.3])
+def test_eager_products_with_a_transform_and_zloss(scale, fused_chunks):
+    """The eager schedule's op (``lce_fwd`` with the rows' weights) through ``softcap_products``
+    under a logit scale, a temperature and a z-loss (its bound taken at cap / T): the losses and
+    the gradients of sum(weights (ce + z)) against fp64 autograd, and every statistic."""
+    cap, inv_t, z_scale = 20.0, 1.25, 1e-3
+    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=3)
+    x, w = x.detach(), w.detach()
+    targets = torch.where(labels == -100, -1, labels)
+    coef = torch.rand(181, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ce, zl, _, dx, dw, _, *stats = OPS.lce_fwd(x, w, None, targets, coef, cap, 0.0, z_scale,
+                                               1 << 30, True, True, False, False, scale, inv_t,
+                                               EVERY_STATISTIC)  # fmt: skip
+    assert fused_chunks == [181]
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    xs = cap * torch.tanh(xd @ wd.t() * scale / cap) * inv_t
+    lse = torch.logsumexp(xs, 1)
+    valid = targets >= 0
+    ce_ref = torch.where(valid, lse - xs.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    zl_ref = torch.where(valid, z_scale * lse * lse, 0.0)
+    gx, gw = torch.autograd.grad((coef.double() * (ce_ref + zl_ref)).sum(), (xd, wd))
+    torch.testing.assert_close(ce.double(), ce_ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(zl.double(), zl_ref.detach(), rtol=1e-5, atol=1e-7)
+    for got, want in ((dx, gx), (dw, gw)):  # bf16's rounding of the gradients
+        assert (got.double() - want).norm() <= 4e-3 * want.norm()
+    values = dict(zip(ALL_STATISTICS, stats, strict=True))
+    for name, ref in _fp64_statistics(xs.detach()).items():
+        torch.testing.assert_close(values[name][valid].double(), ref[valid], rtol=1e-5,
+                                   atol=2e-5, msg=name)  # fmt: skip
+    _assert_first_maximum(values["predicted"][valid], xs.detach()[valid], 1e-4)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,8 @@ PyTorch; the argmax rule of ``is_top1``; statistics that cost nothing when not r
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -368,10 +370,16 @@ BESIDE_TRL = {  # softcap, temperature, logit scale
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(BESIDE_TRL), ids=list(BESIDE_TRL))
-def test_gpu_bf16_against_fp32_beside_trl(case):
+def test_gpu_bf16_against_fp32_beside_trl(case, monkeypatch):
     """bf16 at a real vocabulary: every output and gradient within the error of TRL's own head
     (both against an fp32 reference on the full logits), for an RL-like upstream gradient on the
-    log-probabilities and the entropy, with a softcap, a temperature and a logit scale."""
+    log-probabilities and the entropy, with a softcap, a temperature and a logit scale; ours
+    through the fused products (the recompute schedule's two)."""
+    ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+    calls = []
+    for name in ("lse_products", "grad_products"):
+        fn = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
     softcap, temperature, scale = BESIDE_TRL[case]
     opts = dict(softcap=softcap, temperature=temperature, logit_scale=scale)
     trl_head = _trl_chunked_log_probs()
@@ -391,6 +399,7 @@ def test_gpu_bf16_against_fp32_beside_trl(case):
         return out.log_probs, out.entropy, out.is_top1
 
     ours, top1 = run(ours_fn)
+    assert set(calls) == {"lse_products", "grad_products"}, calls
     valid = labels >= 0
     safe = labels.clamp(min=0)
 

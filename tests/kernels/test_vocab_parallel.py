@@ -113,8 +113,10 @@ def _inputs(case: Case):
         hidden += 12.0 * weight[0] / weight[0].norm()
         hidden[..., 0] = hidden[..., 0].abs() + 1.0  # the step raises row V - 1's logit
     labels = torch.randint(0, case.vocab, (B, T), generator=g)
-    # Half the targets the largest logit, so that is_top1 is seen both ways.
-    argmax = (hidden @ weight.T + (0 if bias is None else bias)).argmax(-1)
+    # Half the targets the largest logit (as the loss sees it: a negative logit scale turns the
+    # order over), so that is_top1 is seen both ways.
+    logits = hidden @ weight.T + (0 if bias is None else bias)
+    argmax = (logits * case.options.get("logit_scale", 1.0)).argmax(-1)
     labels[:, ::2] = argmax[:, ::2]
     labels[0, 2] = labels[1, 5] = case.options.get("ignore_index", -100)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
@@ -289,6 +291,13 @@ BF16_CASES = [
     # the first maximum found across ranks as the fused products find it (fp32 logits)
     Case("bf16-near-tie-top1", bf16=True, log_probs=True, near_tie=True, vocab=301,
          options=dict(outputs=("log_probs", "is_top1", "predicted"))),
+    # a temperature and a logit scale in each slice's products and its maximum's logit (a
+    # negative scale: the ranks' maxima compare as the loss sees the logits, not as z does);
+    # cap / T = 42.9: the log-sum-exp by the pieces' maxima
+    Case("bf16-negative-scale-hot", bf16=True, log_probs=True, vocab=301,
+         options=dict(outputs=("log_probs", *EVERY_OUTPUT), logit_scale=-1.0, temperature=0.7)),
+    Case("bf16-softcap-hot", bf16=True, log_probs=True, vocab=301,
+         options=dict(outputs=("log_probs", *EVERY_OUTPUT), softcap=30.0, temperature=0.7)),
 ]  # fmt: skip
 
 
