@@ -161,8 +161,8 @@ class UpstreamHint:
         targets' device (no host read): 1 where nothing better is known or ``dtype`` (the
         inputs') lacks fp32's exponent range."""
         one = torch.ones((), dtype=torch.float32, device=targets.device)
-        if torch.finfo(dtype).max < torch.finfo(torch.float32).max:
-            return one
+        if torch.finfo(dtype).tiny > torch.finfo(torch.float32).tiny:  # fp16 (bf16's is fp32's;
+            return one  # its largest number is not, by the mantissa's bits)
         if self.token_mean:
             return _reciprocal_count(targets >= 0)
         return one if self.last is None else self.last.to(targets.device)
