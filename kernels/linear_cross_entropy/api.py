@@ -19,6 +19,7 @@ from ..reference import LossOutput
 from .ops import (
     DEFAULT_CHUNK_BYTES,
     LOW_MEMORY_CHUNK_BYTES,
+    join_gradient_stream,
     lce_bwd_recompute,
     lce_fwd,
     scale_by_upstream_,
@@ -56,9 +57,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         guess = hint.guess(targets, x.dtype) if speculate else None
         grad_weights = weights if guess is None else (targets >= 0).to(torch.float32) * guess
         eager = grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
+        compiled = torch.compiler.is_compiling()
+        # Speculating, the backward's first act is a host read (the hint's check), which waits
+        # for what the current stream has queued: the gradient products go to a side stream, so
+        # that it waits for the losses alone and the host goes on while they are made.
+        ctx.overlap = bool(
+            speculate and eager and x.is_cuda and not compiled
+            and not torch.cuda.is_current_stream_capturing()
+        )  # fmt: skip
         ce, zl, lse, dx, dw, db, entropy, *others = lce_fwd(
             x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
-            chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats,
+            chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats, ctx.overlap,
         )  # fmt: skip
         # The gradients for an upstream gradient of 1 (or the hint's guess), scaled in the
         # backward. Eagerly they sit on ctx and are scaled in place; the backward drops them, so
@@ -67,7 +76,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # until the graph is freed: a second lm_head gradient beside the real one): there they
         # are saved tensors, handed to the backward graph, which frees them once scaled out of
         # place (``scale_by_upstream_``). Compiled graphs have no retain_graph (donated buffers).
-        compiled = torch.compiler.is_compiling()
         grads = (dx, dw, db) if eager else ()
         ctx.save_for_backward(
             x, w, bias, targets, weights, lse, entropy, *(grads if compiled else ())
@@ -106,6 +114,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 g_loss = uniform
         if eager is not None:
+            if g_loss is not None and ctx.overlap:
+                join_gradient_stream(x.device)  # after the hint's host read, not before
             if g_loss is not None:
                 # The stored gradients are for an upstream gradient of 1 (or of the hint's
                 # guess): scaled in place, a no-op on the device where the guess was right.

@@ -5,6 +5,7 @@ docstring): ``lce_fwd`` (loss, statistics and, in the eager schedule, the gradie
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from .products import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOW_MEMORY_CHUNK_BYTES",
+    "join_gradient_stream",
     "lce_bwd_recompute",
     "lce_fwd",
     "plan_token_chunk",
@@ -276,6 +278,34 @@ def _softcap_dw(q, xc, terms: _TargetTerms, dw: torch.Tensor, accumulate: bool, 
     dw.index_put_((terms.cols,), sparse, accumulate=True)
 
 
+@functools.cache
+def _gradient_stream(device: torch.device):
+    """The side stream of ``lce_fwd(overlap=True)``'s gradient products, one per device."""
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def _on_gradient_stream(stream, *tensors):
+    """Work queued inside runs on ``stream`` (None: where it is) after everything the current
+    stream has queued; ``tensors``, memory of the current stream read or written there, are not
+    handed out again before it has run."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def join_gradient_stream(device: torch.device) -> None:
+    """Make the current stream wait for the gradients ``lce_fwd(overlap=True)`` queued on its
+    side stream (without a host wait): call before reading them."""
+    torch.cuda.current_stream(device).wait_stream(_gradient_stream(device))
+
+
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
 @_autocast_disabled
 def lce_fwd(
@@ -295,6 +325,7 @@ def lce_fwd(
     logit_scale: float = 1.0,
     inv_temperature: float = 1.0,
     stats: int = 0,
+    overlap: bool = False,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -309,6 +340,11 @@ def lce_fwd(
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
     gradient is 0.
+
+    ``overlap`` (CUDA): the gradient products (two of the three) run on a side stream, so that a
+    host read the caller makes once the losses are known (``UpstreamHint.learn``) waits for the
+    logits' product and the row sweep only, and the host goes on while the gradients are made;
+    whoever reads the gradients calls ``join_gradient_stream`` first.
     """
     n_all, rows = x.shape[0], None
     grads = weights is not None and (need_dx or need_dw or need_db)
@@ -348,6 +384,7 @@ def lce_fwd(
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
+    side = _gradient_stream(dev) if overlap and grads and dev.type == "cuda" else None
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]
@@ -380,30 +417,38 @@ def lce_fwd(
         lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
         if not grads:
             continue
-        if need_dx:
-            if terms is not None:
-                _softcap_dx(logits, w, terms, dx[n0:n1], slice_rows)
-            else:
-                torch.mm(logits, w, out=dx[n0:n1])
-        if need_dw:
-            if terms is not None:
-                _softcap_dw(logits, xc, terms, dw, not single, slice_rows)
-            elif single:
-                torch.mm(logits.t(), xc, out=dw)
-            else:
-                _accumulate_mm(dw, logits.t(), xc, slice_rows)
-        if need_db:
-            db += logits.sum(0, dtype=torch.float32)
+        with _on_gradient_stream(side, x, w, logits, dx, dw, db, *(terms or ())):
+            if need_dx:
+                if terms is not None:
+                    _softcap_dx(logits, w, terms, dx[n0:n1], slice_rows)
+                else:
+                    torch.mm(logits, w, out=dx[n0:n1])
+            if need_dw:
+                if terms is not None:
+                    _softcap_dw(logits, xc, terms, dw, not single, slice_rows)
+                elif single:
+                    torch.mm(logits.t(), xc, out=dw)
+                else:
+                    _accumulate_mm(dw, logits.t(), xc, slice_rows)
+            if need_db:
+                db += logits.sum(0, dtype=torch.float32)
+    # the gradients' last steps where they were made (the outputs: the current stream's memory)
     if need_dw and dw.dtype != w.dtype:
-        dw = dw.to(w.dtype)
+        dw_out = torch.empty_like(w)
+        with _on_gradient_stream(side, dw, dw_out):
+            dw = dw_out.copy_(dw)
     if need_db:
-        db = db.to(bias.dtype)
+        db_out = torch.empty_like(bias)
+        with _on_gradient_stream(side, db, db_out):
+            db = db_out.copy_(db)
     if rows is not None:
         ce, zl, lse = (_scatter_rows(t, rows, n_all) for t in (ce, zl, lse))
         statistics = {k: _scatter_rows(t, rows, n_all, STATISTIC_FILL.get(k, 0.0))
                       for k, t in statistics.items()}  # fmt: skip
         if need_dx:
-            dx = _scatter_rows(dx, rows, n_all)
+            dx_out = dx.new_zeros(n_all, d)
+            with _on_gradient_stream(side, dx, dx_out, rows):
+                dx = dx_out.index_copy_(0, rows, dx)
     return ce, zl, lse, dx, dw, db, *statistics_outputs(statistics, x)
 
 
@@ -525,7 +570,8 @@ def lce_bwd_recompute(
 
 @lce_fwd.register_fake
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
-      skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0):  # fmt: skip
+      skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0,
+      overlap=False):  # fmt: skip
     n = x.shape[0]
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]

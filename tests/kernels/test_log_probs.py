@@ -427,6 +427,55 @@ def test_gpu_bf16_against_fp32_beside_trl(case, monkeypatch):
     assert agree >= agree_trl - 1e-3, (agree, agree_trl)
 
 
+OVERLAP_CASES = {  # linear_log_probs' options; bias: unfused (cuBLAS) with the bias gradient
+    "plain": dict(),
+    "softcap": dict(softcap=30.0),  # the fused products' eager schedule
+    "chunks-skip_ignored-bias": dict(bias=True, chunk_bytes=8 << 20, skip_ignored=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(OVERLAP_CASES), ids=list(OVERLAP_CASES))
+def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
+    """Speculating (an ``UpstreamHint`` taught a uniform upstream gradient), the forward's
+    gradient products run on a side stream and the backward waits for them on the device after
+    the hint's host read: over steps with a uniform upstream gradient, then one that is not (the
+    speculated gradients dropped, recomputed), then uniform again, every gradient is bit-equal to
+    the same steps with everything on one stream."""
+    ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+    kw = dict(OVERLAP_CASES[case])
+    # products long enough (about 10 ms of gradients) that a read not waiting for them sees them
+    # unfinished; the rows narrow enough for several chunks where asked (the eager plan's rule)
+    d, v = (512, 128256) if "chunk_bytes" in kw else (4096, 128256)
+    x, w, b, labels = make_inputs(4096, d, v, torch.bfloat16, bias=kw.pop("bias", False))
+    inputs = [t for t in (x, w, b) if t is not None]
+    gen = torch.Generator().manual_seed(2)
+    n = (labels >= 0).sum()
+    ragged = torch.randn(labels.shape, generator=gen).to(DEVICE)
+    steps = [-1.0 / n, -1.0 / n, -1.0 / n, ragged, -1.0 / n, -1.0 / n]
+
+    def train():
+        hint, out = UpstreamHint(), []
+        for g in steps:
+            lp = linear_log_probs(x, w, labels, b, upstream=hint, **kw).log_probs
+            out.append([t.clone() for t in torch.autograd.grad((lp * g).sum(), inputs)])
+        return out
+
+    used, on_stream = [], ops._on_gradient_stream
+
+    def spy(stream, *tensors):
+        used.append(stream is not None)
+        return on_stream(stream, *tensors)
+
+    monkeypatch.setattr(ops, "_on_gradient_stream", spy)
+    got = train()
+    assert any(used), "the side stream was not used"
+    monkeypatch.setattr(ops, "_on_gradient_stream", lambda stream, *t: on_stream(None))
+    want = train()
+    for i, (a, r) in enumerate(zip(got, want)):
+        assert all(torch.equal(u, v) for u, v in zip(a, r)), f"step {i}"
+
+
 @pytest.mark.gpu
 def test_gpu_no_host_sync_and_cuda_graphs():
     """The default path (no ``upstream`` hint, no ``skip_ignored``) reads nothing on the host:
