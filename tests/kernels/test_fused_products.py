@@ -457,38 +457,6 @@ def test_statistics_through_the_fused_products(case, regime, layout, fused_chunk
     assert torch.equal(stats["is_top1"], valid & (predicted == labels))
 
 
-@pytest.mark.parametrize("case", ["plain", "softcap", "softcap-eager"])
-def test_entropy_gradient_through_grad_products(case, grad_entropy_calls, fused_chunks):
-    """An upstream gradient on the entropy (an RL entropy bonus) beside the log-probabilities'
-    is computed by ``grad_products`` (the entropy's term in its epilogue) and lands within bf16's
-    budget of fp64's, as ``test_log_probs`` measures the unfused path: in the recompute schedule,
-    and after the eager one (an ``UpstreamHint`` taught a uniform upstream gradient: the
-    log-probabilities' gradients from ``softcap_products``, the entropy's recomputed)."""
-    cap = 0.0 if case == "plain" else 30.0
-    x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=2)
-    gen = torch.Generator().manual_seed(4)
-    g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
-    kw = dict(outputs=("log_probs", "entropy"), softcap=cap or None, chunk_bytes=1 << 20)
-    if case == "softcap-eager":
-        g_lp = torch.full_like(g_lp, -0.25)  # uniform: the hint's next forward is eager
-        kw["upstream"] = hint = UpstreamHint()
-        weighted_grads(linear_log_probs(x, w, labels, **kw), (x, w), g_lp, g_ent * 0)
-        assert hint.uniform and not fused_chunks
-    out = linear_log_probs(x, w, labels, **kw)
-    got = weighted_grads(out, (x, w), g_lp, g_ent)
-    assert grad_entropy_calls and all(grad_entropy_calls[-1:])
-    assert bool(fused_chunks) == (case == "softcap-eager")
-    ref = linear_log_probs_reference(x, w, labels, softcap=cap or None, dtype=torch.float64)
-    eager = eager_log_probs_reference(x, w, None, labels, softcap=cap or None)
-    ref_g = weighted_grads(ref, (x, w), g_lp.double(), g_ent.double())
-    eager_g = weighted_grads(eager, (x, w), g_lp, g_ent)
-    for name in ("log_probs", "entropy"):
-        assert_close_budget(getattr(out, name).double(), getattr(ref, name),
-                            getattr(eager, name).double(), torch.bfloat16, name)  # fmt: skip
-    for name, a, r, e in zip(("grad_hidden", "grad_weight"), got, ref_g, eager_g):
-        assert_close_budget(a.double(), r, e.double(), torch.bfloat16, name)
-
-
 def test_grad_products_entropy_term_against_fp64():
     """``grad_products``' entropy term, -e p (x - lse + h), against fp64 (with a softcap)."""
     cap, v = 20.0, 1003
@@ -575,24 +543,29 @@ def test_scaled_logits_products_against_fp64(case, regime):
     torch.testing.assert_close(got.double(), g[:, start:], rtol=2**-8, atol=1e-6)
 
 
-# (softcap, logit scale, temperature, eager): GRPO's pass (the recompute schedule) at its
-# temperature, and the eager schedule under an UpstreamHint (a scaled cap within MAX_SOFTCAP)
+# (softcap, logit scale, temperature, eager): the recompute schedule (an RL objective: GRPO's pass
+# at its temperature), and the eager schedule under an UpstreamHint (a scaled cap within
+# MAX_SOFTCAP: the log-probabilities' gradients from ``softcap_products``, the entropy's recomputed)
 SCALED_HEADS = {
+    "plain": (0.0, 1.0, 1.0, False),
+    "softcap": (30.0, 1.0, 1.0, False),
+    "softcap-eager": (30.0, 1.0, 1.0, True),
     "plain-hot": (0.0, 1.0, 0.7, False),
     "softcap-by-cap": (20.0, 1.3, 0.8, False),
     "softcap-negative-scale": (20.0, -1.3, 0.8, False),
     "softcap-by-maxima": (30.0, 1.0, 0.7, False),
-    "softcap-eager": (20.0, 1.3, 0.8, True),
+    "softcap-eager-scaled": (20.0, 1.3, 0.8, True),
 }
 
 
 @pytest.mark.parametrize("case", list(SCALED_HEADS), ids=list(SCALED_HEADS))
 def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
                                           grad_entropy_calls):  # fmt: skip
-    """``linear_log_probs`` with a temperature and a logit scale takes the fused products (it
-    ran unfused before they took the two): every output within bf16's budget of fp64's (the
-    first maximum: fp64's argmax), and the gradients of random upstream gradients on the
-    log-probabilities and the entropy (an RL objective)."""
+    """``linear_log_probs``, with or without a temperature and a logit scale, takes the fused
+    products, the entropy's gradient (an RL entropy bonus) in ``grad_products``' epilogue: every
+    output within bf16's budget of fp64's (the first maximum: fp64's argmax), and the gradients
+    of random upstream gradients on the log-probabilities and the entropy, as ``test_log_probs``
+    measures the unfused path."""
     cap, scale, temperature, eager = SCALED_HEADS[case]
     x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, ignore_frac=0.3, seed=3)
     gen = torch.Generator().manual_seed(4)
