@@ -108,14 +108,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.hint.uniform = False  # nothing to scale: the next forward computes no gradients
         elif ctx.hint is not None:
             # Per-token losses: the eager gradients hold for a uniform upstream gradient only.
-            uniform = ctx.hint.learn(g_loss, targets)
+            uniform = ctx.hint.learn(g_loss, targets, ctx.guess)
             if uniform is None:
                 eager = None  # recomputed below for the upstream gradient as it is
             else:
                 g_loss = uniform
+        if ctx.overlap:  # after the hint's host read, not before; whether or not they are used
+            join_gradient_stream(x.device)
         if eager is not None:
-            if g_loss is not None and ctx.overlap:
-                join_gradient_stream(x.device)  # after the hint's host read, not before
             if g_loss is not None:
                 # The stored gradients are for an upstream gradient of 1 (or of the hint's
                 # guess): scaled in place, a no-op on the device where the guess was right.
@@ -177,24 +177,28 @@ class UpstreamHint:
             return _reciprocal_count(targets >= 0)
         return one if self.last is None else self.last.to(targets.device)
 
-    def learn(self, g: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def learn(self, g: torch.Tensor, targets: torch.Tensor,
+              guess: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
         """Record the upstream gradient ``g`` of this backward; return its 0-dim value where it
-        is the same on every token with a target (0 where none has one), else None. One host
-        read."""
+        is the same on every token with a target (0 where none has one), else None. ``guess``:
+        the one this call's forward took; where the value divided by it is no finite number (a
+        tiny guess, a huge gradient), None too: the gradients made for it cannot be scaled, and
+        are recomputed. One host read."""
         g = g.reshape(-1).to(torch.float32)
         valid = targets >= 0
         hi = torch.where(valid, g, float("-inf")).amax()
         lo = torch.where(valid, g, float("inf")).amin()
         size = hi.abs()
+        scalable = ~valid.any() | (True if guess is None else torch.isfinite(hi / guess))
         checks = [hi == lo, ~valid.any(), hi == _reciprocal_count(valid),
-                  (size >= 2.0**-64) & (size <= 1.0)]  # fmt: skip
-        same, none, token_mean, in_range = torch.stack(checks).tolist()  # the host read
+                  (size >= 2.0**-64) & (size <= 1.0), scalable]  # fmt: skip
+        same, none, token_mean, in_range, scalable = torch.stack(checks).tolist()  # the host read
         value = g.new_zeros(()) if none else hi if same else None
         self.uniform = value is not None
         usable = same and not none and in_range
         self.last = hi.detach() if usable else None
         self.token_mean = bool(usable and token_mean)
-        return value
+        return value if scalable else None
 
 
 def _reciprocal_count(valid: torch.Tensor) -> torch.Tensor:

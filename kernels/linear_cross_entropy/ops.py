@@ -284,26 +284,32 @@ def _gradient_stream(device: torch.device):
     return torch.cuda.Stream(device)
 
 
+# The current stream's tensors the side stream reads or writes, by device: held (not freed) until
+# the current stream has waited for it (``join_gradient_stream``), so that their memory is handed
+# out again in the current stream's order, not while the side stream may still use it.
+_HELD: dict[torch.device, list[torch.Tensor]] = {}
+
+
 @contextlib.contextmanager
 def _on_gradient_stream(stream, *tensors):
     """Work queued inside runs on ``stream`` (None: where it is) after everything the current
-    stream has queued; ``tensors``, memory of the current stream read or written there, are not
-    handed out again before it has run."""
+    stream has queued; ``tensors``, memory of the current stream read or written there, are held
+    until ``join_gradient_stream``."""
     if stream is None:
         yield
         return
     stream.wait_stream(torch.cuda.current_stream(stream.device))
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel():
-            t.record_stream(stream)
+    _HELD.setdefault(stream.device, []).extend(t for t in tensors if isinstance(t, torch.Tensor))
     with torch.cuda.stream(stream):
         yield
 
 
 def join_gradient_stream(device: torch.device) -> None:
     """Make the current stream wait for the gradients ``lce_fwd(overlap=True)`` queued on its
-    side stream (without a host wait): call before reading them."""
-    torch.cuda.current_stream(device).wait_stream(_gradient_stream(device))
+    side stream (without a host wait), and let go of what it held: call before reading them."""
+    stream = _gradient_stream(device)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    _HELD.pop(stream.device, None)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
@@ -341,10 +347,12 @@ def lce_fwd(
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
     gradient is 0.
 
-    ``overlap`` (CUDA): the gradient products (two of the three) run on a side stream, so that a
-    host read the caller makes once the losses are known (``UpstreamHint.learn``) waits for the
-    logits' product and the row sweep only, and the host goes on while the gradients are made;
-    whoever reads the gradients calls ``join_gradient_stream`` first.
+    ``overlap`` (CUDA, one token chunk): the gradient products (two of the three) run on a side
+    stream, so that a host read the caller makes once the losses are known
+    (``UpstreamHint.learn``) waits for the logits' product and the row sweep only, and the host
+    goes on while the gradients are made; the caller calls ``join_gradient_stream`` before it
+    reads them (the logits stay held until then: a backward soon after the forward). Several
+    chunks stay on one stream: each chunk's logits would be held.
     """
     n_all, rows = x.shape[0], None
     grads = weights is not None and (need_dx or need_dw or need_db)
@@ -384,7 +392,10 @@ def lce_fwd(
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
-    side = _gradient_stream(dev) if overlap and grads and dev.type == "cuda" else None
+    side = None
+    if overlap and grads and single and dev.type == "cuda":
+        join_gradient_stream(dev)  # what an earlier call left held (its backward never ran)
+        side = _gradient_stream(dev)
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]

@@ -4,6 +4,7 @@ PyTorch; the argmax rule of ``is_top1``; statistics that cost nothing when not r
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -337,6 +338,8 @@ def test_hint_guesses_a_token_mean_and_a_constant_divisor(dtype, monkeypatch):
         (torch.float16, 6e4, 1.0),  # fp16 with a loss scale: they would overflow
         (torch.float16, 2e4, 1e4),
         (torch.float16, 1e-4, 1e-4),  # fp16 token mean: they would round to zero
+        # a guess taken (2**-63), then a gradient it cannot scale to: the factor overflows
+        (torch.float32, 2.0**-63, 2.0**70),
     ],
 )
 def test_hint_takes_no_guess_that_could_overflow_or_vanish(dtype, first, second):
@@ -430,7 +433,8 @@ def test_gpu_bf16_against_fp32_beside_trl(case, monkeypatch):
 OVERLAP_CASES = {  # linear_log_probs' options; bias: unfused (cuBLAS) with the bias gradient
     "plain": dict(),
     "softcap": dict(softcap=30.0),  # the fused products' eager schedule
-    "chunks-skip_ignored-bias": dict(bias=True, chunk_bytes=8 << 20, skip_ignored=True),
+    "skip_ignored-bias": dict(bias=True, skip_ignored=True),
+    "chunks": dict(chunk_bytes=8 << 20),  # several chunks: one stream (each chunk's logits held)
 }
 
 
@@ -438,40 +442,49 @@ OVERLAP_CASES = {  # linear_log_probs' options; bias: unfused (cuBLAS) with the 
 @pytest.mark.parametrize("case", list(OVERLAP_CASES), ids=list(OVERLAP_CASES))
 def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
     """Speculating (an ``UpstreamHint`` taught a uniform upstream gradient), the forward's
-    gradient products run on a side stream and the backward waits for them on the device after
+    gradient products run on a side stream, and the backward waits for them on the device after
     the hint's host read: over steps with a uniform upstream gradient, then one that is not (the
     speculated gradients dropped, recomputed), then uniform again, every gradient is bit-equal to
-    the same steps with everything on one stream."""
+    the same steps on one stream. The side stream is held back (a sleep before its work) and the
+    memory freed by the forward is handed out and written between forward and backward, so that
+    a read before the wait, or the side stream's tensors freed before it, would show."""
     ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     kw = dict(OVERLAP_CASES[case])
-    # products long enough (about 10 ms of gradients) that a read not waiting for them sees them
-    # unfinished; the rows narrow enough for several chunks where asked (the eager plan's rule)
-    d, v = (512, 128256) if "chunk_bytes" in kw else (4096, 128256)
-    x, w, b, labels = make_inputs(4096, d, v, torch.bfloat16, bias=kw.pop("bias", False))
+    d = 512 if "chunk_bytes" in kw else 2048  # narrow rows: several chunks (the eager plan's rule)
+    x, w, b, labels = make_inputs(4096, d, 64000, torch.bfloat16, bias=kw.pop("bias", False))
     inputs = [t for t in (x, w, b) if t is not None]
     gen = torch.Generator().manual_seed(2)
     n = (labels >= 0).sum()
     ragged = torch.randn(labels.shape, generator=gen).to(DEVICE)
     steps = [-1.0 / n, -1.0 / n, -1.0 / n, ragged, -1.0 / n, -1.0 / n]
-
-    def train():
-        hint, out = UpstreamHint(), []
-        for g in steps:
-            lp = linear_log_probs(x, w, labels, b, upstream=hint, **kw).log_probs
-            out.append([t.clone() for t in torch.autograd.grad((lp * g).sum(), inputs)])
-        return out
-
     used, on_stream = [], ops._on_gradient_stream
 
-    def spy(stream, *tensors):
+    @contextlib.contextmanager
+    def late(stream, *tensors):
         used.append(stream is not None)
-        return on_stream(stream, *tensors)
+        with on_stream(stream, *tensors):
+            if stream is not None:
+                torch.cuda._sleep(20_000_000)  # some 10 ms of the side stream before its work
+            yield
 
-    monkeypatch.setattr(ops, "_on_gradient_stream", spy)
-    got = train()
-    assert any(used), "the side stream was not used"
+    def train():
+        hint, out, sides = UpstreamHint(), [], []
+        for g in steps:
+            used.clear()
+            lp = linear_log_probs(x, w, labels, b, upstream=hint, **kw).log_probs
+            sides.append(any(used))
+            junk = [torch.full_like(t, 3.0) for t in (w, w, x)]  # freed memory handed out again
+            out.append([t.clone() for t in torch.autograd.grad((lp * g).sum(), inputs)])
+            del junk
+        return out, sides
+
+    monkeypatch.setattr(ops, "_on_gradient_stream", late)
+    got, sides = train()
+    # the first step and the one after the ragged step do not speculate; several chunks never
+    # leave the current stream
+    assert sides == ([False] * 6 if "chunk_bytes" in kw else [False, True, True, True, False, True])
     monkeypatch.setattr(ops, "_on_gradient_stream", lambda stream, *t: on_stream(None))
-    want = train()
+    want, _ = train()
     for i, (a, r) in enumerate(zip(got, want)):
         assert all(torch.equal(u, v) for u, v in zip(a, r)), f"step {i}"
 
