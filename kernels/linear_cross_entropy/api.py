@@ -171,8 +171,8 @@ class UpstreamHint:
         targets' device (no host read): 1 where nothing better is known or ``dtype`` (the
         inputs') lacks fp32's exponent range."""
         one = torch.ones((), dtype=torch.float32, device=targets.device)
-        if torch.finfo(dtype).tiny > torch.finfo(torch.float32).tiny:  # fp16 (bf16's is fp32's;
-            return one  # its largest number is not, by the mantissa's bits)
+        if dtype not in _FP32_RANGE:
+            return one
         if self.token_mean:
             return _reciprocal_count(targets >= 0)
         return one if self.last is None else self.last.to(targets.device)
@@ -199,6 +199,11 @@ class UpstreamHint:
         self.last = hi.detach() if usable else None
         self.token_mean = bool(usable and token_mean)
         return value if scalable else None
+
+
+# The dtypes with fp32's exponent range (its least normal number; bf16's largest is smaller only
+# by its mantissa's bits): fp16 and the 8-bit floats are not among them.
+_FP32_RANGE = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _reciprocal_count(valid: torch.Tensor) -> torch.Tensor:
