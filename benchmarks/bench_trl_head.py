@@ -2,6 +2,7 @@
 
     python benchmarks/bench_trl_head.py --out benchmarks/results
     python benchmarks/bench_trl_head.py --smoke        # CPU, tiny shapes, plumbing only
+    python benchmarks/bench_trl_head.py --profile --out DIR   # where surgery's SFT head idles
 
 Each case is a head shape (N tokens, D, V) in bf16 and a training objective over its per-token
 outputs, as TRL's trainers ask for them:
@@ -20,6 +21,11 @@ the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W
 median of forward+backward. Memory: peak allocated over one forward+backward minus what was
 allocated before it, the gradients dX, dW excluded. Accuracy: ||a - b|| / ||b|| of log_probs
 and dX, dW between surgery and TRL (both accumulate in fp32).
+
+``--profile``: for each head, surgery's SFT head and its loss alone (``surgery_lce``), 3 steps then
+5 under ``torch.profiler``: the wall per step, the GPU's span and its idle gaps over 30 us
+(``trace_gaps.gaps``) by the kernel after them, printed and written with the chrome traces
+(gzipped) into ``--out``. The hint's host read in the backward shows as idle time here.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import trace_gaps
 from common import (
     RESULTS_DIR,
     environment,
@@ -190,6 +197,68 @@ def run_case(name, shape, objective, device):
     return row
 
 
+PROFILED_STEPS = 5
+
+
+def idle_summary(events: list[dict], steps: int, wall_ms: float, label: str, top: int = 6) -> str:
+    """Lines on one profiled run of ``steps`` steps: the wall per step, the GPU's span, its idle
+    time in gaps over ``trace_gaps.MIN_GAP_US`` and the kernels those gaps come before (the GPU
+    waited for the host to launch them), per step."""
+    _, span, found = trace_gaps.gaps(events)
+    idle = sum(g for g, _ in found)
+    by_next: dict[str, float] = {}
+    for g, name in found:
+        by_next[name[:70]] = by_next.get(name[:70], 0.0) + g
+    lines = [f"== {label}: wall {wall_ms:.2f} ms a step; GPU span {span / steps / 1e3:.2f} ms, "
+             f"idle in gaps {idle / steps / 1e3:.2f} ms a step"]  # fmt: skip
+    for name, g in sorted(by_next.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {g / steps:8.0f} us a step before {name}")
+    return "\n".join(lines)
+
+
+def profile_case(name, shape, out: Path) -> str:
+    """``idle_summary`` of surgery's SFT head and its loss alone at one head shape (CUDA)."""
+    import gzip
+    import json
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    n, d, v, softcap = shape
+    x, w, labels, advantage = make_inputs(n, d, v, "cuda")
+    fns = contenders("sft", softcap, advantage)
+    parts = []
+    for who in ("surgery", "surgery_lce"):
+        fn = fns[who]
+
+        def step(fn=fn):
+            _, loss = fn(x, w, labels)
+            loss.backward()
+            x.grad = w.grad = None
+
+        for _ in range(3):  # compiles; teaches the hint
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(PROFILED_STEPS):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / PROFILED_STEPS * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_STEPS):
+                step()
+            torch.cuda.synchronize()
+        trace = out / f"trl_head_profile_{name}_{who}.trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        with gzip.open(f"{trace}.gz", "wt") as f:
+            json.dump(events, f)
+        trace.unlink()
+        parts.append(idle_summary(events, PROFILED_STEPS, wall, f"{name} sft {who}"))
+    return "\n".join(parts)
+
+
 def plot(rows, path: Path) -> str | None:
     """Milliseconds of the floor and each contender per (case, objective)."""
     try:
@@ -219,6 +288,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--plot", type=Path, metavar="JSON", help="only plot a result file")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile surgery's SFT head (CUDA; docstring)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.plot:
         import json
@@ -233,6 +304,14 @@ def main(argv=None) -> int:
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA device (or --smoke)")
+    if args.profile:
+        if args.smoke:
+            parser.error("--profile needs the CUDA run, not --smoke")
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = "\n".join(profile_case(name, shape, args.out) for name, shape in CASES.items())
+        (args.out / "trl_head_profile.txt").write_text(report + "\n")
+        print(report)
+        return 0
     rows = []
     for name, shape in (SMOKE if args.smoke else CASES).items():
         for objective in OBJECTIVES:
