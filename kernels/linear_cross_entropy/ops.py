@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -278,10 +279,19 @@ def _softcap_dw(q, xc, terms: _TargetTerms, dw: torch.Tensor, accumulate: bool, 
     dw.index_put_((terms.cols,), sparse, accumulate=True)
 
 
-@functools.cache
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
 def _gradient_stream(device: torch.device):
-    """The side stream of ``lce_fwd(overlap=True)``'s gradient products, one per device."""
-    return torch.cuda.Stream(device)
+    """The side stream of ``lce_fwd(overlap=True)``'s gradient products, one per device (made
+    under a lock: two threads' first calls must not each make one, or a join would wait on the
+    other's)."""
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(device)
+        if stream is None:
+            stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 # The current stream's tensors the side stream reads or writes, by device: held (not freed) until
