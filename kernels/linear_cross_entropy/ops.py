@@ -294,10 +294,12 @@ def _gradient_stream(device: torch.device):
     return stream
 
 
-# The current stream's tensors the side stream reads or writes, by device: held (not freed) until
-# the current stream has waited for it (``join_gradient_stream``), so that their memory is handed
-# out again in the current stream's order, not while the side stream may still use it.
-_HELD: dict[torch.device, list[torch.Tensor]] = {}
+# The current stream's tensors the side stream reads or writes, by the stream that made them:
+# held (not freed) until that stream has waited for the side stream (``join_gradient_stream``), so
+# that their memory is handed out again in that stream's order, not while the side stream may
+# still use it. (By stream, not device: a join on another thread's stream waits for nothing of
+# this one's.)
+_HELD: dict[torch.cuda.Stream, list[torch.Tensor]] = {}
 
 
 @contextlib.contextmanager
@@ -308,18 +310,29 @@ def _on_gradient_stream(stream, *tensors):
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    _HELD.setdefault(stream.device, []).extend(t for t in tensors if isinstance(t, torch.Tensor))
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    _HELD.setdefault(current, []).extend(t for t in tensors if isinstance(t, torch.Tensor))
     with torch.cuda.stream(stream):
         yield
+
+
+def _share_with_gradient_stream(stream, *inputs) -> None:
+    """The caller's tensors that the side stream reads, recorded on it: holding them is not
+    enough when their memory is freed whatever references hold it (a parameter manager's
+    weight, FSDP2's reshard or ZeRO-3's release after the forward); recorded, the allocator
+    hands it out again only once the side stream's work queued so far is done."""
+    for t in inputs:
+        if t is not None:
+            t.record_stream(stream)
 
 
 def join_gradient_stream(device: torch.device) -> None:
     """Make the current stream wait for the gradients ``lce_fwd(overlap=True)`` queued on its
     side stream (without a host wait), and let go of what it held: call before reading them."""
-    stream = _gradient_stream(device)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    _HELD.pop(stream.device, None)
+    stream, current = _gradient_stream(device), torch.cuda.current_stream(device)
+    current.wait_stream(stream)
+    _HELD.pop(current, None)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
@@ -361,10 +374,11 @@ def lce_fwd(
     stream, so that a host read the caller makes once the losses are known
     (``UpstreamHint.learn``) waits for the logits' product and the row sweep only, and the host
     goes on while the gradients are made; the caller calls ``join_gradient_stream`` before it
-    reads them (the logits stay held until then: a backward soon after the forward). Several
-    chunks stay on one stream: each chunk's logits would be held.
+    reads them (the logits stay held until then: a backward soon after the forward; the weight
+    and bias are recorded on the side stream too, since a parameter manager may free them before
+    the join). Several chunks stay on one stream: each chunk's logits would be held.
     """
-    n_all, rows = x.shape[0], None
+    n_all, rows, caller_w, caller_bias = x.shape[0], None, w, bias
     grads = weights is not None and (need_dx or need_dw or need_db)
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads
@@ -406,6 +420,7 @@ def lce_fwd(
     if overlap and grads and single and dev.type == "cuda":
         join_gradient_stream(dev)  # what an earlier call left held (its backward never ran)
         side = _gradient_stream(dev)
+        _share_with_gradient_stream(side, caller_w, caller_bias)
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]

@@ -435,6 +435,9 @@ OVERLAP_CASES = {  # linear_log_probs' options; bias: unfused (cuBLAS) with the 
     "softcap": dict(softcap=30.0),  # the fused products' eager schedule
     "skip_ignored-bias": dict(bias=True, skip_ignored=True),
     "chunks": dict(chunk_bytes=8 << 20),  # several chunks: one stream (each chunk's logits held)
+    # the weight's memory freed after the forward and gathered again for the backward, as FSDP2's
+    # reshard and ZeRO-3's release do whatever references are held
+    "managed-weight": dict(managed=True),
 }
 
 
@@ -447,9 +450,11 @@ def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
     speculated gradients dropped, recomputed), then uniform again, every gradient is bit-equal to
     the same steps on one stream. The side stream is held back (a sleep before its work) and the
     memory freed by the forward is handed out and written between forward and backward, so that
-    a read before the wait, or the side stream's tensors freed before it, would show."""
+    a read before the wait, or the side stream's tensors freed before it, would show; in
+    ``managed-weight`` the weight's own memory is freed, written and gathered anew in between."""
     ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     kw = dict(OVERLAP_CASES[case])
+    managed = kw.pop("managed", False)
     d = 512 if "chunk_bytes" in kw else 2048  # narrow rows: several chunks (the eager plan's rule)
     x, w, b, labels = make_inputs(4096, d, 64000, torch.bfloat16, bias=kw.pop("bias", False))
     inputs = [t for t in (x, w, b) if t is not None]
@@ -458,6 +463,7 @@ def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
     ragged = torch.randn(labels.shape, generator=gen).to(DEVICE)
     steps = [-1.0 / n, -1.0 / n, -1.0 / n, ragged, -1.0 / n, -1.0 / n]
     used, on_stream = [], ops._on_gradient_stream
+    kept = w.detach().clone()
 
     @contextlib.contextmanager
     def late(stream, *tensors):
@@ -473,6 +479,14 @@ def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
             used.clear()
             lp = linear_log_probs(x, w, labels, b, upstream=hint, **kw).log_probs
             sides.append(any(used))
+            if managed:  # storage freed whatever references hold it, then gathered again
+                storage = w.untyped_storage()
+                size = storage.nbytes()
+                storage.resize_(0)
+                freed = torch.full_like(kept, 3.0)  # the weight's memory handed out, written
+                storage.resize_(size)
+                w.data.copy_(kept)  # .data: autograd's saved w sees no in-place write
+                del freed
             junk = [torch.full_like(t, 3.0) for t in (w, w, x)]  # freed memory handed out again
             out.append([t.clone() for t in torch.autograd.grad((lp * g).sum(), inputs)])
             del junk
