@@ -1,20 +1,26 @@
 """Fused linear cross entropy: the loss of ``hidden @ weight.T (+ bias)`` without ever holding the
 full (tokens x vocab) logits.
 
-Two schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matrix products):
+Three schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matrix products):
 
 * eager (default, any reduction but "none", when gradients are needed): tokens in chunks; for each
   chunk the logits are computed once, the row kernel turns them into the loss AND, in place, into
   the logit gradient for the known per-token weights, and the two gradient products follow at
   once. Three matrix products in all, the practical floor. The backward only scales the stored
   gradients by the upstream scalar. The weight gradient is accumulated in fp32 across chunks.
-* recompute (reduction "none", ``low_memory=True``, or a gradient reaching ``z_loss`` on its own):
-  the forward keeps only the per-token logsumexp; the backward recomputes the logits one vocabulary
-  slice at a time, so each slice of the weight gradient is complete after one product and no
-  fp32 copy of the weight gradient exists. Four matrix products.
+* kept (reduction "none" and per-token outputs, whose upstream gradient is known only in the
+  backward, where the eager schedule's plan takes the tokens in one chunk; eager mode only): the
+  forward keeps the logits; the backward writes their gradient in place of them and runs the two
+  gradient products. Three products, the logits held from the forward to the backward.
+* recompute (``low_memory=True``, a per-token upstream gradient whose logits one chunk cannot
+  hold or under ``torch.compile``, or a gradient reaching ``z_loss`` on its own): the forward
+  keeps only the per-token logsumexp; the backward recomputes the logits one vocabulary slice at a
+  time, so each slice of the weight gradient is complete after one product and no fp32 copy of
+  the weight gradient exists. Four matrix products.
 
 Extra memory is bounded by ``chunk_bytes`` (logits of one chunk, in the input dtype) plus, in the
-eager schedule with several chunks, one fp32 weight-sized accumulator; it does not grow with the
+eager schedule with several chunks, one fp32 weight-sized accumulator (one chunk is taken, and in
+the kept schedule held, up to twice that budget: ``plan_token_chunk``); it does not grow with the
 number of tokens. Under ``torch.no_grad()`` only the loss is computed.
 
 Under ``torch.autocast`` the public function casts hidden, weight and bias to the autocast dtype on
@@ -34,7 +40,7 @@ the eager schedule of a head without a softcap included, runs as above.
 
 Modules, in reading order: ``products`` (the fused products: one persistent Triton GEMM, three
 epilogues) -> ``ops`` (the upstream-scaling kernel, the chunk plan, and the two torch.library ops
-``lce_fwd`` and ``lce_bwd_recompute`` that run the schedules) -> ``api`` (the one
+``lce_fwd``, ``lce_bwd_kept`` and ``lce_bwd_recompute`` that run the schedules) -> ``api`` (the one
 autograd.Function over them, the argument checks, ``linear_cross_entropy`` and
 ``linear_cross_entropy_statistics``).
 """
@@ -52,6 +58,7 @@ from .api import (
 from .ops import (
     DEFAULT_CHUNK_BYTES,
     LOW_MEMORY_CHUNK_BYTES,
+    lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
     plan_token_chunk,
@@ -65,6 +72,7 @@ __all__ = [
     "LinearCrossEntropyFunction",
     "UpstreamHint",
     "input_needs",
+    "lce_bwd_kept",
     "lce_bwd_recompute",
     "lce_fwd",
     "linear_cross_entropy",

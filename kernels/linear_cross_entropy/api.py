@@ -20,6 +20,7 @@ from .ops import (
     DEFAULT_CHUNK_BYTES,
     LOW_MEMORY_CHUNK_BYTES,
     join_gradient_stream,
+    lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
     scale_by_upstream_,
@@ -65,10 +66,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             speculate and eager and x.is_cuda and not compiled
             and not torch.cuda.is_current_stream_capturing()
         )  # fmt: skip
-        ce, zl, lse, dx, dw, db, entropy, *others = lce_fwd(
+        # Without them, the logits are kept for the backward where one chunk holds them (three
+        # products, not four: lce_fwd's ``keep``); eager only (their shape is the batch's).
+        keep = grad_weights is None and not low_memory and not compiled
+        ce, zl, lse, dx, dw, db, kept, entropy, *others = lce_fwd(
             x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
             chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats, ctx.overlap,
+            keep,
         )  # fmt: skip
+        ctx.kept = kept if kept.numel() else None  # spent by the first backward
         # The gradients for an upstream gradient of 1 (or the hint's guess), scaled in the
         # backward. Eagerly they sit on ctx and are scaled in place; the backward drops them, so
         # a second backward (retain_graph) recomputes instead of reusing scaled ones. Compiled,
@@ -86,7 +92,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # whether lce_fwd took the fused products (their log-sum-exp is the fp32 products'),
         # decided without reading tensor data (traced, x and w are fake); the backward's op
         # checks the tensors themselves
-        ctx.fused_lse = options_apply(w.shape[0], bias, softcap, eps, z_scale, *transform, eager)
+        ctx.fused_lse = ctx.kept is None and options_apply(
+            w.shape[0], bias, softcap, eps, z_scale, *transform, eager
+        )  # fmt: skip
         ctx.hint = hint if weights is None and not compiled else None
         ctx.guess = guess
         ctx.set_materialize_grads(False)
@@ -101,7 +109,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         )
         dx = dw = db = None
         eager = tuple(saved_grads) or ctx.eager_grads
-        ctx.eager_grads = None
+        kept, ctx.eager_grads, ctx.kept = ctx.kept, None, None
         if entropy.numel() == 0:
             g_entropy = None
         if ctx.hint is not None and g_loss is None:
@@ -130,11 +138,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if g_rest[0] is not None or g_rest[1] is not None or g_entropy is not None:
             a, b = upstream_coefficients(weights, *g_rest, x.shape[0], x.device)
             e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
-            rdx, rdw, rdb = lce_bwd_recompute(
-                x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
-                need_dx, need_dw, need_db, skip_ignored, *transform,
-                None if e is None else entropy, e, fused_lse=ctx.fused_lse,
-            )  # fmt: skip
+            if kept is not None:
+                rdx, rdw, rdb = lce_bwd_kept(
+                    x, w, bias, targets, lse, a, b, kept, softcap, eps, z_scale, need_dx,
+                    need_dw, need_db, skip_ignored, *transform, None if e is None else entropy, e,
+                )  # fmt: skip
+            else:
+                rdx, rdw, rdb = lce_bwd_recompute(
+                    x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
+                    need_dx, need_dw, need_db, skip_ignored, *transform,
+                    None if e is None else entropy, e, fused_lse=ctx.fused_lse,
+                )  # fmt: skip
             dx = _add(dx, rdx if need_dx else None)
             dw = _add(dw, rdw if need_dw else None)
             db = _add(db, rdb if need_db else None)

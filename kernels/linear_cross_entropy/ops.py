@@ -1,7 +1,8 @@
 """The fused head's host side below autograd: the in-place upstream scaling (a Triton kernel and
-its op), the token-chunk plan, and the two torch.library ops that run the schedules (the package
-docstring): ``lce_fwd`` (loss, statistics and, in the eager schedule, the gradients) and
-``lce_bwd_recompute`` (the recompute schedule's backward)."""
+its op), the token-chunk plan, and the three torch.library ops that run the schedules (the
+package docstring): ``lce_fwd`` (loss, statistics and, in the eager schedule, the gradients; in the
+kept one, the logits), ``lce_bwd_kept`` (the kept schedule's backward) and ``lce_bwd_recompute``
+(the recompute schedule's)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOW_MEMORY_CHUNK_BYTES",
     "join_gradient_stream",
+    "lce_bwd_kept",
     "lce_bwd_recompute",
     "lce_fwd",
     "plan_token_chunk",
@@ -355,16 +357,24 @@ def lce_fwd(
     inv_temperature: float = 1.0,
     stats: int = 0,
     overlap: bool = False,
+    keep: bool = False,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
-    Returns (ce, z, lse, dx, dw, db, *statistics): per-token fp32 losses and logsumexp, the
-    gradients for unit upstream gradient on ``sum(weights * (ce + z))``, and the per-token
-    ``STATISTICS`` whose bit is set in ``stats`` (bit i for the i-th name); empty tensors where
-    not requested.
+    Returns (ce, z, lse, dx, dw, db, kept, *statistics): per-token fp32 losses and logsumexp,
+    the gradients for unit upstream gradient on ``sum(weights * (ce + z))``, the kept logits
+    (``keep``) and the per-token ``STATISTICS`` whose bit is set in ``stats`` (bit i for the i-th
+    name); empty tensors where not requested.
+
+    ``keep`` (no ``weights``, a gradient needed; eager only: under ``skip_ignored`` their row
+    count is the batch's): the logits of the rows that take part, (rows, V) in the inputs'
+    dtype, for ``lce_bwd_kept``, where the eager schedule's plan would take them in one chunk
+    (else empty, and the backward recomputes): an upstream gradient known only in the backward
+    then costs three products, not four. They come from the unfused product (the backward's
+    gradient is made of them, so the log-sum-exp must be theirs).
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
@@ -379,15 +389,8 @@ def lce_fwd(
     the join). Several chunks stay on one stream: each chunk's logits would be held.
     """
     n_all, rows, caller_w, caller_bias = x.shape[0], None, w, bias
-    grads = weights is not None and (need_dx or need_dw or need_db)
-    # through the fused products: their lse is the fp32 products' (a backward recomputing the
-    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads
-    # with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only (products.options_apply)
-    fused = products_apply(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
-                           eager=grads)  # fmt: skip
-    transform = (logit_scale, inv_temperature)
-    if fused:
-        x, w = tma_ready(x), tma_ready(w)
+    wants = need_dx or need_dw or need_db
+    grads = weights is not None and wants
     if skip_ignored:
         rows = _kept_rows((targets >= 0) & (True if weights is None else weights != 0))
     if rows is not None:  # the kept rows only, scattered back at the end
@@ -396,9 +399,24 @@ def lce_fwd(
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
+    # keep: the logits for the backward, where the eager schedule would take one chunk (its
+    # plan, weight gradient included); they are the unfused product's, which the backward's
+    # gradient is then made of, and the log-sum-exp must be theirs
+    keep = keep and weights is None and wants and n > 0 and plan_token_chunk(
+        n, v, d, x.element_size(), need_dw and w.dtype != torch.float32, chunk_bytes
+    ) >= n  # fmt: skip
+    # through the fused products: their lse is the fp32 products' (a backward recomputing the
+    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads
+    # with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only (products.options_apply)
+    fused = not keep and products_apply(
+        x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
+    )  # fmt: skip
+    transform = (logit_scale, inv_temperature)
+    if fused:
+        x, w = tma_ready(x), tma_ready(w)
     need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
     accumulate_fp32 = need_dw and w.dtype != torch.float32
-    chunk = plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
+    chunk = n if keep else plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
     if fused and not grads:  # no logits stored: the budget bounds the statistics
         chunk = _rows_for(chunk_bytes, statistics_row_bytes(v, stats), n, MIN_CHUNK_ROWS)
     single = chunk >= n
@@ -416,7 +434,7 @@ def lce_fwd(
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
-    side = None
+    side, kept = None, x.new_empty(0)
     if overlap and grads and single and dev.type == "cuda":
         join_gradient_stream(dev)  # what an earlier call left held (its backward never ran)
         side = _gradient_stream(dev)
@@ -451,6 +469,8 @@ def lce_fwd(
                 stats={k: t[n0:n1] for k, t in statistics.items()},
             )
         lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
+        if keep:
+            kept = logits
         if not grads:
             continue
         with _on_gradient_stream(side, x, w, logits, dx, dw, db, *(terms or ())):
@@ -485,7 +505,7 @@ def lce_fwd(
             dx_out = dx.new_zeros(n_all, d)
             with _on_gradient_stream(side, dx, dx_out, rows):
                 dx = dx_out.index_copy_(0, rows, dx)
-    return ce, zl, lse, dx, dw, db, *statistics_outputs(statistics, x)
+    return ce, zl, lse, dx, dw, db, kept, *statistics_outputs(statistics, x)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
@@ -600,14 +620,73 @@ def lce_bwd_recompute(
     return dx, dw, db
 
 
+@torch.library.custom_op("surgery::linear_cross_entropy_bwd_kept", mutates_args=("logits",))
+@_autocast_disabled
+def lce_bwd_kept(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    logits: torch.Tensor,
+    softcap: float,
+    eps: float,
+    z_scale: float,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    skip_ignored: bool = False,
+    logit_scale: float = 1.0,
+    inv_temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
+    coef_entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of the logits ``lce_fwd(keep=True)`` kept: their gradient for the upstream
+    coefficients (as ``lce_bwd_recompute`` takes them) written in place of them (``logits`` is
+    spent), then the two products. ``skip_ignored``: as the forward took it, the logits hold the
+    rows with a target only."""
+    n_all = x.shape[0]
+    # the forward's rows (no weights there: those with a target), where it dropped any
+    rows = _kept_rows(targets >= 0) if skip_ignored and logits.shape[0] != n_all else None
+    if rows is not None:
+        x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
+        if coef_entropy is not None:
+            entropy, coef_entropy = entropy[rows], coef_entropy[rows]
+    cross_entropy_bwd(
+        logits,
+        targets,
+        lse,
+        coef_ce,
+        coef_z,
+        logits,
+        softcap=softcap,
+        label_smoothing=eps,
+        z_loss_scale=z_scale,
+        logit_scale=logit_scale,
+        inv_temperature=inv_temperature,
+        entropy=entropy,
+        coef_entropy=coef_entropy,
+    )
+    dx = torch.mm(logits, w) if need_dx else x.new_empty(0)
+    dw = torch.mm(logits.t(), x) if need_dw else x.new_empty(0)
+    db = logits.sum(0, dtype=torch.float32).to(bias.dtype) if need_db else x.new_empty(0)
+    if rows is not None and need_dx:
+        dx = _scatter_rows(dx, rows, n_all)
+    return dx, dw, db
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library ops
 
 
 @lce_fwd.register_fake
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
-      skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0,
-      overlap=False):  # fmt: skip
+      skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0, overlap=False,
+      keep=False):  # fmt: skip
+    if keep:
+        raise NotImplementedError("lce_fwd(keep=True) is eager only: its shape is the batch's")
     n = x.shape[0]
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
@@ -615,7 +694,17 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
     dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
     statistics = statistics_outputs(statistics_buffers(stats, n, x.device), x)
-    return (*per_tok, dx, dw, db, *statistics)
+    return (*per_tok, dx, dw, db, x.new_empty(0), *statistics)
+
+
+@lce_bwd_kept.register_fake
+def _(x, w, bias, targets, lse, coef_ce, coef_z, logits, softcap, eps, z_scale, need_dx, need_dw,
+      need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
+      coef_entropy=None):  # fmt: skip
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(w) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
+    return dx, dw, db
 
 
 @lce_bwd_recompute.register_fake

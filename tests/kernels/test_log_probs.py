@@ -58,13 +58,42 @@ def weighted_grads(out, inputs, g_lp, g_ent):
     return torch.autograd.grad(total, [t for t in inputs if t is not None])
 
 
+@pytest.fixture
+def schedule(monkeypatch):
+    """Which schedule ran: the logits products of ``lce_fwd``'s unfused path (forward and
+    recompute) and the calls of each backward op."""
+    ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+    api = importlib.import_module("surgery.kernels.linear_cross_entropy.api")
+    calls = {"logits": 0, "lce_bwd_kept": 0, "lce_bwd_recompute": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(ops, "_logits", counted("logits", ops._logits))
+    for name in ("lce_bwd_kept", "lce_bwd_recompute"):
+        monkeypatch.setattr(api, name, counted(name, getattr(api, name)))
+    return calls
+
+
+# the default keeps the logits from the forward to the backward; low_memory recomputes them there
+BUDGETS = {"kept": {}, "recompute": dict(low_memory=True, chunk_bytes=4096)}
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS), ids=list(BUDGETS))
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_every_output_and_gradient_against_fp64(case, dtype):
+def test_every_output_and_gradient_against_fp64(case, dtype, budget, schedule):
+    """Every output, and the gradients for an upstream gradient per token on the
+    log-probabilities and the entropy, within the dtype's budget of fp64, in the schedule the
+    budget takes: the logits kept from the forward (three products) or recomputed (four)."""
     kw = CASES[case]
     ref_kw = {k: v for k, v in kw.items() if k != "skip_ignored"}
     x, w, b, labels = make_inputs(53, 24, 301, dtype, shift=kw.get("shift", False))
-    out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, chunk_bytes=4096, **kw)
+    out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, **BUDGETS[budget], **kw)
     ref = linear_log_probs_reference(x, w, labels, b, dtype=torch.float64, **ref_kw)
     eager = eager_reference(x, w, b, labels, **ref_kw)
     for name in FLOAT_OUTPUTS:
@@ -86,6 +115,55 @@ def test_every_output_and_gradient_against_fp64(case, dtype):
     for name, a, r, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got_g, ref_g, eager_g):
         assert a.dtype == dtype
         assert_close_budget(a.double(), r, e.double(), dtype, name)
+    if budget == "kept":
+        assert schedule == {"logits": 1, "lce_bwd_kept": 1, "lce_bwd_recompute": 0}
+    else:
+        assert schedule["lce_bwd_recompute"] == 1 and schedule["lce_bwd_kept"] == 0
+
+
+def test_kept_logits_are_spent_by_the_first_backward(schedule):
+    """A second backward through the same graph (``retain_graph``) finds the kept logits turned
+    into the first one's gradient: it recomputes, and both are the reference's."""
+    x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
+    out = linear_log_probs(x, w, labels, b, outputs=("log_probs", "entropy"), temperature=0.8)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        g_lp, g_ent = (torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(2))
+        total = (out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()
+        got = torch.autograd.grad(total, (x, w, b), retain_graph=True)
+        ref = linear_log_probs_reference(x, w, labels, b, temperature=0.8)
+        want = weighted_grads(ref, (x, w, b), g_lp, g_ent)
+        for a, r in zip(got, want):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+    assert schedule["lce_bwd_kept"] == 1 and schedule["lce_bwd_recompute"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_are_kept_where_the_eager_plan_takes_one_chunk(dtype, schedule, monkeypatch):
+    """The kept schedule holds what the eager schedule's plan would take in one chunk (the
+    logits up to twice the budget, with the fp32 weight gradient that several chunks would
+    need counted in); beyond it the backward recomputes, and both give the reference's."""
+    ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+    monkeypatch.setattr(ops, "MIN_CHUNK_ROWS", 8)
+    monkeypatch.setattr(ops, "_ALIGN", 8)
+    n, d, v = 64, 8, 300
+    x, w, b, labels = make_inputs(n, d, v, dtype)
+    logits = n * v * x.element_size()
+    accumulator = v * d * 4 if dtype == torch.bfloat16 else 0
+    largest = (logits - 2 * accumulator + 1) // 2  # the least budget that holds them
+    gen = torch.Generator().manual_seed(5)
+    g_lp = torch.randn(labels.shape, generator=gen).to(DEVICE)
+    ref = linear_log_probs_reference(x, w, labels, b, dtype=torch.float64)
+    want = torch.autograd.grad((ref.log_probs * g_lp.double()).sum(), (x, w, b))
+    eager = eager_reference(x, w, b, labels)
+    eager_g = torch.autograd.grad((eager.log_probs * g_lp).sum(), (x, w, b))
+    for budget, kept in ((largest, True), (largest - 1, False)):
+        schedule.update(dict.fromkeys(schedule, 0))
+        out = linear_log_probs(x, w, labels, b, chunk_bytes=budget)
+        got = torch.autograd.grad((out.log_probs * g_lp).sum(), (x, w, b))
+        assert schedule["lce_bwd_kept" if kept else "lce_bwd_recompute"] == 1, (budget, schedule)
+        for name, a, r, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got, want, eager_g):
+            assert_close_budget(a.double(), r, e.double(), dtype, name)
 
 
 def test_log_probs_are_the_negated_per_token_loss_and_zero_where_ignored():
