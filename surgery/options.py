@@ -126,7 +126,8 @@ OPTIONS: tuple[Option, ...] = (
            "Apply RoPE with `apply_rope` from the position ids (swaps the attention forward)."),
     Option("fused_linear_cross_entropy", True, BOOL, _LOSS, True,
            "In training with labels, feed hidden states straight into `linear_cross_entropy` "
-           "through the lm_head module; logits are never materialised."),
+           "through the lm_head module; the logits exist one chunk at a time, within "
+           "`loss_chunk_bytes`' plan (docs/training.md)."),
     Option("loss_reduction", "mean", REDUCTION, _LOSS, True,
            '`"mean"` (transformers\' token mean, honouring `num_items_in_batch`) or `"sequence"` '
            "(mean over each sequence's tokens, then over sequences: packing-aware)."),

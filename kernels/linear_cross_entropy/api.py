@@ -160,7 +160,8 @@ class UpstreamHint:
     backward's upstream gradient on the per-token losses was the same for every token with a
     target (``uniform``: None before any). When it was, the next forward computes the gradients
     at once, the eager schedule's three matrix products, and its backward scales them; when it
-    no longer is, that backward recomputes (four products in all, that once).
+    no longer is, that backward recomputes (four products in all, that once), and the forwards
+    after it keep their logits for the backward where one chunk holds them (three again).
 
     The forward computes them for a guess of the upstream gradient, so that the backward's
     scaling (a pass over the weight gradient, V x D read and written) is skipped on the device
