@@ -1,11 +1,13 @@
 """Per-token log-probabilities of ``hidden @ weight.T (+ bias)`` and statistics of the same
-distribution, without the full logits: what RL and distillation-free fine-tuning losses read
-(TRL's fused head asks for exactly these; ``surgery.integrations.trl`` serves it from here).
+distribution, the logits one budgeted chunk at a time: what RL and distillation-free fine-tuning
+losses read (TRL's fused head asks for exactly these; ``surgery.integrations.trl`` serves it from
+here).
 
 It is the fused linear cross entropy read per token (log p(target) = -ce, reduction "none"),
 through the same autograd path (``LinearCrossEntropyFunction``): any upstream gradient on the
-log-probabilities and on the entropy is exact (the backward recomputes the logits one vocabulary
-slice at a time); the other statistics are computed in the forward's sweep over each row and
+log-probabilities and on the entropy is exact (the backward turns the logits the forward kept
+into their gradient, or, where one chunk cannot hold them, recomputes them one vocabulary slice
+at a time); the other statistics are computed in the forward's sweep over each row and
 cost nothing when not requested. The fp32 reference is ``reference.linear_log_probs_reference``.
 """
 
@@ -72,15 +74,16 @@ def linear_log_probs(
         upstream: an ``UpstreamHint`` kept across the steps of a loop whose loss weighs every
             token's log-probability alike (a token mean: SFT): from the second step on, the
             forward computes the gradients at once (three matrix products, as
-            ``linear_cross_entropy`` does, instead of four); each backward checks that the
-            upstream gradient is still uniform over the tokens with a target (one host read) and
-            recomputes if not. Exact either way; off under ``torch.compile``. None: never.
+            ``linear_cross_entropy`` does, with no logits kept for the backward); each backward
+            checks that the upstream gradient is still uniform over the tokens with a target (one
+            host read) and recomputes if not. Exact either way; off under ``torch.compile``.
+            None: never.
 
     Returns:
         ``TokenLogProbs``, fp32 (``is_top1`` bool, ``predicted`` int64), shaped like ``labels``,
         0 (-1 for ``predicted``) where a token has no target. ``log_probs`` and ``entropy`` take
         any upstream gradient exactly; a gradient through the entropy (an entropy bonus) is
-        computed with the log-probabilities' in the same recomputation.
+        computed with the log-probabilities' in the same pass over the logits.
     """
     stats = check_log_probs_options(outputs, temperature, softcap)
     x, w, bias = prepare_head_inputs(hidden, weight, bias)

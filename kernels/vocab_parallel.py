@@ -174,7 +174,7 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     fused = options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
     if fused and "max" in want:  # the slice's maximum at its first maximum's column, below
         stats |= 1 << STATISTICS.index("predicted")
-    ce, _, lse, _, _, _, _, *statistics = lce_fwd(
+    ce, _, lse, _, _, _, _, _, *statistics = lce_fwd(
         x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, False, False, False,
         False, *transform, stats,
     )  # fmt: skip

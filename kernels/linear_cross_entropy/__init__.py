@@ -1,5 +1,5 @@
-"""Fused linear cross entropy: the loss of ``hidden @ weight.T (+ bias)`` without ever holding the
-full (tokens x vocab) logits.
+"""Fused linear cross entropy: the loss of ``hidden @ weight.T (+ bias)`` holding at most one
+budgeted chunk of the (tokens x vocab) logits, however many tokens.
 
 Three schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matrix products):
 
@@ -9,9 +9,11 @@ Three schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matr
   once. Three matrix products in all, the practical floor. The backward only scales the stored
   gradients by the upstream scalar. The weight gradient is accumulated in fp32 across chunks.
 * kept (reduction "none" and per-token outputs, whose upstream gradient is known only in the
-  backward, where the eager schedule's plan takes the tokens in one chunk; eager mode only): the
-  forward keeps the logits; the backward writes their gradient in place of them and runs the two
-  gradient products. Three products, the logits held from the forward to the backward.
+  backward, where the eager schedule's plan takes the tokens in one chunk and no other call's
+  kept logits wait on the device; eager mode only): the forward keeps the logits; the backward
+  writes their gradient in place of them and runs the two gradient products. Three products, the
+  logits held from the forward to the backward (under ``skip_ignored``, recomputed instead where
+  fewer than two thirds of the kept rows have a gradient: ``ops.kept_pays``).
 * recompute (``low_memory=True``, a per-token upstream gradient whose logits one chunk cannot
   hold or under ``torch.compile``, or a gradient reaching ``z_loss`` on its own): the forward
   keeps only the per-token logsumexp; the backward recomputes the logits one vocabulary slice at a

@@ -20,6 +20,7 @@ from .ops import (
     DEFAULT_CHUNK_BYTES,
     LOW_MEMORY_CHUNK_BYTES,
     join_gradient_stream,
+    kept_pays,
     lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
@@ -69,12 +70,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Without them, the logits are kept for the backward where one chunk holds them (three
         # products, not four: lce_fwd's ``keep``); eager only (their shape is the batch's).
         keep = grad_weights is None and not low_memory and not compiled
-        ce, zl, lse, dx, dw, db, kept, entropy, *others = lce_fwd(
+        ce, zl, lse, dx, dw, db, kept, kept_rows, entropy, *others = lce_fwd(
             x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
             chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats, ctx.overlap,
             keep,
         )  # fmt: skip
-        ctx.kept = kept if kept.numel() else None  # spent by the first backward
+        # spent by the first backward (a second one recomputes)
+        ctx.kept = (kept, kept_rows) if kept.numel() else None
         # The gradients for an upstream gradient of 1 (or the hint's guess), scaled in the
         # backward. Eagerly they sit on ctx and are scaled in place; the backward drops them, so
         # a second backward (retain_graph) recomputes instead of reusing scaled ones. Compiled,
@@ -138,10 +140,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if g_rest[0] is not None or g_rest[1] is not None or g_entropy is not None:
             a, b = upstream_coefficients(weights, *g_rest, x.shape[0], x.device)
             e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
+            if kept is not None and skip_ignored and not kept_pays(kept[0], targets, a, b, e):
+                kept = None  # few rows with a gradient: recomputed over them alone
             if kept is not None:
                 rdx, rdw, rdb = lce_bwd_kept(
-                    x, w, bias, targets, lse, a, b, kept, softcap, eps, z_scale, need_dx,
-                    need_dw, need_db, skip_ignored, *transform, None if e is None else entropy, e,
+                    x, w, bias, targets, lse, a, b, *kept, softcap, eps, z_scale, need_dx,
+                    need_dw, need_db, *transform, None if e is None else entropy, e,
                 )  # fmt: skip
             else:
                 rdx, rdw, rdb = lce_bwd_recompute(
@@ -353,7 +357,8 @@ def linear_cross_entropy(
     chunk_bytes: int | None = None,
     skip_ignored: bool = False,
 ) -> LossOutput:
-    """Cross entropy of ``hidden @ weight.T + bias`` against ``labels`` without the full logits.
+    """Cross entropy of ``hidden @ weight.T + bias`` against ``labels``, the logits one chunk at a
+    time (the package docstring's schedules).
 
     Args:
         hidden: (N, D) or (B, T, D); fp32, bf16 or fp16.
@@ -383,11 +388,13 @@ def linear_cross_entropy(
             never go below 1024 tokens or 4096 vocabulary columns).
         skip_ignored: tokens without a target (``ignore_index``, a masked prompt, padding; with
             reduction "none" also those whose upstream gradient is 0) take no part in the matrix
-            products, forward or backward: exact (their logit gradients are 0; their losses are
-            0 either way), and an SFT batch with half its tokens masked costs about half the
-            products. The price is one host read of the count per call (forward, and the
-            recompute backward), which drains the queue of work the GPU is doing; off while a
-            CUDA graph is captured. Default off: without it no call reads anything on the host.
+            products, forward or backward (with the logits kept from the forward, the rows of 0
+            upstream gradient are recomputed apart only where they are over a third): exact
+            (their logit gradients are 0; their losses are 0 either way), and an SFT batch with
+            half its tokens masked costs about half the products. The price is one host read of
+            the count per call (forward, and the backward of reduction "none"), which drains the
+            queue of work the GPU is doing; off while a CUDA graph is captured. Default off:
+            without it no call reads anything on the host.
 
     Returns:
         ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".

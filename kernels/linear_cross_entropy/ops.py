@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOW_MEMORY_CHUNK_BYTES",
     "join_gradient_stream",
+    "kept_pays",
     "lce_bwd_kept",
     "lce_bwd_recompute",
     "lce_fwd",
@@ -337,6 +339,30 @@ def join_gradient_stream(device: torch.device) -> None:
     _HELD.pop(current, None)
 
 
+# The logits a forward kept for its backward (``lce_fwd(keep=True)``), by device: while they wait,
+# another forward recomputes instead of keeping (several forwards before one backward, as pipeline
+# schedules run them, would otherwise hold one chunk each).
+_KEPT: dict[torch.device, weakref.ref] = {}
+
+
+def _kept_waiting(device: torch.device) -> bool:
+    ref = _KEPT.get(device)
+    return ref is not None and ref() is not None
+
+
+def kept_pays(logits, targets, coef_ce, coef_z, coef_entropy) -> bool:
+    """Under ``skip_ignored``, whether the kept logits' two products cost no more than the
+    recompute schedule's three over the rows whose coefficients are not all 0: at least two
+    thirds of the kept rows have one. One host read (True, unread, while a CUDA graph is
+    captured)."""
+    if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    live = (coef_ce != 0) | (coef_z != 0)
+    if coef_entropy is not None:
+        live = live | (coef_entropy != 0)
+    return 3 * int((live & (targets >= 0)).sum()) >= 2 * logits.shape[0]  # the host read
+
+
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
 @_autocast_disabled
 def lce_fwd(
@@ -361,20 +387,22 @@ def lce_fwd(
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor,
 ]:  # fmt: skip
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
-    Returns (ce, z, lse, dx, dw, db, kept, *statistics): per-token fp32 losses and logsumexp,
-    the gradients for unit upstream gradient on ``sum(weights * (ce + z))``, the kept logits
-    (``keep``) and the per-token ``STATISTICS`` whose bit is set in ``stats`` (bit i for the i-th
-    name); empty tensors where not requested.
+    Returns (ce, z, lse, dx, dw, db, kept, kept_rows, *statistics): per-token fp32 losses and
+    logsumexp, the gradients for unit upstream gradient on ``sum(weights * (ce + z))``, the kept
+    logits and their rows (``keep``) and the per-token ``STATISTICS`` whose bit is set in
+    ``stats`` (bit i for the i-th name); empty tensors where not requested.
 
-    ``keep`` (no ``weights``, a gradient needed; eager only: under ``skip_ignored`` their row
-    count is the batch's): the logits of the rows that take part, (rows, V) in the inputs'
-    dtype, for ``lce_bwd_kept``, where the eager schedule's plan would take them in one chunk
-    (else empty, and the backward recomputes): an upstream gradient known only in the backward
-    then costs three products, not four. They come from the unfused product (the backward's
-    gradient is made of them, so the log-sum-exp must be theirs).
+    ``keep`` (no ``weights``, a gradient needed): the logits of the rows that take part, (rows,
+    V) in the inputs' dtype, and those rows' indices (empty: every row), for ``lce_bwd_kept``,
+    where the eager schedule's plan would take them in one chunk and no other call's kept logits
+    on this device wait for their backward (else empty, and the backward recomputes): an
+    upstream gradient known only in the backward then costs three products, not four. They come
+    from the unfused product (the backward's gradient is made of them, so the log-sum-exp must
+    be theirs). Traced (fake or meta tensors), their shape is the batch's: declined there.
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
@@ -400,9 +428,11 @@ def lce_fwd(
     v = w.shape[0]
     dev = x.device
     # keep: the logits for the backward, where the eager schedule would take one chunk (its
-    # plan, weight gradient included); they are the unfused product's, which the backward's
-    # gradient is then made of, and the log-sum-exp must be theirs
-    keep = keep and weights is None and wants and n > 0 and plan_token_chunk(
+    # plan, weight gradient included: the step's peak is then the eager schedule's) and no other
+    # call's kept logits wait for their backward on this device; they are the unfused
+    # product's, which the backward's gradient is then made of, and the log-sum-exp must be theirs
+    keep = keep and weights is None and wants and n > 0 and not _kept_waiting(dev)
+    keep = keep and plan_token_chunk(
         n, v, d, x.element_size(), need_dw and w.dtype != torch.float32, chunk_bytes
     ) >= n  # fmt: skip
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
@@ -471,6 +501,7 @@ def lce_fwd(
         lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
         if keep:
             kept = logits
+            _KEPT[dev] = weakref.ref(kept)
         if not grads:
             continue
         with _on_gradient_stream(side, x, w, logits, dx, dw, db, *(terms or ())):
@@ -505,7 +536,8 @@ def lce_fwd(
             dx_out = dx.new_zeros(n_all, d)
             with _on_gradient_stream(side, dx, dx_out, rows):
                 dx = dx_out.index_copy_(0, rows, dx)
-    return ce, zl, lse, dx, dw, db, kept, *statistics_outputs(statistics, x)
+    kept_rows = rows if keep and rows is not None else targets.new_empty(0)
+    return ce, zl, lse, dx, dw, db, kept, kept_rows, *statistics_outputs(statistics, x)
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
@@ -631,25 +663,24 @@ def lce_bwd_kept(
     coef_ce: torch.Tensor,
     coef_z: torch.Tensor,
     logits: torch.Tensor,
+    rows: torch.Tensor,
     softcap: float,
     eps: float,
     z_scale: float,
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
-    skip_ignored: bool = False,
     logit_scale: float = 1.0,
     inv_temperature: float = 1.0,
     entropy: torch.Tensor | None = None,
     coef_entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of the logits ``lce_fwd(keep=True)`` kept: their gradient for the upstream
-    coefficients (as ``lce_bwd_recompute`` takes them) written in place of them (``logits`` is
-    spent), then the two products. ``skip_ignored``: as the forward took it, the logits hold the
-    rows with a target only."""
+    """The backward of the logits ``lce_fwd(keep=True)`` kept, of the rows ``rows`` (its
+    ``kept_rows``; empty: every row): their gradient for the upstream coefficients (as
+    ``lce_bwd_recompute`` takes them) written in place of them (``logits`` is spent), then the
+    two products."""
     n_all = x.shape[0]
-    # the forward's rows (no weights there: those with a target), where it dropped any
-    rows = _kept_rows(targets >= 0) if skip_ignored and logits.shape[0] != n_all else None
+    rows = rows if rows.numel() else None
     if rows is not None:
         x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
         if coef_entropy is not None:
@@ -685,21 +716,19 @@ def lce_bwd_kept(
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
       skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0, overlap=False,
       keep=False):  # fmt: skip
-    if keep:
-        raise NotImplementedError("lce_fwd(keep=True) is eager only: its shape is the batch's")
-    n = x.shape[0]
+    n = x.shape[0]  # keep declined (lce_fwd's docstring)
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
     dx = torch.empty_like(x) if grads and need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
     statistics = statistics_outputs(statistics_buffers(stats, n, x.device), x)
-    return (*per_tok, dx, dw, db, x.new_empty(0), *statistics)
+    return (*per_tok, dx, dw, db, x.new_empty(0), targets.new_empty(0), *statistics)
 
 
 @lce_bwd_kept.register_fake
-def _(x, w, bias, targets, lse, coef_ce, coef_z, logits, softcap, eps, z_scale, need_dx, need_dw,
-      need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
+def _(x, w, bias, targets, lse, coef_ce, coef_z, logits, rows, softcap, eps, z_scale, need_dx,
+      need_dw, need_db, logit_scale=1.0, inv_temperature=1.0, entropy=None,
       coef_entropy=None):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)

@@ -602,8 +602,9 @@ def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
 def test_eager_schedule_leaves_a_scaled_cap_past_the_bound(fused_chunks, recompute_calls):
     """The eager schedule's Q needs exp(-2 cap / T) a normal number: a cap of 30 at temperature
     0.7 (42.9 scaled) runs its eager gradients unfused (and right; the first call, no hint yet,
-    keeps its logits), its recompute through the products by the pieces' maxima; a scaled cap of
-    exactly 40 takes the eager products."""
+    keeps its logits), its recompute schedule the products by the pieces' maxima (as
+    ``options_apply`` says here; run in ``test_scaled_head_through_the_products``); a scaled cap
+    of exactly 40 takes the eager products."""
     args = (None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.7)
     assert not PRODUCTS.options_apply(1003, *args, True)
     assert PRODUCTS.options_apply(1003, *args, False)
@@ -636,7 +637,7 @@ def test_eager_products_with_a_transform_and_zloss(scale, fused_chunks):
     x, w = x.detach(), w.detach()
     targets = torch.where(labels == -100, -1, labels)
     coef = torch.rand(181, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    ce, zl, _, dx, dw, _, _, *stats = OPS.lce_fwd(x, w, None, targets, coef, cap, 0.0, z_scale,
+    ce, zl, _, dx, dw, _, _, _, *stats = OPS.lce_fwd(x, w, None, targets, coef, cap, 0.0, z_scale,
                                                1 << 30, True, True, False, False, scale, inv_t,
                                                EVERY_STATISTIC)  # fmt: skip
     assert fused_chunks == [181]

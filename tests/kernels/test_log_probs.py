@@ -166,6 +166,61 @@ def test_logits_are_kept_where_the_eager_plan_takes_one_chunk(dtype, schedule, m
             assert_close_budget(a.double(), r, e.double(), dtype, name)
 
 
+def test_one_call_keeps_its_logits_at_a_time(schedule):
+    """Several forwards before one backward (a pipeline schedule's micro-batches, losses summed):
+    only the first keeps its logits, the others recompute, and once the first backward has run
+    the next forward keeps again; every gradient is the reference's."""
+    x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    g = [torch.randn(labels.shape, generator=gen).to(DEVICE) for _ in range(3)]
+    outs = [linear_log_probs(x, w, labels, b).log_probs for _ in range(3)]
+    got = torch.autograd.grad(sum((o * gi).sum() for o, gi in zip(outs, g)), (x, w, b))
+    assert schedule["lce_bwd_kept"] == 1 and schedule["lce_bwd_recompute"] == 2
+    ref = linear_log_probs_reference(x, w, labels, b).log_probs
+    want = torch.autograd.grad(sum((ref * gi).sum() for gi in g), (x, w, b))
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+    del outs
+    out = linear_log_probs(x, w, labels, b).log_probs
+    torch.autograd.grad(out.sum(), (x, w, b))
+    assert schedule["lce_bwd_kept"] == 2
+
+
+@pytest.mark.parametrize("live", [0.9, 0.5], ids=["most-rows", "half-the-rows"])
+def test_skip_ignored_recomputes_where_few_rows_have_a_gradient(live, schedule):
+    """``skip_ignored``: rows with a target whose upstream gradient is 0 (GRPO's groups of equal
+    rewards) take no part in the recompute schedule's products; the kept logits' two products
+    over every row cost no more than its three over the others while at least two thirds have a
+    gradient, and recomputing is taken below that. Both give the plain path's gradients."""
+    x, w, b, labels = make_inputs(60, 16, 97, torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(labels.shape, generator=gen).to(DEVICE)
+    g[torch.rand(labels.shape, generator=gen).to(DEVICE) >= live] = 0.0
+    out = linear_log_probs(x, w, labels, b, outputs=("log_probs", "entropy"), skip_ignored=True)
+    got = torch.autograd.grad((out.log_probs * g).sum(), (x, w, b))
+    kept = live > 2 / 3
+    assert schedule["lce_bwd_kept" if kept else "lce_bwd_recompute"] == 1, schedule
+    ref = linear_log_probs_reference(x, w, labels, b).log_probs
+    want = torch.autograd.grad((ref * g).sum(), (x, w, b))
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", ["log_probs", "loss-none"])
+def test_meta_tensors_trace_forward_and_backward(fn):
+    """On meta tensors (shape-only tracing, memory estimators) the head runs forward and
+    backward: the kept schedule, whose logits' rows are the batch's, is declined there."""
+    x = torch.empty(48, 16, device="meta", requires_grad=True)
+    w = torch.empty(97, 16, device="meta", requires_grad=True)
+    labels = torch.zeros(48, dtype=torch.long, device="meta")
+    if fn == "log_probs":
+        out = linear_log_probs(x, w, labels, outputs=("log_probs", "entropy")).log_probs
+    else:
+        out = linear_cross_entropy(x, w, labels, reduction="none").loss
+    gx, gw = torch.autograd.grad(out.sum(), (x, w))
+    assert gx.shape == x.shape and gw.shape == w.shape and gx.is_meta
+
+
 def test_log_probs_are_the_negated_per_token_loss_and_zero_where_ignored():
     x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
     out = linear_log_probs(x, w, labels, b, shift=True)
