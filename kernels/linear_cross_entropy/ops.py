@@ -198,6 +198,11 @@ def _kept_rows(keep: torch.Tensor) -> torch.Tensor | None:
     return None if rows.numel() == keep.numel() else rows
 
 
+def _rows_of(rows: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
+    """Each of ``tensors`` at ``rows`` (None stays None)."""
+    return tuple(None if t is None else t[rows] for t in tensors)
+
+
 def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, n: int, fill: float = 0.0):
     """The (n, ...) tensor holding ``part``'s rows at ``rows`` and ``fill`` elsewhere."""
     return part.new_full((n, *part.shape[1:]), fill).index_copy_(0, rows, part)
@@ -592,9 +597,9 @@ def lce_bwd_recompute(
             live = live | (coef_entropy != 0)
         rows = _kept_rows((targets >= 0) & live)
     if rows is not None:  # the kept rows only, the hidden gradient scattered back at the end
-        x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
-        if coef_entropy is not None:
-            entropy, coef_entropy = entropy[rows], coef_entropy[rows]
+        x, targets, lse, coef_ce, coef_z, entropy, coef_entropy = _rows_of(
+            rows, x, targets, lse, coef_ce, coef_z, entropy, coef_entropy
+        )  # fmt: skip
     n, d = x.shape
     v = w.shape[0]
     dev = x.device
@@ -682,9 +687,9 @@ def lce_bwd_kept(
     n_all = x.shape[0]
     rows = rows if rows.numel() else None
     if rows is not None:
-        x, targets, lse, coef_ce, coef_z = (t[rows] for t in (x, targets, lse, coef_ce, coef_z))
-        if coef_entropy is not None:
-            entropy, coef_entropy = entropy[rows], coef_entropy[rows]
+        x, targets, lse, coef_ce, coef_z, entropy, coef_entropy = _rows_of(
+            rows, x, targets, lse, coef_ce, coef_z, entropy, coef_entropy
+        )  # fmt: skip
     cross_entropy_bwd(
         logits,
         targets,
