@@ -14,8 +14,11 @@ outputs, as TRL's trainers ask for them:
 
 Contenders: TRL's ``ChunkedLogProbFunction`` (its 1.16 wheel, TRL's own chunk size), surgery's
 ``linear_log_probs`` (for ``sft`` with an ``UpstreamHint`` taught by one call first, as in
-training from the second step on), for ``sft`` also surgery's ``linear_cross_entropy`` (the token
-mean alone, no per-token outputs: what the per-token contract costs beside it), and the floor:
+training from the second step on; for ``grpo`` the logits kept from the forward where one chunk
+holds them), for ``sft`` also surgery's ``linear_cross_entropy`` (the token mean alone, no
+per-token outputs: what the per-token contract costs beside it), for ``grpo`` also surgery with
+the kept schedule declined (``surgery_recompute``: the backward recomputes the logits, four
+products, as before 2026-12-01), and the floor:
 the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W``,
 ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
 median of forward+backward. Memory: peak allocated over one forward+backward minus what was
@@ -32,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -117,9 +122,16 @@ def contenders(objective, softcap, advantage):
         loss = kernels.linear_cross_entropy(x, w, labels, softcap=softcap).loss
         return -loss.detach().expand(n), loss
 
+    def surgery_recompute(x, w, labels):  # the kept schedule declined, as when logits wait
+        with mock.patch.object(ops, "_kept_waiting", lambda device: True):
+            return surgery(x, w, labels)
+
+    ops = importlib.import_module(f"{kernels.__name__}.linear_cross_entropy.ops")
     fns = {"trl": trl, "surgery": surgery}
     if objective == "sft":
         fns["surgery_lce"] = surgery_lce
+    else:
+        fns["surgery_recompute"] = surgery_recompute
     return fns
 
 
@@ -192,8 +204,11 @@ def run_case(name, shape, objective, device):
         row["speedup_vs_trl"] = row["trl_ms"] / row["surgery_ms"]
     for i, what in enumerate(("log_probs", "dx", "dw")):
         row[f"rel_diff_{what}"] = rel(results["surgery"][i], results["trl"][i])
-    if "surgery_lce" in results:
-        row["rel_diff_dw_lce"] = rel(results["surgery_lce"][2], results["trl"][2])
+    for who in ("surgery_lce", "surgery_recompute"):
+        if who in results:
+            row[f"rel_diff_dw_{who.removeprefix('surgery_')}"] = rel(
+                results[who][2], results["trl"][2]
+            )
     return row
 
 
@@ -269,11 +284,12 @@ def plot(rows, path: Path) -> str | None:
     except ImportError:
         return None
     series = [("floor", "3-GEMM floor"), ("trl", "TRL 1.16"), ("surgery", "surgery"),
-              ("surgery_lce", "surgery linear_cross_entropy (loss only)")]  # fmt: skip
+              ("surgery_lce", "surgery linear_cross_entropy (loss only)"),
+              ("surgery_recompute", "surgery, logits recomputed (four products)")]  # fmt: skip
     fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.2
+    width = 0.16
     for i, (key, label) in enumerate(series):
-        xs = [j + (i - 1.5) * width for j, r in enumerate(rows) if r.get(f"{key}_ms")]
+        xs = [j + (i - 2) * width for j, r in enumerate(rows) if r.get(f"{key}_ms")]
         ys = [r[f"{key}_ms"] for r in rows if r.get(f"{key}_ms")]
         ax.bar(xs, ys, width, label=label, color=f"C{i}")
     ax.set_xticks(range(len(rows)), [f"{r['case']}\n{r['objective']}" for r in rows], fontsize=8)
@@ -323,12 +339,14 @@ def main(argv=None) -> int:
     stem = "trl_head_smoke" if args.smoke else "trl_head"
     write_json(args.out / f"{stem}.json", result)
     headers = ["case", "objective", "floor ms", "TRL ms", "surgery ms", "x floor", "vs TRL",
-               "TRL GiB", "surgery GiB", "dW diff", "LCE ms"]  # fmt: skip
+               "TRL GiB", "surgery GiB", "dW diff", "LCE ms", "recompute ms",
+               "recompute GiB"]  # fmt: skip
     print(table(headers, [[
         r["case"], r["objective"], fmt(r.get("floor_ms")), fmt(r.get("trl_ms")),
         fmt(r.get("surgery_ms")), fmt(r.get("surgery_x_floor")), fmt(r.get("speedup_vs_trl")),
         fmt(r.get("trl_extra_gib")), fmt(r.get("surgery_extra_gib")), fmt(r["rel_diff_dw"]),
-        fmt(r.get("surgery_lce_ms")),
+        fmt(r.get("surgery_lce_ms")), fmt(r.get("surgery_recompute_ms")),
+        fmt(r.get("surgery_recompute_extra_gib")),
     ] for r in rows]))  # fmt: skip
     return 0
 

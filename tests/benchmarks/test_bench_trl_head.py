@@ -3,6 +3,7 @@ the profile's summary of where the GPU idles."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -45,6 +46,29 @@ def test_smoke_run_writes_every_contender(tmp_path):
     }
     for r in rows:  # the same inputs, TRL's mathematics: within bf16's rounding of TRL's
         assert r["rel_diff_log_probs"] < 5e-3, r
+        other = "rel_diff_dw_lce" if r["objective"] == "sft" else "rel_diff_dw_recompute"
+        assert r["rel_diff_dw"] < 2e-2 and r[other] < 2e-2, r
+
+
+def test_grpo_recompute_contender_declines_the_kept_schedule(monkeypatch):
+    """``surgery_recompute`` runs the four-product backward, ``surgery`` the kept logits'."""
+    pytest.importorskip("trl")
+    import torch
+
+    api = importlib.import_module("surgery.kernels.linear_cross_entropy.api")
+    calls = []
+    for name in ("lce_bwd_kept", "lce_bwd_recompute"):
+        fn = getattr(api, name)
+        monkeypatch.setattr(
+            api, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k)
+        )
+    x, w, labels, advantage = bench_trl_head.make_inputs(64, 32, 300, "cpu")
+    fns = bench_trl_head.contenders("grpo", None, advantage)
+    for who, want in (("surgery", "lce_bwd_kept"), ("surgery_recompute", "lce_bwd_recompute")):
+        calls.clear()
+        _, loss = fns[who](x, w, labels)
+        torch.autograd.grad(loss, (x, w))
+        assert calls == [want], (who, calls)
 
 
 def test_profile_refuses_the_smoke_run(tmp_path, capsys):
