@@ -123,7 +123,7 @@ def contenders(objective, softcap, advantage):
         return -loss.detach().expand(n), loss
 
     def surgery_recompute(x, w, labels):  # the kept schedule declined, as when logits wait
-        with mock.patch.object(ops, "_kept_waiting", lambda device: True):
+        with mock.patch.object(ops, "_reserve_kept", lambda device: None):
             return surgery(x, w, labels)
 
     ops = importlib.import_module(f"{kernels.__name__}.linear_cross_entropy.ops")

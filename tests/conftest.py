@@ -79,6 +79,17 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _kept_logits_slots():
+    """A failed test's graph (held by its traceback) keeps the fused head's kept-logits slot
+    taken: every later forward in the process would recompute. Each test starts with it free."""
+    import sys
+
+    ops = sys.modules.get("surgery.kernels.linear_cross_entropy.ops")
+    if ops is not None:
+        ops._KEPT.clear()
+
+
+@pytest.fixture(autouse=True)
 def _margins(request, monkeypatch):
     """With ``SURGERY_MARGINS=DIR``: record how close each budget check comes (tests.margins)."""
     from tests import margins

@@ -1,5 +1,5 @@
 """Fused linear cross entropy: the loss of ``hidden @ weight.T (+ bias)`` holding at most one
-budgeted chunk of the (tokens x vocab) logits, however many tokens.
+budgeted chunk of the (tokens x vocab) logits a call, however many tokens.
 
 Three schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matrix products):
 

@@ -24,6 +24,7 @@ from .ops import (
     lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
+    live_rows,
     scale_by_upstream_,
 )
 from .products import options_apply
@@ -140,7 +141,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if g_rest[0] is not None or g_rest[1] is not None or g_entropy is not None:
             a, b = upstream_coefficients(weights, *g_rest, x.shape[0], x.device)
             e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
-            if kept is not None and skip_ignored and not kept_pays(kept[0], targets, a, b, e):
+            live = live_rows(targets, a, b, e) if kept is not None and skip_ignored else None
+            if kept is not None and not kept_pays(kept[0], live):
                 kept = None  # few rows with a gradient: recomputed over them alone
             if kept is not None:
                 rdx, rdw, rdb = lce_bwd_kept(
@@ -151,7 +153,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 rdx, rdw, rdb = lce_bwd_recompute(
                     x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes,
                     need_dx, need_dw, need_db, skip_ignored, *transform,
-                    None if e is None else entropy, e, fused_lse=ctx.fused_lse,
+                    None if e is None else entropy, e, fused_lse=ctx.fused_lse, live=live,
                 )  # fmt: skip
             dx = _add(dx, rdx if need_dx else None)
             dw = _add(dw, rdw if need_dw else None)
@@ -389,12 +391,13 @@ def linear_cross_entropy(
         skip_ignored: tokens without a target (``ignore_index``, a masked prompt, padding; with
             reduction "none" also those whose upstream gradient is 0) take no part in the matrix
             products, forward or backward (with the logits kept from the forward, the rows of 0
-            upstream gradient are recomputed apart only where they are over a third): exact
-            (their logit gradients are 0; their losses are 0 either way), and an SFT batch with
-            half its tokens masked costs about half the products. The price is one host read of
-            the count per call (forward, and the backward of reduction "none"), which drains the
-            queue of work the GPU is doing; off while a CUDA graph is captured. Default off:
-            without it no call reads anything on the host.
+            upstream gradient take part unless they are over a third of them: the others' are
+            then recomputed alone): exact (their logit gradients are 0; their losses are 0
+            either way), and an SFT batch with half its tokens masked costs about half the
+            products. The price is one host read of the count in the forward, and one in the
+            backward unless the gradients were made in the forward (the eager schedule), which
+            drains the queue of work the GPU is doing; off while a CUDA graph is captured.
+            Default off: without it no call reads anything on the host.
 
     Returns:
         ``LossOutput(loss, z_loss)``, fp32: scalars, or per-token for reduction "none".

@@ -41,6 +41,7 @@ __all__ = [
     "lce_bwd_kept",
     "lce_bwd_recompute",
     "lce_fwd",
+    "live_rows",
     "plan_token_chunk",
     "scale_by_upstream_",
     "scaled_by_upstream",
@@ -344,28 +345,44 @@ def join_gradient_stream(device: torch.device) -> None:
     _HELD.pop(current, None)
 
 
-# The logits a forward kept for its backward (``lce_fwd(keep=True)``), by device: while they wait,
-# another forward recomputes instead of keeping (several forwards before one backward, as pipeline
-# schedules run them, would otherwise hold one chunk each).
+# The logits a forward kept for its backward (``lce_fwd(keep=True)``), by device, as a weak
+# reference: while they wait, another forward recomputes instead of keeping (several forwards
+# before one backward, as pipeline schedules run them, would otherwise hold one chunk each; a
+# graph that is never backpropagated holds its logits, and so its slot, until it is freed).
 _KEPT: dict[torch.device, weakref.ref] = {}
+_KEPT_LOCK = threading.Lock()
 
 
-def _kept_waiting(device: torch.device) -> bool:
-    ref = _KEPT.get(device)
-    return ref is not None and ref() is not None
+class _Reserved:
+    """What holds a device's slot between ``_reserve_kept`` and the logits taking it."""
 
 
-def kept_pays(logits, targets, coef_ce, coef_z, coef_entropy) -> bool:
-    """Under ``skip_ignored``, whether the kept logits' two products cost no more than the
-    recompute schedule's three over the rows whose coefficients are not all 0: at least two
-    thirds of the kept rows have one. One host read (True, unread, while a CUDA graph is
-    captured)."""
-    if logits.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True
+def _reserve_kept(device: torch.device) -> _Reserved | None:
+    """The device's slot for kept logits, reserved while the returned object lives (None where
+    another call's kept logits hold it); under a lock, so that two threads cannot both keep."""
+    with _KEPT_LOCK:
+        ref = _KEPT.get(device)
+        if ref is not None and ref() is not None:
+            return None
+        reserved = _Reserved()
+        _KEPT[device] = weakref.ref(reserved)
+        return reserved
+
+
+def live_rows(targets, coef_ce, coef_z, coef_entropy) -> torch.Tensor | None:
+    """The rows with a target and a coefficient that is not 0 (``skip_ignored``'s rows in a
+    backward), or None for every row (also while a CUDA graph is captured). One host read."""
     live = (coef_ce != 0) | (coef_z != 0)
     if coef_entropy is not None:
         live = live | (coef_entropy != 0)
-    return 3 * int((live & (targets >= 0)).sum()) >= 2 * logits.shape[0]  # the host read
+    return _kept_rows((targets >= 0) & live)
+
+
+def kept_pays(logits: torch.Tensor, live: torch.Tensor | None) -> bool:
+    """Whether the kept logits' two products over their rows cost no more than the recompute
+    schedule's three over the ``live`` rows alone (``live_rows``): at least two thirds of the
+    kept rows are live."""
+    return live is None or 3 * live.numel() >= 2 * logits.shape[0]
 
 
 @torch.library.custom_op("surgery::linear_cross_entropy_fwd", mutates_args=())
@@ -436,10 +453,11 @@ def lce_fwd(
     # plan, weight gradient included: the step's peak is then the eager schedule's) and no other
     # call's kept logits wait for their backward on this device; they are the unfused
     # product's, which the backward's gradient is then made of, and the log-sum-exp must be theirs
-    keep = keep and weights is None and wants and n > 0 and not _kept_waiting(dev)
-    keep = keep and plan_token_chunk(
+    keep = keep and weights is None and wants and n > 0 and plan_token_chunk(
         n, v, d, x.element_size(), need_dw and w.dtype != torch.float32, chunk_bytes
     ) >= n  # fmt: skip
+    reserved = _reserve_kept(dev) if keep else None
+    keep = reserved is not None
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads
     # with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only (products.options_apply)
@@ -506,7 +524,7 @@ def lce_fwd(
         lse[n0:n1], ce[n0:n1], zl[n0:n1] = rl, rc, rz
         if keep:
             kept = logits
-            _KEPT[dev] = weakref.ref(kept)
+            _KEPT[dev] = weakref.ref(kept)  # the slot passes from ``reserved`` to them
         if not grads:
             continue
         with _on_gradient_stream(side, x, w, logits, dx, dw, db, *(terms or ())):
@@ -570,11 +588,13 @@ def lce_bwd_recompute(
     vocab_start: int = 0,
     vocab_total: int = 0,
     fused_lse: bool = False,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
     one product; the hidden gradient is accumulated in fp32. ``coef_entropy``: the upstream
     gradient of the per-token ``entropy`` too. ``skip_ignored``: rows without a target or with
-    every coefficient 0 (they contribute nothing) take no part in the products.
+    every coefficient 0 (they contribute nothing) take no part in the products (``live``: those
+    that do, where the caller has found them with ``live_rows``).
 
     ``vocab_start`` / ``vocab_total`` (0: ``w``'s rows are the whole vocabulary): ``w`` holds rows
     ``[vocab_start, vocab_start + V)`` of a head of ``vocab_total`` rows (vocabulary-parallel);
@@ -591,11 +611,8 @@ def lce_bwd_recompute(
     if fused:
         x, w = tma_ready(x), tma_ready(w)
     n_all, rows = x.shape[0], None
-    if skip_ignored:
-        live = (coef_ce != 0) | (coef_z != 0)
-        if coef_entropy is not None:
-            live = live | (coef_entropy != 0)
-        rows = _kept_rows((targets >= 0) & live)
+    if skip_ignored:  # ``live``: the caller's ``live_rows`` (no second host read)
+        rows = live if live is not None else live_rows(targets, coef_ce, coef_z, coef_entropy)
     if rows is not None:  # the kept rows only, the hidden gradient scattered back at the end
         x, targets, lse, coef_ce, coef_z, entropy, coef_entropy = _rows_of(
             rows, x, targets, lse, coef_ce, coef_z, entropy, coef_entropy
@@ -744,7 +761,8 @@ def _(x, w, bias, targets, lse, coef_ce, coef_z, logits, rows, softcap, eps, z_s
 @lce_bwd_recompute.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, softcap, eps, z_scale, chunk_bytes, need_dx,
       need_dw, need_db, skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, entropy=None,
-      coef_entropy=None, vocab_start=0, vocab_total=0, fused_lse=False):  # fmt: skip
+      coef_entropy=None, vocab_start=0, vocab_total=0, fused_lse=False,
+      live=None):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)

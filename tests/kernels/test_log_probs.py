@@ -180,10 +180,46 @@ def test_one_call_keeps_its_logits_at_a_time(schedule):
     want = torch.autograd.grad(sum((ref * gi).sum() for gi in g), (x, w, b))
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
-    del outs
-    out = linear_log_probs(x, w, labels, b).log_probs
+    out = linear_log_probs(x, w, labels, b).log_probs  # the first graph's outputs still alive
     torch.autograd.grad(out.sum(), (x, w, b))
     assert schedule["lce_bwd_kept"] == 2
+
+
+def test_two_threads_do_not_both_keep(schedule, monkeypatch):
+    """The slot is taken under a lock: of two threads whose forwards overlap on one device, one
+    keeps its logits and the other recomputes."""
+    import threading
+
+    ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+    x, w, b, labels = make_inputs(40, 16, 97, torch.float32)
+    arrived, plan, seen = threading.Barrier(2), ops.plan_token_chunk, threading.local()
+
+    def plan_together(*args):  # both threads decide to keep, then both reach for the slot
+        if not getattr(seen, "once", False):
+            seen.once = True
+            arrived.wait(timeout=10)
+        return plan(*args)
+
+    monkeypatch.setattr(ops, "plan_token_chunk", plan_together)
+    one_at_a_time, sweep = threading.Lock(), ops.cross_entropy_fwd
+
+    def sweep_alone(*args, **kwargs):  # Triton's CPU interpreter runs one kernel at a time
+        with one_at_a_time:
+            return sweep(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "cross_entropy_fwd", sweep_alone)
+    outs = [None, None]
+
+    def forward(i):
+        outs[i] = linear_log_probs(x, w, labels, b).log_probs
+
+    threads = [threading.Thread(target=forward, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.autograd.grad(sum(o.sum() for o in outs), (x, w, b))
+    assert schedule["lce_bwd_kept"] == 1 and schedule["lce_bwd_recompute"] == 1, schedule
 
 
 @pytest.mark.parametrize("live", [0.9, 0.5], ids=["most-rows", "half-the-rows"])
