@@ -122,11 +122,12 @@ def contenders(objective, softcap, advantage):
         loss = kernels.linear_cross_entropy(x, w, labels, softcap=softcap).loss
         return -loss.detach().expand(n), loss
 
+    ops = importlib.import_module(f"{kernels.__name__}.linear_cross_entropy.ops")
+
     def surgery_recompute(x, w, labels):  # the kept schedule declined, as when logits wait
         with mock.patch.object(ops, "_reserve_kept", lambda device: None):
             return surgery(x, w, labels)
 
-    ops = importlib.import_module(f"{kernels.__name__}.linear_cross_entropy.ops")
     fns = {"trl": trl, "surgery": surgery}
     if objective == "sft":
         fns["surgery_lce"] = surgery_lce

@@ -563,6 +563,30 @@ def lce_fwd(
     return ce, zl, lse, dx, dw, db, kept, kept_rows, *statistics_outputs(statistics, x)
 
 
+def _gradient_in_place(
+    logits,
+    targets,
+    lse,
+    coef_ce,
+    coef_z,
+    loss,
+    transform,
+    entropy,
+    coef_entropy,
+    col_offset: int = 0,
+    vocab_size: int | None = None,
+) -> None:
+    """The rows' logit gradient for their coefficients, written in place of ``logits`` (columns
+    ``[col_offset, ...)`` of a vocabulary of ``vocab_size``); ``loss``: (softcap, label smoothing,
+    z-loss scale), ``transform``: (logit scale, 1 / temperature)."""
+    softcap, eps, z_scale = loss
+    cross_entropy_bwd(logits, targets, lse, coef_ce, coef_z, logits, col_offset=col_offset,
+                      vocab_size=vocab_size, softcap=softcap, label_smoothing=eps,
+                      z_loss_scale=z_scale, logit_scale=transform[0],
+                      inv_temperature=transform[1], entropy=entropy,
+                      coef_entropy=coef_entropy)  # fmt: skip
+
+
 @torch.library.custom_op("surgery::linear_cross_entropy_bwd", mutates_args=())
 @_autocast_disabled
 def lce_bwd_recompute(
@@ -643,23 +667,9 @@ def lce_bwd_recompute(
                                    entropy, coef_entropy, transform)  # fmt: skip
         else:
             logits = _logits(x, wc, None if bias is None else bias[v0:v1])
-            cross_entropy_bwd(
-                logits,
-                targets,
-                lse,
-                coef_ce,
-                coef_z,
-                logits,
-                col_offset=vocab_start + v0,
-                vocab_size=vocab_total or v,
-                softcap=softcap,
-                label_smoothing=eps,
-                z_loss_scale=z_scale,
-                logit_scale=logit_scale,
-                inv_temperature=inv_temperature,
-                entropy=entropy,
-                coef_entropy=coef_entropy,
-            )
+            _gradient_in_place(logits, targets, lse, coef_ce, coef_z, (softcap, eps, z_scale),
+                               transform, entropy, coef_entropy, vocab_start + v0,
+                               vocab_total or v)  # fmt: skip
         if need_dw:
             torch.mm(logits.t(), x, out=dw[v0:v1])
         if need_dx:
@@ -707,21 +717,8 @@ def lce_bwd_kept(
         x, targets, lse, coef_ce, coef_z, entropy, coef_entropy = _rows_of(
             rows, x, targets, lse, coef_ce, coef_z, entropy, coef_entropy
         )  # fmt: skip
-    cross_entropy_bwd(
-        logits,
-        targets,
-        lse,
-        coef_ce,
-        coef_z,
-        logits,
-        softcap=softcap,
-        label_smoothing=eps,
-        z_loss_scale=z_scale,
-        logit_scale=logit_scale,
-        inv_temperature=inv_temperature,
-        entropy=entropy,
-        coef_entropy=coef_entropy,
-    )
+    _gradient_in_place(logits, targets, lse, coef_ce, coef_z, (softcap, eps, z_scale),
+                       (logit_scale, inv_temperature), entropy, coef_entropy)  # fmt: skip
     dx = torch.mm(logits, w) if need_dx else x.new_empty(0)
     dw = torch.mm(logits.t(), x) if need_dw else x.new_empty(0)
     db = logits.sum(0, dtype=torch.float32).to(bias.dtype) if need_db else x.new_empty(0)

@@ -15,6 +15,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_trl_head
 
 
+@pytest.fixture(autouse=True)
+def _trl_trainer_modules_restored():
+    """``bench_trl_head.trl_function`` stands a stub in for ``trl.trainer.utils`` (and an empty
+    ``trl.trainer``) where TRL's trainers are not imported yet: afterwards the process's modules
+    are put back, or a later test in the same worker would find TRL without its trainers."""
+    names = ("trl.trainer", "trl.trainer.utils")
+    saved = {name: sys.modules.get(name) for name in names}
+    yield
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+
+
 def _kernel(name, ts, dur):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
