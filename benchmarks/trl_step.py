@@ -28,9 +28,18 @@ the head is installed: surgery serves TRL's head, ``surgery.integrations.trl``);
 z_loss_scale=1e-4)`` and the step ``surgery.integrations.trl_sft.SFTTrainer`` makes: TRL's fused
 call asking for surgery's loss, ``SFT_LOSS_KWARG``, whose per-document mean plus z-loss, from the
 same sweep over the logits as TRL's statistics, is the loss, plus the router's aux loss as
-above: what surgery's loss options cost under TRL). Tokens/s =
+above: what surgery's loss options cost under TRL); ``trl_surgery_recompute`` (GRPO only:
+``trl_surgery`` with the kept schedule declined, as when another call's kept logits wait: the
+head's backward recomputes its logits, four products where the kept schedule makes three; the
+two side by side measure what keeping the logits gains in a whole pass). Tokens/s =
 batch x seq / median step time of 10 timed steps after 3 warm-up steps; peak GiB =
-``torch.cuda.max_memory_allocated()`` over the timed steps.
+``torch.cuda.max_memory_allocated()`` over the timed steps; ``kept_calls``: how many of the head's
+calls kept their logits for the backward (surgery's contenders).
+
+``--profile``: each worker also writes ``train_step.profile_step``'s tables of one more
+step into ``--out``, ``profile_<model>_<contender>_<batch>.txt`` (the top ops; on CUDA also the
+GPU time by kernel class and the matrix products by shape, and ``memory_...txt``: what is alive at
+the memory peak).
 """
 
 from __future__ import annotations
@@ -56,7 +65,9 @@ from common import (
     write_json,
 )
 
-CONTENDERS = ["trl", "trl_liger", "trl_surgery", "trl_surgery_options"]
+CONTENDERS = ["trl", "trl_liger", "trl_surgery", "trl_surgery_options", "trl_surgery_recompute"]
+ONLY = {"trl_surgery_options": "sft", "trl_surgery_recompute": "grpo"}
+"""The contenders that run one objective only."""
 OPTIONS = {"loss_reduction": "sequence", "z_loss_scale": 1e-4}
 """The loss options of ``trl_surgery_options``."""
 MODELS = ["llama", "qwen3_moe"]
@@ -65,9 +76,30 @@ BATCH, SEQ, PROMPT = 2, 4096, 1024
 WARMUP, TIMED = 3, 10
 
 
+KEPT_CALLS = [0]
+"""How many head calls of this worker kept their logits for the backward (surgery's)."""
+
+
+def count_kept(decline: bool) -> None:
+    """Count the head calls that keep their logits (``KEPT_CALLS``); with ``decline``, none does
+    (the recompute schedule). Patches surgery's op module in this worker's process only."""
+    import importlib
+
+    ops = importlib.import_module(f"{import_surgery().kernels.__name__}.linear_cross_entropy.ops")
+    reserve = ops._reserve_kept
+
+    def counted(device):
+        slot = None if decline else reserve(device)
+        KEPT_CALLS[0] += slot is not None
+        return slot
+
+    ops._reserve_kept = counted
+
+
 def prepare(model, contender):
-    if contender == "trl_surgery":
+    if contender in ("trl_surgery", "trl_surgery_recompute"):
         import_surgery().patch(model)
+        count_kept(decline=contender == "trl_surgery_recompute")
     elif contender == "trl_surgery_options":
         import_surgery().patch(model, **OPTIONS)
     elif contender == "trl_liger":
@@ -157,6 +189,11 @@ def worker(job):
             losses.append(float(loss))
     median = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+    if job.get("profile"):
+        from train_step import profile_step
+
+        spec = {**job, "seed": 0, "warmup": 0, "profile_scenario": kind, "profile_batch": BATCH}
+        profile_step(model, lambda _: step(), lambda *_: (None, None, None), seq, spec)
     served = getattr(model, "_surgery_trl_request", None)
     return {
         **job,
@@ -165,6 +202,7 @@ def worker(job):
         "peak_gib": peak,
         "losses": losses,
         "served_by_surgery": served is not None and served[1] is not None,
+        "kept_calls": KEPT_CALLS[0],
     }
 
 
@@ -182,7 +220,8 @@ def run_job(job, timeout):
 
 
 def render(rows):
-    headers = ["model", "step", "batch", "contender", "k tok/s", "GiB", "x TRL", "mem x TRL"]
+    headers = ["model", "step", "batch", "contender", "k tok/s", "GiB", "x TRL", "mem x TRL",
+               "kept"]  # fmt: skip
     out = []
     base = {(r["model"], r["objective"], r["kind"]): r for r in rows if r["contender"] == "trl"}
     for r in rows:
@@ -194,6 +233,7 @@ def render(rows):
             fmt(r.get("peak_gib")),
             fmt(r["tokens_per_s"] / b["tokens_per_s"]) if ok else "-",
             fmt(r["peak_gib"] / b["peak_gib"]) if ok and b.get("peak_gib") else "-",
+            r.get("kept_calls", "-"),
         ])  # fmt: skip
     return table(headers, out)
 
@@ -242,6 +282,7 @@ def main(argv=None) -> int:
                         help="objective:batch pairs, e.g. grpo:padded")  # fmt: skip
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per worker")
+    parser.add_argument("--profile", action="store_true", help="profiler tables (docstring)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", type=Path, nargs="+", metavar="JSON",
                         help="only merge these result files and plot them into --out")  # fmt: skip
@@ -264,10 +305,12 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for objective, kind in (pair.split(":") for pair in args.scenarios.split(",")):
             for contender in args.contenders.split(","):
-                if contender == "trl_surgery_options" and objective != "sft":
-                    continue  # surgery's loss options are SFT's (trl_sft.SFTTrainer)
+                if ONLY.get(contender, objective) != objective:
+                    continue  # surgery's loss options are SFT's; the kept schedule is RL's
                 job = dict(model=model, contender=contender, objective=objective, kind=kind,
                            smoke=args.smoke)  # fmt: skip
+                if args.profile:
+                    job.update(profile=True, out=str(args.out))
                 rows.append(run_job(job, args.timeout))
                 print(json.dumps(rows[-1]), flush=True)
                 write_json(args.out / f"{stem}.json", {"environment": environment(), "rows": rows})
