@@ -10,10 +10,12 @@ them, each rank computes its slice's logsumexp, the target logit where the targe
 rows, and (label smoothing) the sum of its slice's logits; two all-reduces of those per-token
 scalars (a max, then one sum of three rows) give every rank the whole vocabulary's logsumexp,
 target logit and sum, and so the same per-token losses, reduced as on one GPU. Backward: each rank
-recomputes its slice's logits a vocabulary slice at a time from the global logsumexp
-(``lce_bwd_recompute``), which gives its rows' weight and bias gradients whole and its part of the
-hidden gradient, summed over the ranks by one all-reduce (or reduce-scatter). Four matrix products,
-as the recompute schedule on one GPU.
+turns its slice's logits into their gradient from the global logsumexp, which gives its rows'
+weight and bias gradients whole and its part of the hidden gradient, summed over the ranks by one
+all-reduce (or reduce-scatter). As on one GPU, a rank keeps its slice's logits from the forward to
+the backward where the eager schedule's plan takes them in one chunk and no other call's kept
+logits wait (``lce_fwd``'s ``keep``: three matrix products, ``lce_bwd_kept``); otherwise it
+recomputes them a vocabulary slice at a time (``lce_bwd_recompute``: four).
 
 Every reduction, ``num_items_in_batch``, z-loss, label smoothing, softcap, ``ignore_index``,
 ``shift`` and the sequence boundaries behave as in ``linear_cross_entropy``: the per-token losses
@@ -43,6 +45,7 @@ from .cross_entropy.launch import _transformed_torch
 from .linear_cross_entropy import (
     DEFAULT_CHUNK_BYTES,
     input_needs,
+    lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
     prepare_head_inputs,
@@ -149,19 +152,22 @@ def _row_max(x, w, bias, softcap, transform, chunk_bytes) -> torch.Tensor:
     return out
 
 
-def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_bytes, want):
+def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_bytes, want, needs):
     """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, the
     ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
     of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
     target is the slice's first maximum; ``predicted``: the slice's first maximum, as a column of
-    the whole vocabulary; ``max``: the slice's largest logit); ``fused``: a bool, whether the
-    slice's products were the fused ones (``lce_bwd_recompute``'s ``fused_lse``)."""
+    the whole vocabulary; ``max``: the slice's largest logit); ``kept``: the slice's logits kept
+    for the backward (``lce_fwd``'s ``keep``, where ``needs`` asks for a gradient; empty where it
+    declines); ``fused``: a bool, whether the slice's products were the fused ones
+    (``lce_bwd_recompute``'s ``fused_lse``)."""
     n, v = x.shape[0], w.shape[0]
     zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=x.device)
     if v == 0:  # more ranks than rows: this rank holds none
         out = {k: zeros() for k in ("target", "total", "entropy", "log_sum_sq_probs")}
         out["is_top1"] = zeros(dtype=torch.bool)
         out["predicted"] = zeros(dtype=torch.int64)
+        out["kept"] = x.new_empty(0)
         return {**out, "lse": zeros() - math.inf, "max": zeros() - math.inf, "fused": False}
     mine = (targets >= start) & (targets < start + v)
     # A token whose target is another rank's reads this slice's first column as a stand-in (the
@@ -170,19 +176,22 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     names = {"total": "mean_logits", "entropy": "entropy", "log_sum_sq_probs": "log_sum_sq_probs",
              "is_top1": "is_top1", "predicted": "predicted"}  # fmt: skip
     stats = sum(1 << STATISTICS.index(names[k]) for k in want if k in names)
-    # whether lce_fwd takes the fused products (for the backward: lce_bwd_recompute's fused_lse)
-    fused = options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
-    if fused and "max" in want:  # the slice's maximum at its first maximum's column, below
+    if "max" in want:  # the slice's maximum at its first maximum's column, below
         stats |= 1 << STATISTICS.index("predicted")
-    ce, _, lse, _, _, _, _, _, *statistics = lce_fwd(
-        x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, False, False, False,
-        False, *transform, stats,
+    ce, _, lse, _, _, _, kept, _, *statistics = lce_fwd(
+        x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, *needs, False,
+        *transform, stats, False, any(needs),
     )  # fmt: skip
+    # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
+    fused = not kept.numel() and options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
     by_name = dict(zip(STATISTICS, statistics, strict=True))
-    out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0), "fused": fused}
+    out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0), "fused": fused, "kept": kept}
     for key in want:
         if key == "total":
             out[key] = by_name["mean_logits"] * v
+        elif key == "max" and kept.numel():  # the kept logit at the first maximum's column
+            first = by_name["predicted"].clamp(min=0)[:, None]
+            out[key] = _transformed_torch(kept.gather(1, first).float(), softcap, *transform)[:, 0]
         elif key == "max" and fused and tensors_apply(x, w):
             # The logit at the slice's first maximum, from its own fp32 dot product on every
             # rank alike: the ranks' maxima compare as the fused products' logits do (fp32), not
@@ -267,9 +276,9 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         if "is_top1" in want or "predicted" in want:
             want.add("max")
         part = _slice_statistics(
-            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want
+            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want, needs
         )
-        fused = part.pop("fused")
+        fused, kept = part.pop("fused"), part.pop("kept")
         whole = _whole_vocabulary(part, layout, want)
         lse, valid = whole["lse"], targets >= 0
         ce = lse - (1.0 - eps) * whole["target"]
@@ -288,6 +297,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         entropy, *others = statistics
         ctx.save_for_backward(x, w, bias, targets, weights, lse, entropy)
         ctx.opts = (layout, softcap, eps, z_scale, chunk_bytes, needs, transform, fused)
+        ctx.kept = kept if kept.numel() else None  # spent by the first backward
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*others)
         return *reduce_losses(ce, zl, weights), entropy, *others
@@ -297,6 +307,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         x, w, bias, targets, weights, lse, entropy = ctx.saved_tensors
         layout, softcap, eps, z_scale, chunk_bytes, needs, transform, fused = ctx.opts
         need_dx, need_dw, need_db = needs
+        kept, ctx.kept = ctx.kept, None
         none = (None,) * 10
         if entropy.numel() == 0:
             g_entropy = None
@@ -304,11 +315,18 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
             return None, None, None, *none
         a, b = upstream_coefficients(weights, g_loss, g_z, x.shape[0], x.device)
         e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
-        dx, dw, db = lce_bwd_recompute(
-            x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw,
-            need_db, False, *transform, None if e is None else entropy, e, layout.start,
-            layout.vocab, fused,
-        )  # fmt: skip
+        if kept is not None:
+            dx, dw, db = lce_bwd_kept(
+                x, w, bias, targets, lse, a, b, kept, targets.new_empty(0), softcap, eps,
+                z_scale, need_dx, need_dw, need_db, *transform, None if e is None else entropy,
+                e, layout.start, layout.vocab,
+            )  # fmt: skip
+        else:
+            dx, dw, db = lce_bwd_recompute(
+                x, w, bias, targets, lse, a, b, softcap, eps, z_scale, chunk_bytes, need_dx,
+                need_dw, need_db, False, *transform, None if e is None else entropy, e,
+                layout.start, layout.vocab, fused,
+            )  # fmt: skip
         if need_dx and layout.reduce_dx:
             dist.all_reduce(dx, group=layout.group)
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,

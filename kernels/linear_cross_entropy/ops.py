@@ -706,11 +706,14 @@ def lce_bwd_kept(
     inv_temperature: float = 1.0,
     entropy: torch.Tensor | None = None,
     coef_entropy: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of the logits ``lce_fwd(keep=True)`` kept, of the rows ``rows`` (its
     ``kept_rows``; empty: every row): their gradient for the upstream coefficients (as
     ``lce_bwd_recompute`` takes them) written in place of them (``logits`` is spent), then the
-    two products."""
+    two products. ``vocab_start`` / ``vocab_total``: as ``lce_bwd_recompute`` takes them (a
+    vocabulary-parallel slice's logits: ``targets`` and ``lse`` the whole vocabulary's)."""
     n_all = x.shape[0]
     rows = rows if rows.numel() else None
     if rows is not None:
@@ -718,7 +721,8 @@ def lce_bwd_kept(
             rows, x, targets, lse, coef_ce, coef_z, entropy, coef_entropy
         )  # fmt: skip
     _gradient_in_place(logits, targets, lse, coef_ce, coef_z, (softcap, eps, z_scale),
-                       (logit_scale, inv_temperature), entropy, coef_entropy)  # fmt: skip
+                       (logit_scale, inv_temperature), entropy, coef_entropy, vocab_start,
+                       vocab_total or w.shape[0])  # fmt: skip
     dx = torch.mm(logits, w) if need_dx else x.new_empty(0)
     dw = torch.mm(logits.t(), x) if need_dw else x.new_empty(0)
     db = logits.sum(0, dtype=torch.float32).to(bias.dtype) if need_db else x.new_empty(0)
@@ -747,8 +751,8 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
 
 @lce_bwd_kept.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, logits, rows, softcap, eps, z_scale, need_dx,
-      need_dw, need_db, logit_scale=1.0, inv_temperature=1.0, entropy=None,
-      coef_entropy=None):  # fmt: skip
+      need_dw, need_db, logit_scale=1.0, inv_temperature=1.0, entropy=None, coef_entropy=None,
+      vocab_start=0, vocab_total=0):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)

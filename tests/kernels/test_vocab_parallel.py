@@ -2,10 +2,12 @@
 interpreter): loss, z-loss and every gradient equal the unsharded head's (``linear_cross_entropy``
 on the whole weight, and the fp32 PyTorch reference), for every reduction and option, odd
 vocabulary sizes that do not divide evenly, a rank holding no row, a DTensor head and sequence-
-parallel hidden states."""
+parallel hidden states; in the schedule each rank took (its slice's logits kept from the forward,
+or recomputed in the backward)."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -160,19 +162,20 @@ def _split(case: Case, world: int) -> list[int]:
     return [max(0, min(chunk, case.vocab - r * chunk)) for r in range(world)]
 
 
-def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
+def _run_case(case: Case, rank: int, world: int, mesh, kept_bf16: bool = False) -> dict:
+    """The errors of this rank's sharded head against the unsharded kernel (and of the kernel
+    against the fp32 reference). ``kept_bf16``: the kernel keeps its bf16 cuBLAS logits, whose
+    first maximum at ``near_tie`` is the bf16 one (checked against ``argmax`` of them), not the
+    fp32 reference's."""
     hidden, weight, bias, labels, positions, upstream = _inputs(case)
     kw = _kwargs(case, positions)
     # The unsharded head: surgery's kernel and the fp32 PyTorch reference.
     kernel, reference, sharded = HEADS[case.log_probs]
     refs = {}
-    # bf16: the kernel's recompute schedule, whose products are fused as the slices' are (by
-    # default a per-token head keeps its cuBLAS logits, and its first maximum can differ at a tie)
-    own = dict(low_memory=True) if case.bf16 else {}
     for name, fn in (("kernel", kernel), ("reference", reference)):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         b = None if bias is None else bias.clone().requires_grad_()
-        out = fn(h, w, labels, b, **kw, **(own if name == "kernel" else {}))
+        out = fn(h, w, labels, b, **kw)
         _backward(out, case, upstream)
         refs[name] = dict(out=_outputs(out, case), dh=h.grad, dw=w.grad,
                           db=None if b is None else b.grad)  # fmt: skip
@@ -209,7 +212,14 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     assert set(got) == set(want["out"]), (sorted(got), sorted(want["out"]))
     errors = {k: (got[k] - want["out"][k]).abs().max().item() for k in got}
     both = [(refs["kernel"][k], refs["reference"][k]) for k in ("dh", "dw")]
-    both += [(refs["kernel"]["out"][k], refs["reference"]["out"][k]) for k in want["out"]]
+    first_max = ("is_top1", "predicted") if case.near_tie and kept_bf16 else ()
+    both += [(refs["kernel"]["out"][k], refs["reference"]["out"][k]) for k in want["out"]
+             if k not in first_max]  # fmt: skip
+    if first_max:
+        bf16_first = torch.where(labels >= 0, (hidden @ weight.T).argmax(-1), -1)
+        errors["predicted_vs_bf16_argmax"] = float(
+            not torch.equal(want["out"]["predicted"].long(), bf16_first)
+        )
     errors.update(
         hidden_grad=(h.grad - dh_want).abs().max().item(),
         weight_grad=(dw - want["dw"][rows]).abs().max().item() if dw.numel() else 0.0,
@@ -226,6 +236,24 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     return errors
 
 
+BACKWARDS = ("lce_bwd_kept", "lce_bwd_recompute")
+
+
+def _count_backwards() -> list:
+    """The vocabulary-parallel head's backward ops, counted (in this rank's process): the names
+    of those called, in order."""
+    module = importlib.import_module("surgery.kernels.vocab_parallel")
+    calls = []
+    for name in BACKWARDS:
+        fn = getattr(module, name)
+        setattr(module, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    return calls
+
+
+def _holds_rows(case: Case, rank: int, world: int) -> bool:
+    return _split(case, world)[rank] > 0
+
+
 def _worker(rank: int, port: int, out: str, cases: list) -> None:
     world = cases[0]
 
@@ -233,7 +261,13 @@ def _worker(rank: int, port: int, out: str, cases: list) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        return {case.name: _run_case(case, rank, world, mesh) for case in cases[1:]}
+        calls = _count_backwards()
+        results = {}
+        for case in cases[1:]:
+            calls.clear()
+            results[case.name] = _run_case(case, rank, world, mesh)
+            results[case.name]["backward"] = list(calls)
+        return results
 
     gloo_rank(rank, port, world, out, compute)
 
@@ -242,14 +276,20 @@ def _worker(rank: int, port: int, out: str, cases: list) -> None:
 def test_vocab_parallel_head_equals_the_unsharded_head(world, tmp_path):
     """fp32: every rank's loss, z-loss, hidden gradient and its rows' weight and bias gradients
     equal the unsharded kernel's to fp32's summation-order noise (the kernel itself is checked
-    against the fp32 PyTorch reference in the same run)."""
+    against the fp32 PyTorch reference in the same run). Each rank holding rows kept its slice's
+    logits for the backward (three products); one holding none has nothing to keep."""
     cases = _cases(world)
     per_rank = run_ranks(_worker, world, tmp_path, [world, *cases])
     assert len(per_rank) == world
     failed = []
+    by_name = {c.name: c for c in cases}
     for rank, results in enumerate(per_rank):
-        assert set(results) == {c.name for c in cases}
+        assert set(results) == set(by_name)
         for name, errors in results.items():
+            backward = errors.pop("backward")
+            want = BACKWARDS[0] if _holds_rows(by_name[name], rank, world) else BACKWARDS[1]
+            if backward != [want]:
+                failed.append(f"rank {rank} {name}: backward {backward}, not [{want}]")
             scale = max(errors.pop("scale"), 1.0)
             for key, err in errors.items():
                 if not err <= 2e-5 * scale:
@@ -304,42 +344,52 @@ BF16_CASES = [
 ]  # fmt: skip
 
 
-def _bf16_worker(rank: int, port: int, out: str, cases: list) -> None:
-    world = cases[0]
+def _bf16_worker(rank: int, port: int, out: str, args: list) -> None:
+    world, schedule, *cases = args
 
     def compute():
-        import importlib
-
         from torch.distributed.device_mesh import init_device_mesh
 
         ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+        if schedule == "recompute":  # no call keeps its logits: the unsharded kernel's neither
+            ops._reserve_kept = lambda device: None
         calls = []
         for name in ("lse_products", "grad_products", "softcap_products"):
             fn = getattr(ops, name)
             setattr(ops, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+        backward = _count_backwards()
         mesh = init_device_mesh("cpu", (world,))
         results = {}
-        for case in cases[1:]:
+        for case in cases:
             calls.clear()
-            results[case.name] = _run_case(case, rank, world, mesh)
+            backward.clear()
+            results[case.name] = _run_case(case, rank, world, mesh, schedule == "kept")
             results[case.name]["fused"] = sorted(set(calls))
+            results[case.name]["backward"] = list(backward)
         return results
 
     gloo_rank(rank, port, world, out, compute)
 
 
-def test_vocab_parallel_bf16_through_the_fused_products(tmp_path):
-    """bf16 on 2 ranks: each rank's slice takes the fused products (the forward's log-sum-exp,
-    the backward's gradient product with the slice's column offset) and its loss, z-loss and
-    gradients equal the unsharded bf16 kernel's (itself fused: its recompute schedule) within
-    bf16's rounding of the gradients (2^-8 of their largest, here 1e-2 of it: the two round
-    different fp32 values)."""
-    per_rank = run_ranks(_bf16_worker, 2, tmp_path, [2, *BF16_CASES])
+@pytest.mark.parametrize("schedule", ["kept", "recompute"])
+def test_vocab_parallel_bf16_beside_the_unsharded_head(schedule, tmp_path):
+    """bf16 on 2 ranks, in either schedule, the unsharded bf16 kernel in the same one: each rank's
+    loss, z-loss and gradients equal the unsharded kernel's within bf16's rounding of the
+    gradients (2^-8 of their largest, here 1e-2 of it: the two round different fp32 values).
+    ``kept``: each rank keeps its slice's cuBLAS logits (as the unsharded kernel does a per-token
+    head's), and the first maximum is found across the ranks as on them. ``recompute`` (no call
+    may keep): each rank's slice takes the fused products, the forward's log-sum-exp and the
+    backward's gradient product with the slice's column offset, and the unsharded kernel its
+    fused recompute schedule."""
+    per_rank = run_ranks(_bf16_worker, 2, tmp_path, [2, schedule, *BF16_CASES])
     failed = []
     for rank, results in enumerate(per_rank):
         for name, errors in results.items():
-            fused = errors.pop("fused")
-            if not {"lse_products", "grad_products"} <= set(fused):
+            fused, backward = errors.pop("fused"), errors.pop("backward")
+            want = "lce_bwd_kept" if schedule == "kept" else "lce_bwd_recompute"
+            if backward != [want]:
+                failed.append(f"rank {rank} {name}: backward {backward}, not [{want}]")
+            if schedule == "recompute" and not {"lse_products", "grad_products"} <= set(fused):
                 failed.append(f"rank {rank} {name}: fused products not taken ({fused})")
             scale = max(errors.pop("scale"), 1.0)
             for key, err in errors.items():
