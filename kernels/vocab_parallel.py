@@ -14,8 +14,10 @@ turns its slice's logits into their gradient from the global logsumexp, which gi
 weight and bias gradients whole and its part of the hidden gradient, summed over the ranks by one
 all-reduce (or reduce-scatter). As on one GPU, a rank keeps its slice's logits from the forward to
 the backward where the eager schedule's plan takes them in one chunk and no other call's kept
-logits wait (``lce_fwd``'s ``keep``: three matrix products, ``lce_bwd_kept``); otherwise it
-recomputes them a vocabulary slice at a time (``lce_bwd_recompute``: four).
+logits wait (``lce_fwd``'s ``keep``: three matrix products, ``lce_bwd_kept``); otherwise, and
+with ``low_memory``, it recomputes them a vocabulary slice at a time (``lce_bwd_recompute``:
+four). Every rank plans with the whole vocabulary, so that the ranks of one call take the same
+schedule (their first maxima for ``is_top1`` then compare as one schedule computes them).
 
 Every reduction, ``num_items_in_batch``, z-loss, label smoothing, softcap, ``ignore_index``,
 ``shift`` and the sequence boundaries behave as in ``linear_cross_entropy``: the per-token losses
@@ -50,7 +52,7 @@ from .linear_cross_entropy import (
     lce_fwd,
     prepare_head_inputs,
 )
-from .linear_cross_entropy.ops import _logits
+from .linear_cross_entropy.ops import _logits, plan_token_chunk
 from .linear_cross_entropy.products import options_apply, target_logits, tensors_apply
 from .log_probs import check_log_probs_options, token_log_probs
 from .reference import LossOutput, TokenLogProbs
@@ -152,15 +154,15 @@ def _row_max(x, w, bias, softcap, transform, chunk_bytes) -> torch.Tensor:
     return out
 
 
-def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_bytes, want, needs):
+def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_bytes, want, keep):
     """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, the
     ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
     of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
     target is the slice's first maximum; ``predicted``: the slice's first maximum, as a column of
     the whole vocabulary; ``max``: the slice's largest logit); ``kept``: the slice's logits kept
-    for the backward (``lce_fwd``'s ``keep``, where ``needs`` asks for a gradient; empty where it
-    declines); ``fused``: a bool, whether the slice's products were the fused ones
-    (``lce_bwd_recompute``'s ``fused_lse``)."""
+    for the backward (where ``keep`` asks for them and ``lce_fwd`` takes them; else empty);
+    ``fused``: a bool, whether the slice's products were the fused ones (``lce_bwd_recompute``'s
+    ``fused_lse``)."""
     n, v = x.shape[0], w.shape[0]
     zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=x.device)
     if v == 0:  # more ranks than rows: this rank holds none
@@ -178,9 +180,12 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     stats = sum(1 << STATISTICS.index(names[k]) for k in want if k in names)
     if "max" in want:  # the slice's maximum at its first maximum's column, below
         stats |= 1 << STATISTICS.index("predicted")
+    # The need flags only tell lce_fwd that a backward will come (with no weights it makes no
+    # gradient); need_dw lets its own plan, of this slice, count the weight-gradient accumulator
+    # as the caller's whole-vocabulary plan may, so that it keeps wherever that plan does.
     ce, _, lse, _, _, _, kept, _, *statistics = lce_fwd(
-        x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, *needs, False,
-        *transform, stats, False, any(needs),
+        x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, keep, keep, False,
+        False, *transform, stats, False, keep,
     )  # fmt: skip
     # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
     fused = not kept.numel() and options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
@@ -268,15 +273,25 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, targets, weights, layout, softcap, eps, z_scale, chunk_bytes,
-                needs, transform=(1.0, 1.0), stats=0):  # fmt: skip
+                needs, transform=(1.0, 1.0), stats=0, low_memory=False):  # fmt: skip
         requested = [name for i, name in enumerate(STATISTICS) if stats >> i & 1]
         want = {"entropy", "log_sum_sq_probs", "is_top1", "predicted"} & set(requested)
         if eps or "mean_logits" in requested:
             want.add("total")
         if "is_top1" in want or "predicted" in want:
             want.add("max")
+        # Keep the slice's logits where the whole vocabulary's plan takes one chunk: the same
+        # answer on every rank (a slice's own plan would differ between uneven shards). Eager
+        # only: traced, lce_fwd's fake declines.
+        keep = (
+            any(needs) and not low_memory and not torch.compiler.is_compiling()
+            and x.shape[0] > 0 and plan_token_chunk(
+                x.shape[0], layout.vocab, x.shape[1], x.element_size(),
+                needs[1] and w.dtype != torch.float32, chunk_bytes,
+            ) >= x.shape[0]
+        )  # fmt: skip
         part = _slice_statistics(
-            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want, needs
+            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want, keep
         )
         fused, kept = part.pop("fused"), part.pop("kept")
         whole = _whole_vocabulary(part, layout, want)
@@ -308,7 +323,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         layout, softcap, eps, z_scale, chunk_bytes, needs, transform, fused = ctx.opts
         need_dx, need_dw, need_db = needs
         kept, ctx.kept = ctx.kept, None
-        none = (None,) * 10
+        none = (None,) * 11
         if entropy.numel() == 0:
             g_entropy = None
         if g_loss is None and g_z is None and g_entropy is None:
@@ -386,6 +401,7 @@ def vocab_parallel_linear_cross_entropy(
     softcap: float | None = None,
     shift: bool = False,
     chunk_bytes: int | None = None,
+    low_memory: bool = False,
 ) -> LossOutput:
     """``linear_cross_entropy`` of a head whose rows are sharded over ``group`` (module
     docstring); every rank of ``group`` calls it, and every rank gets the same loss.
@@ -403,6 +419,8 @@ def vocab_parallel_linear_cross_entropy(
         vocab_start, vocab_size: the first row this rank holds and the whole head's rows. Without
             them, one all-gather of the ranks' row counts finds them (rank order, contiguous).
         sequence_parallel: see ``hidden``; the hidden gradient is reduce-scattered back.
+        low_memory: recompute each rank's logits in the backward (four products) rather than
+            keep them from the forward where one chunk holds them (three).
         Everything else: as ``linear_cross_entropy`` (labels index the whole vocabulary; a label
         outside [0, V) that is not ``ignore_index`` raises on CPU tensors).
 
@@ -430,7 +448,7 @@ def vocab_parallel_linear_cross_entropy(
     loss, z, *_ = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, weights, layout, float(softcap or 0.0), float(label_smoothing),
         float(z_loss_scale), int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
-        input_needs(x, w, bias),
+        input_needs(x, w, bias), (1.0, 1.0), 0, bool(low_memory),
     )  # fmt: skip
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
@@ -456,12 +474,14 @@ def vocab_parallel_linear_log_probs(
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_bytes: int | None = None,
+    low_memory: bool = False,
 ) -> TokenLogProbs:
     """``linear_log_probs`` of a head whose rows are sharded over ``group``: the same
     ``TokenLogProbs`` on every rank (the log-probabilities and the entropy take any upstream
-    gradient). The sharding arguments as ``vocab_parallel_linear_cross_entropy`` takes them; the
-    rest as ``linear_log_probs``. ``is_top1`` costs one more matrix product on each rank and two
-    more all-reduces."""
+    gradient). The sharding arguments and ``low_memory`` as ``vocab_parallel_linear_cross_entropy``
+    takes them; the rest as ``linear_log_probs``. ``is_top1`` and ``predicted`` cost two more
+    all-reduces (and, where a rank neither keeps its logits nor takes the fused products, one
+    more matrix product on it)."""
     stats = check_log_probs_options(outputs, temperature, softcap)
     x, w, bias, labels, position_ids, layout = _sharded_inputs(
         hidden, weight, labels, bias, group, vocab_start, vocab_size, sequence_parallel,
@@ -483,5 +503,6 @@ def vocab_parallel_linear_log_probs(
         x, w, bias, targets, None, layout, float(softcap or 0.0), 0.0, 0.0,
         int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
         input_needs(x, w, bias), (float(logit_scale), 1.0 / float(temperature)), stats,
+        bool(low_memory),
     )  # fmt: skip
     return token_log_probs(ce, statistics, outputs, labels.shape)

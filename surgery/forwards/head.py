@@ -121,10 +121,9 @@ def _whole(input: torch.Tensor) -> torch.Tensor:
 
 
 def _vocab_parallel_options(options: dict) -> dict:
-    """The head's kernel settings the vocabulary-parallel head takes: its backward always
-    recomputes the logits (the global logsumexp exists only after the all-reduce) with every row
-    (``low_memory`` and ``skip_ignored`` have nothing to choose)."""
-    return {k: v for k, v in options.items() if k not in ("low_memory", "skip_ignored")}
+    """The head's kernel settings the vocabulary-parallel head takes (it has no
+    ``skip_ignored``: every row takes part in its products)."""
+    return {k: v for k, v in options.items() if k != "skip_ignored"}
 
 
 def _log_probs(
@@ -151,7 +150,7 @@ def _log_probs(
         per_token = linear_cross_entropy_statistics
     elif vocab_parallel:
         input, options = _whole(input), _vocab_parallel_options(options)
-        options.pop("upstream", None)  # the backward always recomputes
+        options.pop("upstream", None)  # no speculation: the logits are kept or recomputed
         per_token = vocab_parallel_linear_log_probs
     if not cast_fp32:
         return per_token(input, weight, labels, bias=bias, **options)

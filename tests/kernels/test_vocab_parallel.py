@@ -162,11 +162,12 @@ def _split(case: Case, world: int) -> list[int]:
     return [max(0, min(chunk, case.vocab - r * chunk)) for r in range(world)]
 
 
-def _run_case(case: Case, rank: int, world: int, mesh, kept_bf16: bool = False) -> dict:
+def _run_case(case: Case, rank: int, world: int, mesh, kept_bf16: bool = False,
+              sharded_kw: dict | None = None) -> dict:  # fmt: skip
     """The errors of this rank's sharded head against the unsharded kernel (and of the kernel
     against the fp32 reference). ``kept_bf16``: the kernel keeps its bf16 cuBLAS logits, whose
     first maximum at ``near_tie`` is the bf16 one (checked against ``argmax`` of them), not the
-    fp32 reference's."""
+    fp32 reference's. ``sharded_kw``: more arguments of the sharded head."""
     hidden, weight, bias, labels, positions, upstream = _inputs(case)
     kw = _kwargs(case, positions)
     # The unsharded head: surgery's kernel and the fp32 PyTorch reference.
@@ -202,7 +203,8 @@ def _run_case(case: Case, rank: int, world: int, mesh, kept_bf16: bool = False) 
     else:
         h, mine_labels = h_full.requires_grad_(), labels
     layout = dict(vocab_start=start, vocab_size=case.vocab) if case.explicit_layout else {}
-    out = sharded(h, w, mine_labels, b, sequence_parallel=case.sequence_parallel, **layout, **kw)
+    out = sharded(h, w, mine_labels, b, sequence_parallel=case.sequence_parallel, **layout, **kw,
+                  **(sharded_kw or {}))  # fmt: skip
     _backward(out, case, upstream)
     want = refs["kernel"]
     dh_want = want["dh"][:, cols] if case.sequence_parallel else want["dh"]
@@ -254,8 +256,9 @@ def _holds_rows(case: Case, rank: int, world: int) -> bool:
     return _split(case, world)[rank] > 0
 
 
-def _worker(rank: int, port: int, out: str, cases: list) -> None:
-    world = cases[0]
+def _worker(rank: int, port: int, out: str, args: list) -> None:
+    world, schedule, *cases = args
+    sharded_kw = dict(low_memory=True) if schedule == "recompute" else {}
 
     def compute():
         from torch.distributed.device_mesh import init_device_mesh
@@ -263,23 +266,25 @@ def _worker(rank: int, port: int, out: str, cases: list) -> None:
         mesh = init_device_mesh("cpu", (world,))
         calls = _count_backwards()
         results = {}
-        for case in cases[1:]:
+        for case in cases:
             calls.clear()
-            results[case.name] = _run_case(case, rank, world, mesh)
+            results[case.name] = _run_case(case, rank, world, mesh, sharded_kw=sharded_kw)
             results[case.name]["backward"] = list(calls)
         return results
 
     gloo_rank(rank, port, world, out, compute)
 
 
+@pytest.mark.parametrize("schedule", ["kept", "recompute"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_head_equals_the_unsharded_head(world, tmp_path):
+def test_vocab_parallel_head_equals_the_unsharded_head(world, schedule, tmp_path):
     """fp32: every rank's loss, z-loss, hidden gradient and its rows' weight and bias gradients
     equal the unsharded kernel's to fp32's summation-order noise (the kernel itself is checked
-    against the fp32 PyTorch reference in the same run). Each rank holding rows kept its slice's
-    logits for the backward (three products); one holding none has nothing to keep."""
+    against the fp32 PyTorch reference in the same run). ``kept``: each rank holding rows kept
+    its slice's logits for the backward (three products; one holding none has nothing to keep);
+    ``recompute`` (``low_memory=True``): every rank recomputed them."""
     cases = _cases(world)
-    per_rank = run_ranks(_worker, world, tmp_path, [world, *cases])
+    per_rank = run_ranks(_worker, world, tmp_path, [world, schedule, *cases])
     assert len(per_rank) == world
     failed = []
     by_name = {c.name: c for c in cases}
@@ -287,7 +292,8 @@ def test_vocab_parallel_head_equals_the_unsharded_head(world, tmp_path):
         assert set(results) == set(by_name)
         for name, errors in results.items():
             backward = errors.pop("backward")
-            want = BACKWARDS[0] if _holds_rows(by_name[name], rank, world) else BACKWARDS[1]
+            keeps = schedule == "kept" and _holds_rows(by_name[name], rank, world)
+            want = BACKWARDS[0] if keeps else BACKWARDS[1]
             if backward != [want]:
                 failed.append(f"rank {rank} {name}: backward {backward}, not [{want}]")
             scale = max(errors.pop("scale"), 1.0)
@@ -396,3 +402,30 @@ def test_vocab_parallel_bf16_beside_the_unsharded_head(schedule, tmp_path):
                 if not err <= 1e-2 * scale:
                     failed.append(f"rank {rank} {name} {key}: {err:.2e}")
     assert not failed, "\n".join(failed)
+
+
+def _twice_worker(rank: int, port: int, out: str, args: list) -> None:
+    def compute():
+        case = Case("log-probs-twice", log_probs=True)
+        hidden, weight, _, labels, _, upstream = _inputs(case)
+        sizes = _split(case, 2)
+        start = sum(sizes[:rank])
+        w = weight[start : start + sizes[rank]].clone().requires_grad_()
+        h = hidden.clone().requires_grad_()
+        calls = _count_backwards()
+        out = vocab_parallel_linear_log_probs(h, w, labels, outputs=("log_probs", "entropy"))
+        total = (out.log_probs * upstream).sum() + (out.entropy * upstream.flip(0)).sum()
+        first = torch.autograd.grad(total, (h, w), retain_graph=True)
+        second = torch.autograd.grad(total, (h, w))
+        errors = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(first, second)]
+        return {"backward": list(calls), "errors": errors}
+
+    gloo_rank(rank, port, 2, out, compute)
+
+
+def test_a_second_backward_recomputes_what_the_first_spent(tmp_path):
+    """Through the same graph twice (``retain_graph``): the first backward turns each rank's kept
+    logits into their gradient, the second recomputes them, and both give the same gradients."""
+    for rank, result in enumerate(run_ranks(_twice_worker, 2, tmp_path, [])):
+        assert result["backward"] == ["lce_bwd_kept", "lce_bwd_recompute"], (rank, result)
+        assert max(result["errors"]) < 1e-5, (rank, result)

@@ -17,6 +17,7 @@ import importlib
 import re
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -182,8 +183,9 @@ def _compare(path: str) -> dict:
         embedding_sharded=type(patched.model.embed_tokens.weight).__name__ == "DTensor",
         dense_mlps=sum(hasattr(layer.mlp, "up_proj") for layer in patched.model.layers),
     )
-    # The per-sequence mean with z-loss on a packed row, against the unsharded patched model.
-    options = dict(loss_reduction="sequence", z_loss_scale=1e-2)
+    # The per-sequence mean with z-loss on a packed row, against the unsharded patched model;
+    # loss_low_memory reaches the vocabulary-parallel head (its backward recomputes the logits).
+    options = dict(loss_reduction="sequence", z_loss_scale=1e-2, loss_low_memory=True)
     sequence = surgery.patch(load(), **options).train()
     whole = surgery.patch(AutoModelForCausalLM.from_pretrained(path), **options).train()
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]] * 2)
@@ -191,6 +193,15 @@ def _compare(path: str) -> dict:
     one = whole(input_ids=ids, labels=labels, position_ids=positions)
     result["sequence_loss"] = abs(sharded.loss.item() - one.loss.item())
     result["sequence_z_loss"] = abs(sharded.z_loss.item() - one.z_loss.item())
+    vocab_parallel = importlib.import_module("surgery.kernels.vocab_parallel")
+    calls = []
+    with contextlib.ExitStack() as stack:
+        for name in ("lce_bwd_kept", "lce_bwd_recompute"):
+            fn = getattr(vocab_parallel, name)
+            counted = lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a)
+            stack.enter_context(mock.patch.object(vocab_parallel, name, counted))
+        sharded.loss.backward()
+    result["low_memory_backward"] = calls
     with torch.no_grad():
         patched.eval(), reference.eval()
         result["eval_logits"] = (
@@ -272,6 +283,7 @@ def test_tensor_parallel_model_trains_like_transformers_own(checkpoints, tmp_pat
             failed += _over_budget(
                 where, r, ("loss", "sequence_loss", "sequence_z_loss", "eval_logits")
             )
+            assert r["low_memory_backward"] == ["lce_bwd_recompute"], (where, r)
             kept = r["kept"]  # tensor_parallel_projections=False
             assert "on its local shards" not in kept["describe"], kept["describe"]
             assert kept["projection_all_reduces"] == 0, where
