@@ -46,6 +46,7 @@ from .cross_entropy import (
 from .cross_entropy.launch import _transformed_torch
 from .linear_cross_entropy import (
     DEFAULT_CHUNK_BYTES,
+    LOW_MEMORY_CHUNK_BYTES,
     input_needs,
     lce_bwd_kept,
     lce_bwd_recompute,
@@ -348,6 +349,14 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
                 *none)  # fmt: skip
 
 
+def _chunk_bytes(chunk_bytes: int | None, low_memory: bool) -> int:
+    """The logits' bytes per chunk or slice: as given, else ``linear_cross_entropy``'s default
+    (the smaller one with ``low_memory``)."""
+    if chunk_bytes is not None:
+        return int(chunk_bytes)
+    return LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+
+
 def _sharded_inputs(hidden, weight, labels, bias, group, vocab_start, vocab_size,
                     sequence_parallel, position_ids):  # fmt: skip
     """The ops' inputs (``prepare_head_inputs``), the labels and position ids of the whole
@@ -419,8 +428,9 @@ def vocab_parallel_linear_cross_entropy(
         vocab_start, vocab_size: the first row this rank holds and the whole head's rows. Without
             them, one all-gather of the ranks' row counts finds them (rank order, contiguous).
         sequence_parallel: see ``hidden``; the hidden gradient is reduce-scattered back.
-        low_memory: recompute each rank's logits in the backward (four products) rather than
-            keep them from the forward where one chunk holds them (three).
+        low_memory: recompute each rank's logits in the backward (four products, in slices of
+            ``LOW_MEMORY_CHUNK_BYTES`` unless ``chunk_bytes`` is given) rather than keep them from
+            the forward where one chunk holds them (three).
         Everything else: as ``linear_cross_entropy`` (labels index the whole vocabulary; a label
         outside [0, V) that is not ``ignore_index`` raises on CPU tensors).
 
@@ -447,8 +457,8 @@ def vocab_parallel_linear_cross_entropy(
     )
     loss, z, *_ = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, weights, layout, float(softcap or 0.0), float(label_smoothing),
-        float(z_loss_scale), int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
-        input_needs(x, w, bias), (1.0, 1.0), 0, bool(low_memory),
+        float(z_loss_scale), _chunk_bytes(chunk_bytes, low_memory), input_needs(x, w, bias),
+        (1.0, 1.0), 0, bool(low_memory),
     )  # fmt: skip
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
@@ -501,8 +511,8 @@ def vocab_parallel_linear_log_probs(
     )
     ce, _, *statistics = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, None, layout, float(softcap or 0.0), 0.0, 0.0,
-        int(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes),
-        input_needs(x, w, bias), (float(logit_scale), 1.0 / float(temperature)), stats,
+        _chunk_bytes(chunk_bytes, low_memory), input_needs(x, w, bias),
+        (float(logit_scale), 1.0 / float(temperature)), stats,
         bool(low_memory),
     )  # fmt: skip
     return token_log_probs(ce, statistics, outputs, labels.shape)

@@ -21,6 +21,7 @@ from surgery.kernels import (
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_log_probs,
 )
+from surgery.kernels.linear_cross_entropy import LOW_MEMORY_CHUNK_BYTES
 from tests.utils import gloo_rank, run_ranks
 
 B, T, D = 2, 8, 16
@@ -241,14 +242,21 @@ def _run_case(case: Case, rank: int, world: int, mesh, kept_bf16: bool = False,
 BACKWARDS = ("lce_bwd_kept", "lce_bwd_recompute")
 
 
-def _count_backwards() -> list:
+def _count_backwards(chunks: list | None = None) -> list:
     """The vocabulary-parallel head's backward ops, counted (in this rank's process): the names
-    of those called, in order."""
+    of those called, in order; ``chunks``: the slice budget each recompute was given."""
     module = importlib.import_module("surgery.kernels.vocab_parallel")
     calls = []
     for name in BACKWARDS:
         fn = getattr(module, name)
-        setattr(module, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+
+        def counted(*a, _fn=fn, _name=name):
+            calls.append(_name)
+            if chunks is not None and _name == "lce_bwd_recompute":
+                chunks.append(a[10])  # chunk_bytes
+            return _fn(*a)
+
+        setattr(module, name, counted)
     return calls
 
 
@@ -264,12 +272,15 @@ def _worker(rank: int, port: int, out: str, args: list) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        calls = _count_backwards()
+        chunks = []
+        calls = _count_backwards(chunks)
         results = {}
         for case in cases:
             calls.clear()
+            chunks.clear()
             results[case.name] = _run_case(case, rank, world, mesh, sharded_kw=sharded_kw)
             results[case.name]["backward"] = list(calls)
+            results[case.name]["chunk_bytes"] = list(chunks)
         return results
 
     gloo_rank(rank, port, world, out, compute)
@@ -294,6 +305,9 @@ def test_vocab_parallel_head_equals_the_unsharded_head(world, schedule, tmp_path
             backward = errors.pop("backward")
             keeps = schedule == "kept" and _holds_rows(by_name[name], rank, world)
             want = BACKWARDS[0] if keeps else BACKWARDS[1]
+            chunks = errors.pop("chunk_bytes")
+            if schedule == "recompute" and chunks != [LOW_MEMORY_CHUNK_BYTES]:
+                failed.append(f"rank {rank} {name}: low_memory recomputed in slices of {chunks}")
             if backward != [want]:
                 failed.append(f"rank {rank} {name}: backward {backward}, not [{want}]")
             scale = max(errors.pop("scale"), 1.0)
