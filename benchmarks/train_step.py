@@ -993,7 +993,8 @@ def products_by_shape(prof, rows: int = 25) -> str:
 def profile_step(model, step, inputs, seq, job) -> None:
     """torch.profiler tables of one training step (``profile_batch`` x seq, 2 unless set;
     ``profile_scenario``: padded or packed) after warm-up (which compiles a compiled contender);
-    ``inputs(kind, batch, seq, seed)`` makes the batch."""
+    ``inputs(kind, batch, seq, seed)`` makes the batch; ``step_kind``: what the step runs besides
+    forward and backward, for the header (AdamW unless set)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -1034,7 +1035,7 @@ def profile_step(model, step, inputs, seq, job) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     header = (
         f"one training step, {job['model']} ({job['contender']}), {kind} {batch}x{seq}, bf16,"
-        f" AdamW; after {max(2, job['warmup'])} warm-up steps\n\n"
+        f" {job.get('step_kind', 'AdamW')}; after {max(2, job['warmup'])} warm-up steps\n\n"
     )
     out.write_text(header + "\n\n".join(sections) + "\n")
     print(f"wrote {out}", flush=True)

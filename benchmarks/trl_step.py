@@ -34,12 +34,13 @@ head's backward recomputes its logits, four products where the kept schedule mak
 two side by side measure what keeping the logits gains in a whole pass). Tokens/s =
 batch x seq / median step time of 10 timed steps after 3 warm-up steps; peak GiB =
 ``torch.cuda.max_memory_allocated()`` over the timed steps; ``kept_calls``: how many of the head's
-calls kept their logits for the backward (surgery's contenders).
+calls in the warm-up and timed steps kept their logits for the backward (surgery's contenders;
+None for the others).
 
 ``--profile``: each worker also writes ``train_step.profile_step``'s tables of one more
-step into ``--out``, ``profile_<model>_<contender>_<batch>.txt`` (the top ops; on CUDA also the
-GPU time by kernel class and the matrix products by shape, and ``memory_...txt``: what is alive at
-the memory peak).
+step into ``--out``, ``profile_<model>_<contender>_<objective>_<padded|packed>.txt`` (the top ops;
+on CUDA also the GPU time by kernel class and the matrix products by shape, and ``memory_...txt``:
+what is alive at the memory peak).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ BATCH, SEQ, PROMPT = 2, 4096, 1024
 WARMUP, TIMED = 3, 10
 
 
+SURGERY = ("trl_surgery", "trl_surgery_options", "trl_surgery_recompute")
 KEPT_CALLS = [0]
 """How many head calls of this worker kept their logits for the backward (surgery's)."""
 
@@ -97,11 +99,9 @@ def count_kept(decline: bool) -> None:
 
 
 def prepare(model, contender):
-    if contender in ("trl_surgery", "trl_surgery_recompute"):
-        import_surgery().patch(model)
+    if contender in SURGERY:
+        import_surgery().patch(model, **(OPTIONS if contender == "trl_surgery_options" else {}))
         count_kept(decline=contender == "trl_surgery_recompute")
-    elif contender == "trl_surgery_options":
-        import_surgery().patch(model, **OPTIONS)
     elif contender == "trl_liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -189,10 +189,13 @@ def worker(job):
             losses.append(float(loss))
     median = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+    kept = KEPT_CALLS[0] if job["contender"] in SURGERY else None  # before the profiled steps
     if job.get("profile"):
         from train_step import profile_step
 
-        spec = {**job, "seed": 0, "warmup": 0, "profile_scenario": kind, "profile_batch": BATCH}
+        spec = {**job, "contender": f"{job['contender']}_{objective}", "seed": 0, "warmup": 0,
+                "profile_scenario": kind, "profile_batch": BATCH,
+                "step_kind": "AdamW" if optimizer is not None else "no optimizer step"}  # fmt: skip
         profile_step(model, lambda _: step(), lambda *_: (None, None, None), seq, spec)
     served = getattr(model, "_surgery_trl_request", None)
     return {
@@ -202,7 +205,7 @@ def worker(job):
         "peak_gib": peak,
         "losses": losses,
         "served_by_surgery": served is not None and served[1] is not None,
-        "kept_calls": KEPT_CALLS[0],
+        "kept_calls": kept,
     }
 
 
@@ -233,7 +236,7 @@ def render(rows):
             fmt(r.get("peak_gib")),
             fmt(r["tokens_per_s"] / b["tokens_per_s"]) if ok else "-",
             fmt(r["peak_gib"] / b["peak_gib"]) if ok and b.get("peak_gib") else "-",
-            r.get("kept_calls", "-"),
+            "-" if r.get("kept_calls") is None else r["kept_calls"],
         ])  # fmt: skip
     return table(headers, out)
 
@@ -251,6 +254,7 @@ def plot(rows, path: Path) -> str | None:
     contenders = [c for c in CONTENDERS if any(r["contender"] == c for r in rows)]
     fig, ax = plt.subplots(figsize=(1.9 * len(groups) + 2, 4.2))
     width = 0.8 / len(contenders)
+    labelled = set()  # each contender's first bar drawn names it in the legend
     for i, contender in enumerate(contenders):
         for j, group in enumerate(groups):
             match = [r for r in rows if (r["model"], r["objective"], r["kind"]) == group
@@ -260,7 +264,8 @@ def plot(rows, path: Path) -> str | None:
             r = match[0]
             x = j + (i - (len(contenders) - 1) / 2) * width
             ax.bar(x, r["tokens_per_s"] / 1e3, width, color=f"C{i}",
-                   label=contender if j == 0 else None)  # fmt: skip
+                   label=None if contender in labelled else contender)  # fmt: skip
+            labelled.add(contender)
             if r.get("peak_gib") is not None:
                 ax.text(x, r["tokens_per_s"] / 1e3, f"{r['peak_gib']:.0f}", ha="center",
                         va="bottom", fontsize=7)  # fmt: skip

@@ -16,8 +16,10 @@ all-reduce (or reduce-scatter). As on one GPU, a rank keeps its slice's logits f
 the backward where the eager schedule's plan takes them in one chunk and no other call's kept
 logits wait (``lce_fwd``'s ``keep``: three matrix products, ``lce_bwd_kept``); otherwise, and
 with ``low_memory``, it recomputes them a vocabulary slice at a time (``lce_bwd_recompute``:
-four). Every rank plans with the whole vocabulary, so that the ranks of one call take the same
-schedule (their first maxima for ``is_top1`` then compare as one schedule computes them).
+four). Every rank plans with the whole vocabulary, so that the ranks of one call make the same
+plan (a slice's own would differ between uneven shards); a rank whose device still holds another
+call's kept logits declines alone, and its first maximum for ``is_top1`` is then taken as the
+recompute schedule takes it, beside the others' kept ones (a difference at a tie only).
 
 Every reduction, ``num_items_in_batch``, z-loss, label smoothing, softcap, ``ignore_index``,
 ``shift`` and the sequence boundaries behave as in ``linear_cross_entropy``: the per-token losses
@@ -282,8 +284,8 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         if "is_top1" in want or "predicted" in want:
             want.add("max")
         # Keep the slice's logits where the whole vocabulary's plan takes one chunk: the same
-        # answer on every rank (a slice's own plan would differ between uneven shards). Eager
-        # only: traced, lce_fwd's fake declines.
+        # plan on every rank (a slice's own would differ between uneven shards). Eager only:
+        # traced, lce_fwd's fake declines.
         keep = (
             any(needs) and not low_memory and not torch.compiler.is_compiling()
             and x.shape[0] > 0 and plan_token_chunk(

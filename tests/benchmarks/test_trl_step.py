@@ -28,6 +28,13 @@ def test_grpo_contenders_keep_or_recompute(contender, kept):
     assert row["kept_calls"] == (calls if kept else 0)
 
 
+def test_kept_calls_are_surgery_contenders_only():
+    job = dict(model="llama", contender="trl", objective="grpo", kind="padded", smoke=True)
+    row = trl_step.run_job(job, timeout=600)
+    assert "error" not in row, row
+    assert row["kept_calls"] is None and not row["served_by_surgery"]
+
+
 def test_one_objective_contenders_are_skipped_on_the_other(tmp_path, monkeypatch):
     ran = []
     monkeypatch.setattr(trl_step, "run_job", lambda job, timeout: ran.append(job) or dict(job))
@@ -45,5 +52,8 @@ def test_profile_writes_one_steps_tables(tmp_path):
                profile=True, out=str(tmp_path))  # fmt: skip
     row = trl_step.run_job(job, timeout=600)
     assert "error" not in row, row
-    text = (tmp_path / "profile_llama_trl_surgery_padded.txt").read_text()
+    text = (tmp_path / "profile_llama_trl_surgery_grpo_padded.txt").read_text()
+    assert "no optimizer step" in text.splitlines()[0]
     assert "top ops by host time" in text and "linear_cross_entropy" in text
+    # the profiled steps are not counted with the timed ones
+    assert row["kept_calls"] == trl_step.WARMUP + trl_step.TIMED
