@@ -17,10 +17,9 @@ import torch
 
 from .cross_entropy import STATISTICS, check_options, prepare_loss_inputs, statistics_mask
 from .linear_cross_entropy import (
-    DEFAULT_CHUNK_BYTES,
-    LOW_MEMORY_CHUNK_BYTES,
     LinearCrossEntropyFunction,
     UpstreamHint,
+    chunk_budget,
     input_needs,
     prepare_head_inputs,
 )
@@ -99,13 +98,11 @@ def linear_log_probs(
         cu_seqlens=cu_seqlens,
         shift=shift,
     )
-    if chunk_bytes is None:
-        chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
     needs = input_needs(x, w, bias)
     ce, _, *statistics = LinearCrossEntropyFunction.apply(
-        x, w, bias, targets, None, float(softcap or 0.0), 0.0, 0.0, int(chunk_bytes),
-        bool(low_memory),
-        needs, bool(skip_ignored), (float(logit_scale), 1.0 / float(temperature)), stats,
+        x, w, bias, targets, None, float(softcap or 0.0), 0.0, 0.0,
+        chunk_budget(chunk_bytes, low_memory), bool(low_memory), needs, bool(skip_ignored),
+        (float(logit_scale), 1.0 / float(temperature)), stats,
         None if torch.compiler.is_compiling() else upstream,
     )  # fmt: skip
     return token_log_probs(ce, statistics, outputs, labels.shape)

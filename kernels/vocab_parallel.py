@@ -47,8 +47,7 @@ from .cross_entropy import (
 )
 from .cross_entropy.launch import _transformed_torch
 from .linear_cross_entropy import (
-    DEFAULT_CHUNK_BYTES,
-    LOW_MEMORY_CHUNK_BYTES,
+    chunk_budget,
     input_needs,
     lce_bwd_kept,
     lce_bwd_recompute,
@@ -157,13 +156,16 @@ def _row_max(x, w, bias, softcap, transform, chunk_bytes) -> torch.Tensor:
     return out
 
 
-def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_bytes, want, keep):
+def _slice_statistics(
+    x, w, bias, targets, start, softcap, transform, chunk_bytes, want, needs, keep
+):  # fmt: skip
     """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, the
     ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
     of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
     target is the slice's first maximum; ``predicted``: the slice's first maximum, as a column of
     the whole vocabulary; ``max``: the slice's largest logit); ``kept``: the slice's logits kept
-    for the backward (where ``keep`` asks for them and ``lce_fwd`` takes them; else empty);
+    for the backward (where ``keep`` asks for them and ``lce_fwd`` takes them; else empty;
+    ``needs``: the gradients that backward makes);
     ``fused``: a bool, whether the slice's products were the fused ones (``lce_bwd_recompute``'s
     ``fused_lse``)."""
     n, v = x.shape[0], w.shape[0]
@@ -183,12 +185,11 @@ def _slice_statistics(x, w, bias, targets, start, softcap, transform, chunk_byte
     stats = sum(1 << STATISTICS.index(names[k]) for k in want if k in names)
     if "max" in want:  # the slice's maximum at its first maximum's column, below
         stats |= 1 << STATISTICS.index("predicted")
-    # The need flags only tell lce_fwd that a backward will come (with no weights it makes no
-    # gradient); need_dw lets its own plan, of this slice, count the weight-gradient accumulator
-    # as the caller's whole-vocabulary plan may, so that it keeps wherever that plan does.
+    # with no weights lce_fwd makes no gradient; its own plan, of this slice, holds wherever the
+    # caller's of the whole vocabulary does
     ce, _, lse, _, _, _, kept, _, *statistics = lce_fwd(
-        x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, keep, keep, False,
-        False, *transform, stats, False, keep,
+        x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, *needs, False,
+        *transform, stats, False, keep,
     )  # fmt: skip
     # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
     fused = not kept.numel() and options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
@@ -294,7 +295,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
             ) >= x.shape[0]
         )  # fmt: skip
         part = _slice_statistics(
-            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want, keep
+            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want, needs, keep
         )
         fused, kept = part.pop("fused"), part.pop("kept")
         whole = _whole_vocabulary(part, layout, want)
@@ -349,14 +350,6 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
             dist.all_reduce(dx, group=layout.group)
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 *none)  # fmt: skip
-
-
-def _chunk_bytes(chunk_bytes: int | None, low_memory: bool) -> int:
-    """The logits' bytes per chunk or slice: as given, else ``linear_cross_entropy``'s default
-    (the smaller one with ``low_memory``)."""
-    if chunk_bytes is not None:
-        return int(chunk_bytes)
-    return LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
 
 
 def _sharded_inputs(hidden, weight, labels, bias, group, vocab_start, vocab_size,
@@ -459,7 +452,7 @@ def vocab_parallel_linear_cross_entropy(
     )
     loss, z, *_ = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, weights, layout, float(softcap or 0.0), float(label_smoothing),
-        float(z_loss_scale), _chunk_bytes(chunk_bytes, low_memory), input_needs(x, w, bias),
+        float(z_loss_scale), chunk_budget(chunk_bytes, low_memory), input_needs(x, w, bias),
         (1.0, 1.0), 0, bool(low_memory),
     )  # fmt: skip
     if reduction == "none":
@@ -513,7 +506,7 @@ def vocab_parallel_linear_log_probs(
     )
     ce, _, *statistics = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, None, layout, float(softcap or 0.0), 0.0, 0.0,
-        _chunk_bytes(chunk_bytes, low_memory), input_needs(x, w, bias),
+        chunk_budget(chunk_bytes, low_memory), input_needs(x, w, bias),
         (float(logit_scale), 1.0 / float(temperature)), stats,
         bool(low_memory),
     )  # fmt: skip

@@ -60,6 +60,7 @@ from .api import (
 from .ops import (
     DEFAULT_CHUNK_BYTES,
     LOW_MEMORY_CHUNK_BYTES,
+    chunk_budget,
     lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
@@ -73,6 +74,7 @@ __all__ = [
     "LOW_MEMORY_CHUNK_BYTES",
     "LinearCrossEntropyFunction",
     "UpstreamHint",
+    "chunk_budget",
     "input_needs",
     "lce_bwd_kept",
     "lce_bwd_recompute",

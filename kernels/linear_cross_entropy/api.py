@@ -17,8 +17,7 @@ from ..cross_entropy import (
 )
 from ..reference import LossOutput
 from .ops import (
-    DEFAULT_CHUNK_BYTES,
-    LOW_MEMORY_CHUNK_BYTES,
+    chunk_budget,
     join_gradient_stream,
     kept_pays,
     lce_bwd_kept,
@@ -465,13 +464,11 @@ def linear_cross_entropy_statistics(
         cu_seqlens=cu_seqlens,
         shift=shift,
     )
-    if chunk_bytes is None:
-        chunk_bytes = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
     needs = input_needs(x, w, bias)
     loss, z, *values = LinearCrossEntropyFunction.apply(
         x, w, bias, targets, weights, float(softcap or 0.0), float(label_smoothing),
-        float(z_loss_scale), int(chunk_bytes), bool(low_memory), needs, bool(skip_ignored),
-        (1.0, 1.0), stats,
+        float(z_loss_scale), chunk_budget(chunk_bytes, low_memory), bool(low_memory), needs,
+        bool(skip_ignored), (1.0, 1.0), stats,
     )  # fmt: skip
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)

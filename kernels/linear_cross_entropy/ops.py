@@ -36,6 +36,7 @@ from .products import (
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOW_MEMORY_CHUNK_BYTES",
+    "chunk_budget",
     "join_gradient_stream",
     "kept_pays",
     "lce_bwd_kept",
@@ -56,6 +57,15 @@ else:  # pragma: no cover
 
 DEFAULT_CHUNK_BYTES = 1 << 30  # logits of one token chunk (eager schedule)
 LOW_MEMORY_CHUNK_BYTES = 64 << 20  # logits of one slice (recompute schedule, low_memory=True)
+
+
+def chunk_budget(chunk_bytes: int | None, low_memory: bool) -> int:
+    """The logits' bytes per chunk or slice a call asked for, else the default of its schedule."""
+    if chunk_bytes is not None:
+        return int(chunk_bytes)
+    return LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+
+
 _ALIGN = 128
 
 
