@@ -187,7 +187,7 @@ def _slice_statistics(
         stats |= 1 << STATISTICS.index("predicted")
     # with no weights lce_fwd makes no gradient; its own plan, of this slice, holds wherever the
     # caller's of the whole vocabulary does
-    ce, _, lse, _, _, _, kept, _, *statistics = lce_fwd(
+    ce, _, lse, _, _, _, kept, _, _, *statistics = lce_fwd(
         x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, *needs, False,
         *transform, stats, False, keep,
     )  # fmt: skip

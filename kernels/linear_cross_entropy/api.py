@@ -19,6 +19,7 @@ from ..reference import LossOutput
 from .ops import (
     chunk_budget,
     join_gradient_stream,
+    keeps_q,
     kept_pays,
     lce_bwd_kept,
     lce_bwd_recompute,
@@ -53,13 +54,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # `needs` is taken before apply(): inside forward grad mode is off, and needs_input_grad
         # does not see an outer torch.no_grad().
         need_dx, need_dw, need_db = needs
+        compiled = torch.compiler.is_compiling()
+        # A softcapped head's Q kept from the forward (lce_fwd's keep_products) gives the eager
+        # schedule's three products for any upstream gradient, with no guess and no host read:
+        # planned, it is taken instead of speculating, unless the hint saw the last backward
+        # take an entropy's gradient, which a Q cannot give (the logits are kept then).
+        keep_products = hint is None or not hint.entropy_grad
+        q_planned = (
+            weights is None and not low_memory and not compiled and keep_products
+            and (need_dx or need_dw) and keeps_q(x, w, bias, softcap, eps, z_scale, transform,
+                                                 need_dw, chunk_bytes)
+        )  # fmt: skip
         # Per-token losses whose upstream gradient was uniform last time: the gradients for the
         # hint's guess of it on every token with a target, now (checked in the backward).
-        speculate = weights is None and hint is not None and hint.uniform
+        speculate = weights is None and hint is not None and hint.uniform and not q_planned
         guess = hint.guess(targets, x.dtype) if speculate else None
         grad_weights = weights if guess is None else (targets >= 0).to(torch.float32) * guess
         eager = grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
-        compiled = torch.compiler.is_compiling()
         # Speculating, the backward's first act is a host read (the hint's check), which waits
         # for what the current stream has queued: the gradient products go to a side stream, so
         # that it waits for the losses alone and the host goes on while they are made.
@@ -67,16 +78,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             speculate and eager and x.is_cuda and not compiled
             and not torch.cuda.is_current_stream_capturing()
         )  # fmt: skip
-        # Without them, the logits are kept for the backward where one chunk holds them (three
-        # products, not four: lce_fwd's ``keep``); eager only (their shape is the batch's).
+        # Without them, the logits (a softcapped head's Q) are kept for the backward where one
+        # chunk holds them (three products, not four: lce_fwd's ``keep``); eager only (their
+        # shape is the batch's).
         keep = grad_weights is None and not low_memory and not compiled
-        ce, zl, lse, dx, dw, db, kept, kept_rows, entropy, *others = lce_fwd(
+        ce, zl, lse, dx, dw, db, kept, kept_rows, kept_terms, entropy, *others = lce_fwd(
             x, w, bias, targets, grad_weights if eager else None, softcap, eps, z_scale,
             chunk_bytes, need_dx, need_dw, need_db, skip_ignored, *transform, stats, ctx.overlap,
-            keep,
+            keep, keep_products,
         )  # fmt: skip
         # spent by the first backward (a second one recomputes)
-        ctx.kept = (kept, kept_rows) if kept.numel() else None
+        ctx.kept = (kept, kept_rows, kept_terms) if kept.numel() else None
         # The gradients for an upstream gradient of 1 (or the hint's guess), scaled in the
         # backward. Eagerly they sit on ctx and are scaled in place; the backward drops them, so
         # a second backward (retain_graph) recomputes instead of reusing scaled ones. Compiled,
@@ -93,10 +105,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     transform)  # fmt: skip
         # whether lce_fwd took the fused products (their log-sum-exp is the fp32 products'),
         # decided without reading tensor data (traced, x and w are fake); the backward's op
-        # checks the tensors themselves
-        ctx.fused_lse = ctx.kept is None and options_apply(
+        # checks the tensors themselves. A kept Q came from them.
+        ctx.fused_lse = kept_terms.numel() > 0 or (ctx.kept is None and options_apply(
             w.shape[0], bias, softcap, eps, z_scale, *transform, eager
-        )  # fmt: skip
+        ))  # fmt: skip
         ctx.hint = hint if weights is None and not compiled else None
         ctx.guess = guess
         ctx.set_materialize_grads(False)
@@ -114,9 +126,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         kept, ctx.eager_grads, ctx.kept = ctx.kept, None, None
         if entropy.numel() == 0:
             g_entropy = None
-        if ctx.hint is not None and g_loss is None:
+        if ctx.hint is not None:
+            ctx.hint.entropy_grad = g_entropy is not None
+        # a kept Q serves any upstream gradient but an entropy's: then nothing for the hint to
+        # learn (no host read)
+        q_serves = kept is not None and kept[2].numel() > 0 and g_entropy is None
+        learn = ctx.hint is not None and not q_serves
+        if learn and g_loss is None:
             ctx.hint.uniform = False  # nothing to scale: the next forward computes no gradients
-        elif ctx.hint is not None:
+        elif learn:
             # Per-token losses: the eager gradients hold for a uniform upstream gradient only.
             uniform = ctx.hint.learn(g_loss, targets, ctx.guess)
             if uniform is None:
@@ -140,13 +158,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if g_rest[0] is not None or g_rest[1] is not None or g_entropy is not None:
             a, b = upstream_coefficients(weights, *g_rest, x.shape[0], x.device)
             e = None if g_entropy is None else g_entropy.reshape(-1).float().contiguous()
+            if kept is not None and kept[2].numel() and e is not None:
+                kept = None  # a kept Q has no room for an entropy's gradient: recomputed
             live = live_rows(targets, a, b, e) if kept is not None and skip_ignored else None
             if kept is not None and not kept_pays(kept[0], live):
                 kept = None  # few rows with a gradient: recomputed over them alone
             if kept is not None:
+                logits, rows, terms = kept
                 rdx, rdw, rdb = lce_bwd_kept(
-                    x, w, bias, targets, lse, a, b, *kept, softcap, eps, z_scale, need_dx,
-                    need_dw, need_db, *transform, None if e is None else entropy, e,
+                    x, w, bias, targets, lse, a, b, logits, rows, softcap, eps, z_scale,
+                    need_dx, need_dw, need_db, *transform, None if e is None else entropy, e,
+                    terms=terms,
                 )  # fmt: skip
             else:
                 rdx, rdw, rdb = lce_bwd_recompute(
@@ -176,10 +198,16 @@ class UpstreamHint:
     forward's gradients are never larger than the unit ones (no overflow the unit guess would
     not have) and the backward's division by it stays finite, and only for inputs with fp32's
     exponent range: in fp16 a token mean's small gradients would round to zero. A wrong guess
-    costs the scaling, as before."""
+    costs the scaling, as before.
+
+    ``entropy_grad``: whether the last backward took a gradient through the entropy (an RL
+    entropy bonus). A softcapped head's forward keeps its fused product's Q for the backward
+    (``ops.keeps_q``: three products, no speculation) unless it did: a Q has no room for that
+    gradient, which then costs a recompute."""
 
     def __init__(self) -> None:
         self.uniform: bool | None = None
+        self.entropy_grad = False
         self.last: torch.Tensor | None = None  # the last uniform value, 0-dim fp32
         self.token_mean = False  # it was 1 / (tokens with a target) of its batch
 

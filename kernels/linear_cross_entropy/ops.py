@@ -24,6 +24,7 @@ from ..cross_entropy import (
 from ..dispatch import cdiv, on_device, triton_available, use_triton
 from .products import applies as products_apply
 from .products import (
+    cap_reference,
     grad_products,
     logit_map,
     lse_products,
@@ -38,6 +39,7 @@ __all__ = [
     "LOW_MEMORY_CHUNK_BYTES",
     "chunk_budget",
     "join_gradient_stream",
+    "keeps_q",
     "kept_pays",
     "lce_bwd_kept",
     "lce_bwd_recompute",
@@ -259,24 +261,31 @@ class _TargetTerms(NamedTuple):
     in_q: torch.Tensor  # (n,) fp32: corr / scale, E's entries in Q's units (finite where scale 0)
 
 
-def _softcap_chunk(xc, w, targets, coef, cap: float, z_scale: float, stats: int, transform):
-    """One chunk's ``(lse, ce, zl, valid, statistics, q, terms)`` through ``softcap_products``
-    (its docstring has the formulas, with cap / T for cap, and dx/dz's factor s / T in
-    ``scale`` and ``corr``), ``terms`` (``_TargetTerms``) for ``coef``, the rows' weights on ce
-    and zl. Q stays as the product wrote it: the target's entry of the gradient, the one large
-    entry of its row, is kept apart in fp32 (``E``) and added to each gradient product at
-    fp32."""
+def _softcap_chunk(xc, w, targets, cap: float, z_scale: float, stats: int, transform):
+    """One chunk's ``(lse, ce, zl, valid, statistics, q, rows)`` through ``softcap_products``
+    (its docstring has the formulas, with cap / T for cap): Q as the product wrote it, and
+    ``rows`` (2, n) fp32, each row's S and 1 - t^2 at its target, which with the rows'
+    coefficients make its ``_TargetTerms`` (``_softcap_terms``)."""
     q, s, x_y, d_y, values = softcap_products(xc, w, targets, cap, stats, transform)
-    v = w.shape[0]
-    _, x_cap, slope = logit_map(cap, transform)
-    lse = s.log() + x_cap
-    valid, ce, zl = _row_losses(lse, x_y, targets, v, z_scale)
+    lse = s.log() + cap_reference(logit_map(cap, transform).x_cap)
+    valid, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
+    return lse, ce, zl, valid, values, q, torch.stack([s, d_y])
+
+
+def _softcap_terms(coef, lse, rows, targets, v: int, z_scale: float, cap: float, transform):
+    """The ``_TargetTerms`` of a Q (``_softcap_chunk``, its ``rows``) for ``coef``, the rows'
+    weights on ce and zl alike (or on ce where there is no z-loss), dx/dz's factor s / T in
+    ``scale`` and ``corr``. Q stays as the product wrote it: the target's entry of the gradient,
+    the one large entry of its row, is kept apart in fp32 (``E``) and added to each gradient
+    product at fp32."""
+    s, d_y = rows
+    slope = logit_map(cap, transform).slope
+    valid = (targets >= 0) & (targets < v)
     r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
     scale = torch.where(valid, coef * r / s * slope, 0.0)
     corr = torch.where(valid, -coef * d_y * slope, 0.0)
     in_q = torch.where(valid, -d_y * s / r, 0.0)
-    terms = _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
-    return lse, ce, zl, valid, values, q, terms
+    return _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
 
 
 def _softcap_dx(q, w, terms: _TargetTerms, out: torch.Tensor, slice_rows: int) -> None:
@@ -388,6 +397,20 @@ def live_rows(targets, coef_ce, coef_z, coef_entropy) -> torch.Tensor | None:
     return _kept_rows((targets >= 0) & live)
 
 
+def keeps_q(x, w, bias, softcap: float, eps: float, z_scale: float, transform, need_dw: bool,
+            chunk_bytes: int) -> bool:  # fmt: skip
+    """Whether ``lce_fwd(keep=True, keep_products=True)`` without weights keeps a Q of
+    ``softcap_products`` (slot permitting): the eager plan takes the rows ``x`` in one chunk, no
+    z-loss, the eager products apply (a softcapped bf16 head on a GPU that runs them)."""
+    n, d = x.shape
+    return (
+        n > 0 and z_scale == 0.0
+        and plan_token_chunk(n, w.shape[0], d, x.element_size(),
+                             need_dw and w.dtype != torch.float32, chunk_bytes) >= n
+        and products_apply(x, w, bias, softcap, eps, z_scale, *transform, eager=True)
+    )  # fmt: skip
+
+
 def kept_pays(logits: torch.Tensor, live: torch.Tensor | None) -> bool:
     """Whether the kept logits' two products over their rows cost no more than the recompute
     schedule's three over the ``live`` rows alone (``live_rows``): at least two thirds of the
@@ -416,17 +439,18 @@ def lce_fwd(
     stats: int = 0,
     overlap: bool = False,
     keep: bool = False,
+    keep_products: bool = False,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor,
+    torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
     """Eager schedule (also the plain forward when ``weights`` is None or nothing needs a grad).
 
-    Returns (ce, z, lse, dx, dw, db, kept, kept_rows, *statistics): per-token fp32 losses and
-    logsumexp, the gradients for unit upstream gradient on ``sum(weights * (ce + z))``, the kept
-    logits and their rows (``keep``) and the per-token ``STATISTICS`` whose bit is set in
-    ``stats`` (bit i for the i-th name); empty tensors where not requested.
+    Returns (ce, z, lse, dx, dw, db, kept, kept_rows, kept_terms, *statistics): per-token fp32
+    losses and logsumexp, the gradients for unit upstream gradient on ``sum(weights * (ce +
+    z))``, the kept logits, their rows and terms (``keep``) and the per-token ``STATISTICS``
+    whose bit is set in ``stats`` (bit i for the i-th name); empty tensors where not requested.
 
     ``keep`` (no ``weights``, a gradient needed): the logits of the rows that take part, (rows,
     V) in the inputs' dtype, and those rows' indices (empty: every row), for ``lce_bwd_kept``,
@@ -435,6 +459,10 @@ def lce_fwd(
     upstream gradient known only in the backward then costs three products, not four. They come
     from the unfused product (the backward's gradient is made of them, so the log-sum-exp must
     be theirs). Traced (fake or meta tensors), their shape is the batch's: declined there.
+    ``keep_products`` too (and no z-loss) where ``softcap_products`` applies (a softcapped head):
+    its Q in place of the logits, and ``kept_terms``, (2, rows) fp32, the rows' S and 1 - t^2 at
+    the target (``_softcap_chunk``): no pass over the logits, forward or backward, a backward
+    that cannot take an entropy's gradient (its caller recomputes then).
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
@@ -469,18 +497,23 @@ def lce_fwd(
     reserved = _reserve_kept(dev) if keep else None
     keep = reserved is not None
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
-    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, softcapped heads
-    # with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only (products.options_apply)
-    fused = not keep and products_apply(
-        x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
+    # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, or Q kept for them,
+    # softcapped heads with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only
+    # (products.options_apply); Q kept without a z-loss (the backward's ``_softcap_terms`` take
+    # one coefficient per row)
+    keep_q = keep and keep_products and keeps_q(
+        x, w, bias, softcap, eps, z_scale, (logit_scale, inv_temperature), need_dw, chunk_bytes
     )  # fmt: skip
+    fused = keep_q or (not keep and products_apply(
+        x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
+    ))  # fmt: skip
     transform = (logit_scale, inv_temperature)
     if fused:
         x, w = tma_ready(x), tma_ready(w)
     need_dx, need_dw, need_db = need_dx and grads, need_dw and grads, need_db and grads
     accumulate_fp32 = need_dw and w.dtype != torch.float32
     chunk = n if keep else plan_token_chunk(n, v, d, x.element_size(), accumulate_fp32, chunk_bytes)
-    if fused and not grads:  # no logits stored: the budget bounds the statistics
+    if fused and not grads and not keep:  # no logits stored: the budget bounds the statistics
         chunk = _rows_for(chunk_bytes, statistics_row_bytes(v, stats), n, MIN_CHUNK_ROWS)
     single = chunk >= n
     lse = torch.empty(n, dtype=torch.float32, device=dev)
@@ -497,7 +530,7 @@ def lce_fwd(
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     statistics = statistics_buffers(stats, n, dev)
     slice_rows = _rows_for(chunk_bytes // 4, d * 4, v)
-    side, kept = None, x.new_empty(0)
+    side, kept, kept_terms = None, x.new_empty(0), lse.new_empty(0)
     if overlap and grads and single and dev.type == "cuda":
         join_gradient_stream(dev)  # what an earlier call left held (its backward never ran)
         side = _gradient_stream(dev)
@@ -506,10 +539,15 @@ def lce_fwd(
         n1 = min(n0 + chunk, n)
         xc = x[n0:n1]
         terms = None  # the fused product's gradient terms
-        if fused and grads:
-            rl, rc, rz, valid, values, logits, terms = _softcap_chunk(
-                xc, w, targets[n0:n1], weights[n0:n1], softcap, z_scale, stats, transform
+        if fused and (grads or keep_q):
+            rl, rc, rz, valid, values, logits, q_rows = _softcap_chunk(
+                xc, w, targets[n0:n1], softcap, z_scale, stats, transform
             )
+            if keep_q:
+                kept_terms = q_rows
+            else:
+                terms = _softcap_terms(weights[n0:n1], rl, q_rows, targets[n0:n1], v, z_scale,
+                                       softcap, transform)  # fmt: skip
         elif fused:
             rl, rc, rz, valid, values = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale, stats,
                                                    transform)  # fmt: skip
@@ -570,7 +608,8 @@ def lce_fwd(
             with _on_gradient_stream(side, dx, dx_out, rows):
                 dx = dx_out.index_copy_(0, rows, dx)
     kept_rows = rows if keep and rows is not None else targets.new_empty(0)
-    return ce, zl, lse, dx, dw, db, kept, kept_rows, *statistics_outputs(statistics, x)
+    return (ce, zl, lse, dx, dw, db, kept, kept_rows, kept_terms,
+            *statistics_outputs(statistics, x))  # fmt: skip
 
 
 def _gradient_in_place(
@@ -718,18 +757,29 @@ def lce_bwd_kept(
     coef_entropy: torch.Tensor | None = None,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    terms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of the logits ``lce_fwd(keep=True)`` kept, of the rows ``rows`` (its
     ``kept_rows``; empty: every row): their gradient for the upstream coefficients (as
     ``lce_bwd_recompute`` takes them) written in place of them (``logits`` is spent), then the
     two products. ``vocab_start`` / ``vocab_total``: as ``lce_bwd_recompute`` takes them (a
-    vocabulary-parallel slice's logits: ``targets`` and ``lse`` the whole vocabulary's)."""
+    vocabulary-parallel slice's logits: ``targets`` and ``lse`` the whole vocabulary's).
+
+    ``terms`` (non-empty: ``lce_fwd``'s ``kept_terms``): ``logits`` is a kept Q of
+    ``softcap_products`` (one GPU, no z-loss, no entropy's gradient, no bias): the products take
+    it as it is with the rows' ``_softcap_terms`` for ``coef_ce``, as the eager schedule's do."""
     n_all = x.shape[0]
     rows = rows if rows.numel() else None
     if rows is not None:
         x, targets, lse, coef_ce, coef_z, entropy, coef_entropy = _rows_of(
             rows, x, targets, lse, coef_ce, coef_z, entropy, coef_entropy
         )  # fmt: skip
+    if terms is not None and terms.numel():
+        if entropy is not None or bias is not None or z_scale != 0.0 or vocab_total:
+            raise ValueError("a kept Q takes the log-probabilities' gradient alone")
+        return _kept_q_backward(x, w, targets, lse, coef_ce, logits, terms, softcap,
+                                (logit_scale, inv_temperature), need_dx, need_dw, n_all,
+                                rows)  # fmt: skip
     _gradient_in_place(logits, targets, lse, coef_ce, coef_z, (softcap, eps, z_scale),
                        (logit_scale, inv_temperature), entropy, coef_entropy, vocab_start,
                        vocab_total or w.shape[0])  # fmt: skip
@@ -741,6 +791,25 @@ def lce_bwd_kept(
     return dx, dw, db
 
 
+def _kept_q_backward(x, w, targets, lse, coef, q, q_rows, cap, transform, need_dx, need_dw,
+                     n_all, rows):  # fmt: skip
+    """``lce_bwd_kept``'s ``(dx, dw, db)`` from a kept Q and its ``kept_terms``: the eager
+    schedule's two gradient products (``_softcap_dx``, ``_softcap_dw``) for ``coef``."""
+    v, d = w.shape
+    terms = _softcap_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
+    slice_rows = _rows_for(DEFAULT_CHUNK_BYTES // 4, d * 4, v)
+    dx = dw = x.new_empty(0)
+    if need_dx:
+        dx = torch.empty_like(x)
+        _softcap_dx(q, w, terms, dx, slice_rows)
+        if rows is not None:
+            dx = _scatter_rows(dx, rows, n_all)
+    if need_dw:
+        dw = torch.empty_like(w)
+        _softcap_dw(q, x, terms, dw, False, slice_rows)
+    return dx, dw, x.new_empty(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library ops
 
@@ -748,7 +817,7 @@ def lce_bwd_kept(
 @lce_fwd.register_fake
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
       skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0, overlap=False,
-      keep=False):  # fmt: skip
+      keep=False, keep_products=False):  # fmt: skip
     n = x.shape[0]  # keep declined (lce_fwd's docstring)
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
@@ -756,13 +825,14 @@ def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx,
     dw = torch.empty_like(w) if grads and need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if grads and need_db and bias is not None else x.new_empty(0)
     statistics = statistics_outputs(statistics_buffers(stats, n, x.device), x)
-    return (*per_tok, dx, dw, db, x.new_empty(0), targets.new_empty(0), *statistics)
+    kept = (x.new_empty(0), targets.new_empty(0), per_tok[0].new_empty(0))
+    return (*per_tok, dx, dw, db, *kept, *statistics)
 
 
 @lce_bwd_kept.register_fake
 def _(x, w, bias, targets, lse, coef_ce, coef_z, logits, rows, softcap, eps, z_scale, need_dx,
       need_dw, need_db, logit_scale=1.0, inv_temperature=1.0, entropy=None, coef_entropy=None,
-      vocab_start=0, vocab_total=0):  # fmt: skip
+      vocab_start=0, vocab_total=0, terms=None):  # fmt: skip
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)

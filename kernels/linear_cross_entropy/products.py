@@ -2,11 +2,12 @@
 (TMA descriptors, Hopper and later) of ``x_rows @ W.T`` whose tiles never reach memory as logits.
 Its three epilogues, by schedule (the package docstring names the schedules):
 
-* ``softcap_products`` (eager schedule, softcapped heads). Every logit the loss sees,
-  x = cap tanh(z / cap), lies in (-cap, cap), so exp(x - cap) needs no running maximum: the tile
-  writes Q = exp(x - cap) (1 - t^2) in bf16 (t = tanh(z / cap)) and its rows' sums of
-  exp(x_j - cap) per 128-column piece, added on the host in one order (deterministic, no atomics)
-  into S; lse = cap + log S, and the gradient of
+* ``softcap_products`` (the eager and kept schedules, softcapped heads). Every logit the loss
+  sees, x = cap tanh(z / cap), lies in (-cap, cap), so exp(x - r) for a fixed reference r
+  (``cap_reference``: the cap itself up to 40) needs no running maximum: the tile writes
+  Q = exp(x - r) (1 - t^2) in bf16 (t = tanh(z / cap)) and its rows' sums of exp(x_j - r) per
+  128-column piece, added on the host in one order (deterministic, no atomics) into S;
+  lse = r + log S, and the gradient of
   ``a ce + b zl`` (``cross_entropy``'s formulas, no label smoothing) is
 
       dL/dz_ij = c_i Q_ij - a_i (1 - t_iy^2) [j = y_i], c_i = A_i / S_i, A_i = a_i + 2 s lse_i b_i:
@@ -14,11 +15,13 @@ Its three epilogues, by schedule (the package docstring names the schedules):
   a row scale that folds into the two gradient products (dX = diag(c) (Q W), dW = Q^T (diag(c) X))
   plus one entry per row, the target's, which ``ops`` adds to each product at fp32. Kept apart,
   the one large entry of each gradient row is never rounded to bf16: the gradients come out closer
-  to fp32's than the unfused head's. Against the unfused head this saves the log-sum-exp read and
+  to fp32's than the unfused head's. Q holds no coefficient (c_i and the target's entry are the
+  rows' alone), so the kept schedule keeps Q, not the logits, from the forward to a backward that
+  learns a and b only then. Against the unfused head this saves the log-sum-exp read and
   the gradient's read and write of each chunk (the Gemma 2 head at 1.02-1.04x its three-product
   floor where the unfused one took 1.09-1.16x: ``benchmarks/results/linear_cross_entropy-h200-*``).
 * ``lse_products`` (the recompute schedule's forward, and any forward without gradients): no
-  store but the pieces' statistics: the rows' sums of exp(x - cap) (a softcap within
+  store but the pieces' statistics: the rows' sums of exp(x - r) (a softcap within
   ``MAX_SOFTCAP``), or their maximum and sum of exp(x - max) (any other) per 128-column piece,
   combined into the log-sum-exp.
 * ``grad_products`` (the recompute schedule's backward, per vocabulary slice): lse known, the tile
@@ -38,15 +41,16 @@ The logits are fp32 inside the product (not rounded to bf16 first, as the unfuse
 A logit scale s and a temperature T (``transform`` = (s, 1 / T)) enter where the tile makes its
 logits (``logit_map``): x = (cap / T) tanh(s z / cap), or s z / T without a softcap, so every
 epilogue above holds with cap / T in place of cap, and dx/dz gains the factor s / T, folded into
-the rows' coefficients (A, a, e) on the host. The log-sum-exp by the pieces' sums of exp(x - cap)
+the rows' coefficients (A, a, e) on the host. The log-sum-exp by the pieces' sums of exp(x - r)
 takes scaled caps up to ``MAX_SOFTCAP``; past it, the pieces' maxima, as without a softcap.
 
 Where it applies (``applies``): bf16 hidden states and weight, no bias, no label smoothing,
 finite s and T > 0, rows of a multiple of 16 bytes (an offset view is copied first), a GPU
 of compute capability 9 or later (or the interpreter); for
-``softcap_products`` also 0 < cap / T <= 40 (exp(-2 cap / T) a normal fp32 and bf16 number) and a
-z-loss scale with which A_i keeps at least half of a_i for every possible lse (|lse| < log V +
-cap / T). Anything else runs unfused, as does everything with ``SURGERY_FUSED_PRODUCTS=0``.
+``softcap_products`` also 0 < cap / T <= 60 (``cap_reference``: the least term exp(-80), a
+normal fp32 and bf16 number, the greatest exp(40)) and a z-loss scale with which A_i keeps at
+least half of a_i for every possible lse (|lse| < log V + cap / T). Anything else runs unfused,
+as does everything with ``SURGERY_FUSED_PRODUCTS=0``.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from ..dispatch import cdiv, interpreter_enabled, on_device, triton_available
 __all__ = [
     "MAX_SOFTCAP",
     "applies",
+    "cap_reference",
     "grad_products",
     "logit_map",
     "lse_products",
@@ -75,7 +80,11 @@ __all__ = [
     "tma_ready",
 ]
 
-MAX_SOFTCAP = 40.0  # exp(-2 cap / T) must stay a normal fp32 / bf16 number (> 1.2e-38)
+# The sums by the cap: their least term exp(-cap / T - r) no smaller than exp(-LEAST_EXPONENT),
+# a normal fp32 / bf16 number (> 1.2e-38) with room to spare, their greatest exp(cap / T - r) no
+# larger than exp(2 MAX_SOFTCAP - LEAST_EXPONENT) (``cap_reference``).
+LEAST_EXPONENT = 80.0
+MAX_SOFTCAP = 60.0
 ENABLED = os.environ.get("SURGERY_FUSED_PRODUCTS", "1") != "0"
 """``SURGERY_FUSED_PRODUCTS=0`` (read at import) leaves every head to the unfused path: cuBLAS's
 products and the row kernels, for a comparison or to rule the fused products out."""
@@ -165,22 +174,21 @@ if triton is not None:
             tl.store(planes + at + slot, tl.sum(xs, 1), mask=live)
 
     @triton.jit
-    def _epilogue(acc, out_desc, off_m, off_n, M, N, z_mul, x_cap, row_a, row_b, planes, plane,
-                  col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+    def _epilogue(acc, out_desc, off_m, off_n, M, N, z_mul, x_cap, x_ref, row_a, row_b, planes,
+                  plane, col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
                   SCALED: tl.constexpr, BY_CAP: tl.constexpr, STATS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
                   INTERP: tl.constexpr):  # fmt: skip
         """One (BLOCK_M, BLOCK_N) piece of the tile, by EPILOGUE (the module docstring). The
         logits: x = x_cap tanh(acc z_mul) (SOFTCAP), acc z_mul (SCALED) or acc (``logit_map``).
         The row pointers: SOFTCAP_Q, and LSE by the cap (BY_CAP), row_b = the pieces' sums of
-        exp(x - x_cap) and row_a their maxima (stored where STATS asks for them); LSE by the
-        maxima, row_a = the pieces' maxima, row_b their sums of exp(x - maximum) (rows of two
-        pieces per column tile: a piece wholly past N holds -inf and 0); ``planes``: STATS'
-        planes of the same shape, ``plane``
-        words apart. GRAD: row_a = (lse, A, a) rows of 3 words, or (lse, A, a, e, h) where STATS
-        (the entropy's gradient, e its upstream gradient and h the entropy), row_b = the
-        targets. Each piece's own slot, no atomics: the sums are added in one order on the host
-        (deterministic)."""
+        exp(x - x_ref) (``cap_reference``) and row_a their maxima (stored where STATS asks for
+        them); LSE by the maxima, row_a = the pieces' maxima, row_b their sums of exp(x -
+        maximum) (rows of two pieces per column tile: a piece wholly past N holds -inf and 0);
+        ``planes``: STATS' planes of the same shape, ``plane`` words apart. GRAD: row_a = (lse,
+        A, a) rows of 3 words, or (lse, A, a, e, h) where STATS (the entropy's gradient, e its
+        upstream gradient and h the entropy), row_b = the targets. Each piece's own slot, no
+        atomics: the sums are added in one order on the host (deterministic)."""
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         live = rows < M
@@ -211,8 +219,9 @@ if triton is not None:
                 g = g * (1.0 - t * t)
             out_desc.store([off_m, off_n], _rounded(g, out_desc.dtype, INTERP))
         elif BY_CAP:
-            c = x_cap * 1.4426950408889634  # exp(x - x_cap) = 2^(t C - C), C = x_cap log2(e)
-            e = tl.exp2(t * c - c)
+            # exp(x - x_ref) = 2^(t C - R), C = x_cap log2(e), R = x_ref log2(e)
+            c = x_cap * 1.4426950408889634
+            e = tl.exp2(t * c - x_ref * 1.4426950408889634)
             if not EVEN_N:
                 e = tl.where(cols[None, :] < N, e, 0.0)
             if EPILOGUE == 0:
@@ -221,7 +230,7 @@ if triton is not None:
             tl.store(row_b + slot, tl.sum(e, 1), mask=live)
             if STATS:
                 xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
-                ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + x_cap
+                ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + x_ref
                 _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane,
                                   N, STATS, True, EVEN_N)  # fmt: skip
         else:  # LSE by the maxima: this piece's maximum and sum of exp(x - maximum)
@@ -236,7 +245,7 @@ if triton is not None:
                                   False, EVEN_N)  # fmt: skip
 
     @triton.jit
-    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, z_mul, x_cap, row_a, row_b,
+    def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, z_mul, x_cap, x_ref, row_a, row_b,
                              planes, plane, col_offset, EPILOGUE: tl.constexpr,
                              SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BY_CAP: tl.constexpr,
                              STATS: tl.constexpr,
@@ -267,11 +276,11 @@ if triton is not None:
             off_n = pid_n * BLOCK_N
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
                                               (0, 2, 1)))  # fmt: skip
-            _epilogue(left, out_desc, off_m, off_n, M, N, z_mul, x_cap, row_a, row_b, planes,
-                      plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP, STATS, BLOCK_M,
+            _epilogue(left, out_desc, off_m, off_n, M, N, z_mul, x_cap, x_ref, row_a, row_b,
+                      planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP, STATS, BLOCK_M,
                       BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
-            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, z_mul, x_cap, row_a,
-                      row_b, planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP,
+            _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, z_mul, x_cap, x_ref,
+                      row_a, row_b, planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP,
                       STATS, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
 
     @triton.jit
@@ -357,9 +366,19 @@ def logit_map(cap: float, transform=(1.0, 1.0)) -> LogitMap:
 
 
 def _by_cap(x_cap: float) -> bool:
-    """Whether the sums of exp(x - x_cap) stay normal fp32 numbers for every x in (-x_cap, x_cap)
-    (the log-sum-exp by the cap, and Q; else by the pieces' maxima)."""
+    """Whether the sums of exp(x - r) (``cap_reference``) stay normal fp32 numbers for every x in
+    (-x_cap, x_cap) (the log-sum-exp by the cap, and Q; else by the pieces' maxima)."""
     return 0.0 < x_cap <= MAX_SOFTCAP
+
+
+def cap_reference(x_cap: float) -> float:
+    """The reference r of the sums of exp(x - r) over logits in (-x_cap, x_cap), 0 < x_cap <=
+    ``MAX_SOFTCAP``: the scaled cap itself up to LEAST_EXPONENT / 2 (every term at most 1), past
+    it LEAST_EXPONENT - x_cap, so that the least term stays exp(-LEAST_EXPONENT) and the greatest
+    is at most exp(2 MAX_SOFTCAP - LEAST_EXPONENT) = exp(40) (a vocabulary's sum of them, Q's
+    entries and the rows' 1 / S all far inside fp32's and bf16's range). GRPO's Gemma 2 head at
+    temperature 0.7 (x_cap 42.9) takes 37.1."""
+    return min(x_cap, LEAST_EXPONENT - x_cap)
 
 
 def tensors_apply(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -401,6 +420,7 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bit
     n, d = x.shape
     v = w.shape[0]
     z_mul, x_cap, _ = logit_map(cap, transform)
+    x_ref = cap_reference(x_cap) if _by_cap(x_cap) else 0.0
     interp = not x.is_cuda
     programs = 4 if interp else torch.cuda.get_device_properties(x.device).multi_processor_count
     programs = min(programs, cdiv(n, BM) * cdiv(v, BN))
@@ -412,7 +432,7 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bit
             TensorDescriptor.from_tensor(x, [BM, BK]),
             TensorDescriptor.from_tensor(w, [BN, BK]),
             TensorDescriptor.from_tensor(out, [BM, PIECE]),
-            n, v, d, float(z_mul), float(x_cap), row_a, row_b,
+            n, v, d, float(z_mul), float(x_cap), float(x_ref), row_a, row_b,
             row_b if planes is None else planes, plane, col_offset, EPILOGUE=epilogue,
             SOFTCAP=cap > 0, SCALED=cap == 0 and z_mul != 1.0,
             BY_CAP=epilogue != GRAD and _by_cap(x_cap), STATS=bits,
@@ -457,9 +477,9 @@ def _plane_bits(stats: int) -> int:
 
 
 class _Pieces(NamedTuple):
-    """A launch's per-piece statistics: ``sums`` of exp(x - ``ref``) for the reference ``ref``,
-    the scaled cap (``_by_cap``), or of exp(x - maxima) (``ref`` 0), the pieces' ``maxima``
-    (where computed), the planes of ``PLANE_BITS`` asked for."""
+    """A launch's per-piece statistics: ``sums`` of exp(x - ``ref``) for the reference ``ref``
+    (``cap_reference``, where ``_by_cap``), or of exp(x - maxima) (``ref`` 0), the pieces'
+    ``maxima`` (where computed), the planes of ``PLANE_BITS`` asked for."""
 
     sums: torch.Tensor
     maxima: torch.Tensor | None
@@ -471,7 +491,7 @@ def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int, transform) 
     n, v = x.shape[0], w.shape[0]
     bits = _plane_bits(stats)
     x_cap = logit_map(cap, transform).x_cap
-    ref = x_cap if _by_cap(x_cap) else 0.0
+    ref = cap_reference(x_cap) if _by_cap(x_cap) else 0.0
     sums = _pieces(n, v, x.device)
     maxima = _pieces(n, v, x.device) if ref == 0 or bits & NEEDS_MAXIMA else None
     planes = _pieces(n, v, x.device, bits.bit_count()) if bits else None
@@ -492,7 +512,7 @@ def _row_statistics(pieces: _Pieces, stats: int, v: int, lse, s) -> dict:
     top = None if maxima is None else maxima.amax(1, keepdim=True)
     if "entropy" in names:  # H = log s - sum e (x - r) / s, both relative to one reference r
         t = planes[1]
-        if ref > 0:  # r = the scaled cap in every piece
+        if ref > 0:  # r = the scaled cap's reference in every piece
             t = t.sum(1)
         else:  # r = the piece's maximum: moved to the row's, pieces past V (-inf, 0) add 0
             scale = (maxima - top).exp()
@@ -512,7 +532,8 @@ def _row_statistics(pieces: _Pieces, stats: int, v: int, lse, s) -> dict:
 def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float,
                      stats: int = 0, transform=(1.0, 1.0)):  # fmt: skip
     """``(q, s, x_y, d_y, statistics)`` for rows ``x`` (n, D) and weight ``w`` (V, D), cap > 0:
-    Q (n, V) bf16 and S for the scaled cap (``logit_map``'s x_cap), ``target_logits`` and the
+    Q (n, V) bf16 and S for the scaled cap's reference (``cap_reference``; the log-sum-exp is
+    that plus log S), ``target_logits`` and the
     ``STATISTICS`` asked for by ``stats`` (``_row_statistics``). Call only where ``applies(...,
     eager=True)``."""
     n, v = x.shape[0], w.shape[0]

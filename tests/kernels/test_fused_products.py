@@ -105,7 +105,10 @@ CASES = {
     "sequence": dict(softcap=30.0, reduction="sequence"),
     "skip_ignored": dict(softcap=30.0, skip_ignored=True, z_loss_scale=1e-4),
     "chunks": dict(softcap=20.0, chunk_bytes=16 * 1024, z_loss_scale=1e-4),
-    "largest-cap": dict(softcap=40.0),
+    # the reference of the sums: the cap itself up to 40, past it 80 - cap (products.cap_reference)
+    "cap-at-the-turn": dict(softcap=40.0),
+    "shifted-reference": dict(softcap=50.0),
+    "largest-cap": dict(softcap=60.0),
     "tail-piece-empty": dict(softcap=30.0, z_loss_scale=1e-4),
     "tail-piece-full": dict(softcap=5.0),
 }
@@ -140,7 +143,7 @@ NOT_FUSED = {
     "fp16": (torch.float16, dict(softcap=30.0)),
     "bias": (torch.bfloat16, dict(softcap=30.0, bias=True)),
     "no-softcap": (torch.bfloat16, dict()),
-    "cap-beyond-40": (torch.bfloat16, dict(softcap=50.0)),
+    "cap-beyond-60": (torch.bfloat16, dict(softcap=70.0)),
     "label-smoothing": (torch.bfloat16, dict(softcap=30.0, label_smoothing=0.1)),
     "large-zloss": (torch.bfloat16, dict(softcap=30.0, z_loss_scale=0.05)),
 }
@@ -482,18 +485,19 @@ def test_grad_products_entropy_term_against_fp64():
 # --- a logit scale and a temperature: x = (cap / T) tanh(s z / cap), or s z / T
 
 # (softcap, logit scale, temperature): without a softcap; the scaled cap within MAX_SOFTCAP (the
-# sums by the cap) and past it (by the pieces' maxima: GRPO's Gemma 2 head at temperature 0.7);
-# negative scales (the logits' order turned over)
+# sums by the cap; past 40 by the shifted reference: GRPO's Gemma 2 head at temperature 0.7) and
+# past it (by the pieces' maxima); negative scales (the logits' order turned over)
 TRANSFORMS = {
     "plain-hot": (0.0, 1.0, 0.7),
     "plain-negative-scale": (0.0, -0.5, 1.25),
     "softcap-by-cap": (20.0, 1.3, 0.8),
     "softcap-negative-scale": (20.0, -1.3, 0.8),
-    "softcap-by-maxima": (30.0, 1.0, 0.7),
-    "cap-50-by-maxima": (50.0, 1.0, 1.0),
+    "softcap-shifted-reference": (30.0, 1.0, 0.7),
+    "softcap-by-maxima": (30.0, 1.0, 0.45),
+    "cap-70-by-maxima": (70.0, 1.0, 1.0),
 }
 # Every logit near -cap / T ("flat": there the sums by the cap would leave fp32's normal numbers
-# past MAX_SOFTCAP) or on tanh's tails ("saturated"); without a softcap, typical logits only.
+# past MAX_SOFTCAP, and the shifted reference's are smallest) or on tanh's tails ("saturated"); without a softcap, typical logits only.
 REGIMES = ("typical", "flat", "saturated")
 SCALED_CASES = [(case, regime) for case, (cap, *_) in TRANSFORMS.items()
                 for regime in (REGIMES if cap else REGIMES[:1])]  # fmt: skip
@@ -555,8 +559,10 @@ SCALED_HEADS = {
     "plain-hot": (0.0, 1.0, 0.7, False),
     "softcap-by-cap": (20.0, 1.3, 0.8, False),
     "softcap-negative-scale": (20.0, -1.3, 0.8, False),
-    "softcap-by-maxima": (30.0, 1.0, 0.7, False),
+    "softcap-shifted-reference": (30.0, 1.0, 0.7, False),
+    "softcap-by-maxima": (30.0, 1.0, 0.45, False),
     "softcap-eager-scaled": (20.0, 1.3, 0.8, True),
+    "softcap-eager-hot": (30.0, 1.0, 0.7, True),
 }
 
 
@@ -579,7 +585,10 @@ def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
         g_lp = torch.full_like(g_lp, -0.25)  # uniform: the hint's next forward is eager
         kw["upstream"] = hint = UpstreamHint()
         weighted_grads(linear_log_probs(x, w, labels, **kw), (x, w), g_lp, g_ent * 0)
-        assert hint.uniform and not fused_chunks
+        # the first call keeps Q (ops.keeps_q), then recomputes for the entropy's gradient (0
+        # here), which the hint records: the next call speculates
+        assert hint.uniform and hint.entropy_grad and fused_chunks == [181]
+        fused_chunks.clear()
     out = linear_log_probs(x, w, labels, **kw)
     got = weighted_grads(out, (x, w), g_lp, g_ent)
     assert bool(fused_chunks) == eager and (eager or recompute_calls["lse"])
@@ -600,18 +609,20 @@ def test_scaled_head_through_the_products(case, recompute_calls, fused_chunks,
 
 
 def test_eager_schedule_leaves_a_scaled_cap_past_the_bound(fused_chunks, recompute_calls):
-    """The eager schedule's Q needs exp(-2 cap / T) a normal number: a cap of 30 at temperature
-    0.7 (42.9 scaled) runs its eager gradients unfused (and right; the first call, no hint yet,
-    keeps its logits), its recompute schedule the products by the pieces' maxima (as
-    ``options_apply`` says here; run in ``test_scaled_head_through_the_products``); a scaled cap
-    of exactly 40 takes the eager products."""
-    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.7)
+    """The eager schedule's Q needs its sums' least term a normal number (``cap_reference``): a
+    cap of 30 at temperature 0.45 (66.7 scaled) runs its eager gradients unfused (and right; the
+    first call, no hint yet, keeps its logits), its recompute schedule the products by the
+    pieces' maxima (as ``options_apply`` says here; run in
+    ``test_scaled_head_through_the_products``); a scaled cap of exactly 60 takes the eager
+    products."""
+    args = (None, 30.0, 0.0, 0.0, 1.0, 1.0 / 0.45)
     assert not PRODUCTS.options_apply(1003, *args, True)
     assert PRODUCTS.options_apply(1003, *args, False)
-    assert PRODUCTS.options_apply(1003, None, 40.0, 0.0, 0.0, 1.0, 1.0, True)
-    assert not PRODUCTS.options_apply(1003, None, 40.0, 0.0, 0.0, 1.0, 1.0 / 0.999, True)
+    assert PRODUCTS.options_apply(1003, None, 60.0, 0.0, 0.0, 1.0, 1.0, True)
+    assert not PRODUCTS.options_apply(1003, None, 60.0, 0.0, 0.0, 1.0, 1.0 / 0.999, True)
+    assert PRODUCTS.cap_reference(30.0) == 30.0 and PRODUCTS.cap_reference(50.0) == 30.0
     x, w, _, labels = make_inputs(97, 32, 300, torch.bfloat16)
-    opts = dict(softcap=30.0, temperature=0.7)
+    opts = dict(softcap=30.0, temperature=0.45)
     kw = dict(outputs=("log_probs",), upstream=UpstreamHint(), **opts)
     for _ in range(2):  # the second forward is eager (a uniform upstream gradient)
         out = linear_log_probs(x, w, labels, **kw)
@@ -637,9 +648,9 @@ def test_eager_products_with_a_transform_and_zloss(scale, fused_chunks):
     x, w = x.detach(), w.detach()
     targets = torch.where(labels == -100, -1, labels)
     coef = torch.rand(181, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    ce, zl, _, dx, dw, _, _, _, *stats = OPS.lce_fwd(x, w, None, targets, coef, cap, 0.0, z_scale,
-                                               1 << 30, True, True, False, False, scale, inv_t,
-                                               EVERY_STATISTIC)  # fmt: skip
+    outs = OPS.lce_fwd(x, w, None, targets, coef, cap, 0.0, z_scale, 1 << 30, True, True, False,
+                       False, scale, inv_t, EVERY_STATISTIC)  # fmt: skip
+    (ce, zl, _, dx, dw), stats = outs[:5], outs[9:]  # after them: the kept logits' three
     assert fused_chunks == [181]
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     xs = cap * torch.tanh(xd @ wd.t() * scale / cap) * inv_t

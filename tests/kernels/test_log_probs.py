@@ -540,7 +540,7 @@ BESIDE_TRL = {  # softcap, temperature, logit scale
     "plain": (None, 1.0, 1.0),
     "softcap": (30.0, 1.0, 1.0),
     "plain-hot": (None, 0.7, 1.0),  # GRPO's temperature
-    "softcap-hot": (30.0, 0.7, 1.0),  # cap / T past the fused products' MAX_SOFTCAP
+    "softcap-hot": (30.0, 0.7, 1.0),  # cap / T 42.9: the fused products' shifted reference
     "softcap-scaled": (20.0, 0.8, 1.3),
 }
 
@@ -552,7 +552,9 @@ def test_gpu_bf16_against_fp32_beside_trl(case, low_memory, monkeypatch):
     """bf16 at a real vocabulary: every output and gradient within the error of TRL's own head
     (both against an fp32 reference on the full logits), for an RL-like upstream gradient on the
     log-probabilities and the entropy, with a softcap, a temperature and a logit scale; ours with
-    the logits kept from the forward (cuBLAS's bf16 logits, as TRL's), or recomputed through the
+    the logits kept from the forward (cuBLAS's bf16 logits, as TRL's: under a hint that has seen
+    the entropy trained, as a softcapped head would otherwise keep its fused product's Q and
+    recompute for the entropy's gradient, ``test_kept_products``), or recomputed through the
     fused products (the recompute schedule's two)."""
     ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     calls = []
@@ -573,8 +575,12 @@ def test_gpu_bf16_against_fp32_beside_trl(case, low_memory, monkeypatch):
         got = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (x, w))
         return [t.detach().float() for t in (lp, ent, *got)], top1
 
+    hint = UpstreamHint()
+    hint.entropy_grad = True
+
     def ours_fn():
-        out = linear_log_probs(x, w, labels, outputs=outputs, low_memory=low_memory, **opts)
+        out = linear_log_probs(x, w, labels, outputs=outputs, low_memory=low_memory,
+                               upstream=hint, **opts)  # fmt: skip
         return out.log_probs, out.entropy, out.is_top1
 
     ours, top1 = run(ours_fn)
@@ -603,7 +609,9 @@ def test_gpu_bf16_against_fp32_beside_trl(case, low_memory, monkeypatch):
 
 OVERLAP_CASES = {  # linear_log_probs' options; bias: unfused (cuBLAS) with the bias gradient
     "plain": dict(),
-    "softcap": dict(softcap=30.0),  # the fused products' eager schedule
+    # the fused products' eager schedule: speculated only where the entropy is trained too (an
+    # entropy bonus; 0 here), else a softcapped head keeps its product's Q (test_kept_products)
+    "softcap": dict(softcap=30.0, entropy_trained=True),
     "skip_ignored-bias": dict(bias=True, skip_ignored=True),
     "chunks": dict(chunk_bytes=8 << 20),  # several chunks: one stream (each chunk's logits held)
     # the weight's memory freed after the forward and gathered again for the backward, as FSDP2's
@@ -626,6 +634,8 @@ def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
     ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     kw = dict(OVERLAP_CASES[case])
     managed = kw.pop("managed", False)
+    entropy = kw.pop("entropy_trained", False)
+    outputs = ("log_probs", "entropy") if entropy else ("log_probs",)
     d = 512 if "chunk_bytes" in kw else 2048  # narrow rows: several chunks (the eager plan's rule)
     x, w, b, labels = make_inputs(4096, d, 64000, torch.bfloat16, bias=kw.pop("bias", False))
     inputs = [t for t in (x, w, b) if t is not None]
@@ -648,7 +658,8 @@ def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
         hint, out, sides = UpstreamHint(), [], []
         for g in steps:
             used.clear()
-            lp = linear_log_probs(x, w, labels, b, upstream=hint, **kw).log_probs
+            res = linear_log_probs(x, w, labels, b, upstream=hint, outputs=outputs, **kw)
+            loss = (res.log_probs * g).sum() + (res.entropy.sum() * 0 if entropy else 0)
             sides.append(any(used))
             if managed:  # storage freed whatever references hold it, then gathered again
                 storage = w.untyped_storage()
@@ -659,7 +670,7 @@ def test_gpu_hint_gradients_on_the_side_stream(case, monkeypatch):
                 w.data.copy_(kept)  # .data: autograd's saved w sees no in-place write
                 del freed
             junk = [torch.full_like(t, 3.0) for t in (w, w, x)]  # freed memory handed out again
-            out.append([t.clone() for t in torch.autograd.grad((lp * g).sum(), inputs)])
+            out.append([t.clone() for t in torch.autograd.grad(loss, inputs)])
             del junk
         return out, sides
 
