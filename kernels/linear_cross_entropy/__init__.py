@@ -13,7 +13,9 @@ Three schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matr
   kept logits wait on the device; eager mode only): the forward keeps the logits; the backward
   writes their gradient in place of them and runs the two gradient products. Three products, the
   logits held from the forward to the backward (under ``skip_ignored``, recomputed instead where
-  fewer than two thirds of the kept rows have a gradient: ``ops.kept_pays``).
+  fewer than two thirds of the kept rows have a gradient: ``ops.kept_pays``). A softcapped head
+  keeps the fused product's Q instead (below), with no pass over the logits at all; under an
+  ``UpstreamHint`` this is taken rather than speculating on a uniform upstream gradient.
 * recompute (``low_memory=True``, a per-token upstream gradient whose logits one chunk cannot
   hold or under ``torch.compile``, or a gradient reaching ``z_loss`` on its own): the forward
   keeps only the per-token logsumexp; the backward recomputes the logits one vocabulary slice at a
@@ -36,12 +38,14 @@ scale and a temperature are taken) use the fused products (``products``) in plac
 logits product and the row kernels: the cross entropy (and any requested statistics, and the
 entropy's gradient) in the product's epilogue, so the logits are never written (the recompute
 schedule's forward), written as their gradient (its backward), or, with a final softcap of at
-most 40 once divided by the temperature, written as exp(x - cap / T)(1 - t^2) whose row scale
-folds into the gradient products (the eager schedule; its z-loss within a bound). Anything else,
-the eager schedule of a head without a softcap included, runs as above.
+most 60 once divided by the temperature, written as exp(x - r)(1 - t^2) (r = ``products.
+cap_reference``) whose row scale folds into the gradient products (the eager schedule, its z-loss
+within a bound; and the kept schedule without a z-loss, the Q kept for the backward). Anything
+else, the eager and kept schedules of a head without a softcap included, runs as above.
 
 Modules, in reading order: ``products`` (the fused products: one persistent Triton GEMM, three
-epilogues) -> ``ops`` (the upstream-scaling kernel, the chunk plan, and the two torch.library ops
+epilogues) -> ``terms`` (the gradient products of a softcapped head's Q and their row passes) ->
+``ops`` (the upstream-scaling kernel, the chunk plan, and the two torch.library ops
 ``lce_fwd``, ``lce_bwd_kept`` and ``lce_bwd_recompute`` that run the schedules) -> ``api`` (the one
 autograd.Function over them, the argument checks, ``linear_cross_entropy`` and
 ``linear_cross_entropy_statistics``).

@@ -1,8 +1,8 @@
 """The fused head's host side below autograd: the in-place upstream scaling (a Triton kernel and
 its op), the token-chunk plan, and the three torch.library ops that run the schedules (the
 package docstring): ``lce_fwd`` (loss, statistics and, in the eager schedule, the gradients; in the
-kept one, the logits), ``lce_bwd_kept`` (the kept schedule's backward) and ``lce_bwd_recompute``
-(the recompute schedule's)."""
+kept one, the logits or a softcapped head's Q), ``lce_bwd_kept`` (the kept schedule's backward)
+and ``lce_bwd_recompute`` (the recompute schedule's)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import NamedTuple
 
 import torch
 
@@ -33,6 +32,7 @@ from .products import (
     target_logits,
     tma_ready,
 )
+from .terms import accumulate_mm, softcap_dw, softcap_dx, target_terms
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -159,32 +159,6 @@ def plan_token_chunk(n: int, v: int, d: int, elem: int, accumulate_fp32: bool, b
     return _rows_for(budget, v * elem, n, MIN_CHUNK_ROWS)
 
 
-@functools.cache
-def _addmm_out_dtype_works(device_type: str) -> bool:
-    # torch.addmm(..., out_dtype=float32) accumulates a bf16/fp16 product into fp32 in cuBLAS; not
-    # every build/backend has it, so it is probed once.
-    if device_type != "cuda":
-        return False
-    try:
-        acc = torch.zeros(2, 2, device="cuda")
-        a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return bool(acc[0, 0].item() == 2.0)
-    except (RuntimeError, TypeError):
-        return False
-
-
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slice_rows: int) -> None:
-    """acc (fp32) += a @ b for low-precision a, b without an fp32 copy of either."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif _addmm_out_dtype_works(acc.device.type):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # bounded temporary: slices of the output rows
-        for r0 in range(0, acc.shape[0], slice_rows):
-            acc[r0 : r0 + slice_rows] += a[r0 : r0 + slice_rows] @ b
-
-
 def _logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
 
@@ -251,61 +225,15 @@ def _fill_statistics(statistics: dict, values: dict, valid, targets) -> None:
             out.copy_(torch.where(valid, values[name], 0.0))
 
 
-class _TargetTerms(NamedTuple):
-    """The logit gradient of a fused chunk for unit upstream gradient, ``diag(scale) Q + E``:
-    ``E`` holds one entry per row, ``corr`` at column ``cols`` (0 on rows without a target)."""
-
-    scale: torch.Tensor  # (n,) fp32
-    cols: torch.Tensor  # (n,) the target columns (clamped into [0, V))
-    corr: torch.Tensor  # (n,) fp32: E's entries
-    in_q: torch.Tensor  # (n,) fp32: corr / scale, E's entries in Q's units (finite where scale 0)
-
-
 def _softcap_chunk(xc, w, targets, cap: float, z_scale: float, stats: int, transform):
     """One chunk's ``(lse, ce, zl, valid, statistics, q, rows)`` through ``softcap_products``
     (its docstring has the formulas, with cap / T for cap): Q as the product wrote it, and
     ``rows`` (2, n) fp32, each row's S and 1 - t^2 at its target, which with the rows'
-    coefficients make its ``_TargetTerms`` (``_softcap_terms``)."""
+    coefficients make its ``terms.TargetTerms`` (``terms.target_terms``)."""
     q, s, x_y, d_y, values = softcap_products(xc, w, targets, cap, stats, transform)
     lse = s.log() + cap_reference(logit_map(cap, transform).x_cap)
     valid, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
     return lse, ce, zl, valid, values, q, torch.stack([s, d_y])
-
-
-def _softcap_terms(coef, lse, rows, targets, v: int, z_scale: float, cap: float, transform):
-    """The ``_TargetTerms`` of a Q (``_softcap_chunk``, its ``rows``) for ``coef``, the rows'
-    weights on ce and zl alike (or on ce where there is no z-loss), dx/dz's factor s / T in
-    ``scale`` and ``corr``. Q stays as the product wrote it: the target's entry of the gradient,
-    the one large entry of its row, is kept apart in fp32 (``E``) and added to each gradient
-    product at fp32."""
-    s, d_y = rows
-    slope = logit_map(cap, transform).slope
-    valid = (targets >= 0) & (targets < v)
-    r = 1.0 + 2.0 * z_scale * lse  # >= 1/2 wherever the fused product applies
-    scale = torch.where(valid, coef * r / s * slope, 0.0)
-    corr = torch.where(valid, -coef * d_y * slope, 0.0)
-    in_q = torch.where(valid, -d_y * s / r, 0.0)
-    return _TargetTerms(scale, targets.clamp(0, v - 1), corr, in_q)
-
-
-def _softcap_dx(q, w, terms: _TargetTerms, out: torch.Tensor, slice_rows: int) -> None:
-    """out = diag(scale) (Q W + in_q W[cols]): the sum at fp32, rounded once."""
-    acc = w[terms.cols].float().mul_(terms.in_q[:, None])
-    _accumulate_mm(acc, q, w, slice_rows)
-    torch.mul(acc, terms.scale[:, None], out=out)
-
-
-def _softcap_dw(q, xc, terms: _TargetTerms, dw: torch.Tensor, accumulate: bool, slice_rows):
-    """dw (=, or += where ``accumulate``) Q^T diag(scale) x + E^T x; E's rows (rounded to dw's
-    dtype) added by a sorted (deterministic) accumulation."""
-    xs = torch.mul(xc, terms.scale[:, None], out=torch.empty_like(xc))  # rounded once
-    if accumulate:
-        _accumulate_mm(dw, q.t(), xs, slice_rows)
-    else:
-        torch.mm(q.t(), xs, out=dw)
-    sparse = torch.mul(xc, terms.corr[:, None], out=torch.empty(xc.shape, dtype=dw.dtype,
-                                                                  device=dw.device))  # fmt: skip
-    dw.index_put_((terms.cols,), sparse, accumulate=True)
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -499,7 +427,7 @@ def lce_fwd(
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, or Q kept for them,
     # softcapped heads with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only
-    # (products.options_apply); Q kept without a z-loss (the backward's ``_softcap_terms`` take
+    # (products.options_apply); Q kept without a z-loss (the backward's ``terms.target_terms`` take
     # one coefficient per row)
     keep_q = keep and keep_products and keeps_q(
         x, w, bias, softcap, eps, z_scale, (logit_scale, inv_temperature), need_dw, chunk_bytes
@@ -546,7 +474,7 @@ def lce_fwd(
             if keep_q:
                 kept_terms = q_rows
             else:
-                terms = _softcap_terms(weights[n0:n1], rl, q_rows, targets[n0:n1], v, z_scale,
+                terms = target_terms(weights[n0:n1], rl, q_rows, targets[n0:n1], v, z_scale,
                                        softcap, transform)  # fmt: skip
         elif fused:
             rl, rc, rz, valid, values = _lse_chunk(xc, w, targets[n0:n1], softcap, z_scale, stats,
@@ -578,16 +506,16 @@ def lce_fwd(
         with _on_gradient_stream(side, x, w, logits, dx, dw, db, *(terms or ())):
             if need_dx:
                 if terms is not None:
-                    _softcap_dx(logits, w, terms, dx[n0:n1], slice_rows)
+                    softcap_dx(logits, w, terms, dx[n0:n1], slice_rows)
                 else:
                     torch.mm(logits, w, out=dx[n0:n1])
             if need_dw:
                 if terms is not None:
-                    _softcap_dw(logits, xc, terms, dw, not single, slice_rows)
+                    softcap_dw(logits, xc, terms, dw, not single, slice_rows)
                 elif single:
                     torch.mm(logits.t(), xc, out=dw)
                 else:
-                    _accumulate_mm(dw, logits.t(), xc, slice_rows)
+                    accumulate_mm(dw, logits.t(), xc, slice_rows)
             if need_db:
                 db += logits.sum(0, dtype=torch.float32)
     # the gradients' last steps where they were made (the outputs: the current stream's memory)
@@ -722,7 +650,7 @@ def lce_bwd_recompute(
         if need_dw:
             torch.mm(logits.t(), x, out=dw[v0:v1])
         if need_dx:
-            _accumulate_mm(dx_acc, logits, wc, max(_ALIGN, n // 8))
+            accumulate_mm(dx_acc, logits, wc, max(_ALIGN, n // 8))
         if need_db:
             db[v0:v1] = logits.sum(0, dtype=torch.float32)
     dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
@@ -766,8 +694,9 @@ def lce_bwd_kept(
     vocabulary-parallel slice's logits: ``targets`` and ``lse`` the whole vocabulary's).
 
     ``terms`` (non-empty: ``lce_fwd``'s ``kept_terms``): ``logits`` is a kept Q of
-    ``softcap_products`` (one GPU, no z-loss, no entropy's gradient, no bias): the products take
-    it as it is with the rows' ``_softcap_terms`` for ``coef_ce``, as the eager schedule's do."""
+    ``softcap_products`` (one GPU, no z-loss, no entropy's gradient, no bias): the products
+    take it as it is with the rows' ``terms.target_terms`` for ``coef_ce``, as the eager
+    schedule's do."""
     n_all = x.shape[0]
     rows = rows if rows.numel() else None
     if rows is not None:
@@ -794,19 +723,19 @@ def lce_bwd_kept(
 def _kept_q_backward(x, w, targets, lse, coef, q, q_rows, cap, transform, need_dx, need_dw,
                      n_all, rows):  # fmt: skip
     """``lce_bwd_kept``'s ``(dx, dw, db)`` from a kept Q and its ``kept_terms``: the eager
-    schedule's two gradient products (``_softcap_dx``, ``_softcap_dw``) for ``coef``."""
+    schedule's two gradient products (``terms.softcap_dx``, ``softcap_dw``) for ``coef``."""
     v, d = w.shape
-    terms = _softcap_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
+    terms = target_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
     slice_rows = _rows_for(DEFAULT_CHUNK_BYTES // 4, d * 4, v)
     dx = dw = x.new_empty(0)
     if need_dx:
         dx = torch.empty_like(x)
-        _softcap_dx(q, w, terms, dx, slice_rows)
+        softcap_dx(q, w, terms, dx, slice_rows)
         if rows is not None:
             dx = _scatter_rows(dx, rows, n_all)
     if need_dw:
         dw = torch.empty_like(w)
-        _softcap_dw(q, x, terms, dw, False, slice_rows)
+        softcap_dw(q, x, terms, dw, False, slice_rows)
     return dx, dw, x.new_empty(0)
 
 

@@ -497,7 +497,8 @@ TRANSFORMS = {
     "cap-70-by-maxima": (70.0, 1.0, 1.0),
 }
 # Every logit near -cap / T ("flat": there the sums by the cap would leave fp32's normal numbers
-# past MAX_SOFTCAP, and the shifted reference's are smallest) or on tanh's tails ("saturated"); without a softcap, typical logits only.
+# past MAX_SOFTCAP, and the shifted reference's are smallest) or on tanh's tails ("saturated");
+# without a softcap, typical logits only.
 REGIMES = ("typical", "flat", "saturated")
 SCALED_CASES = [(case, regime) for case, (cap, *_) in TRANSFORMS.items()
                 for regime in (REGIMES if cap else REGIMES[:1])]  # fmt: skip

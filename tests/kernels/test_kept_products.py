@@ -22,6 +22,7 @@ from tests.kernels.test_log_probs import _trl_chunked_log_probs, eager_reference
 from tests.utils import DEVICE, assert_close_budget
 
 OPS = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+TERMS = importlib.import_module("surgery.kernels.linear_cross_entropy.terms")
 fused_chunks = fused_tests.fused_chunks  # fixtures: the eager products' chunks, the recompute's
 recompute_calls = fused_tests.recompute_calls
 
@@ -52,6 +53,28 @@ def _assert_against_fp64(out, got, x, w, labels, g_lp, opts, names=("log_probs",
     base_g = torch.autograd.grad((base.log_probs * g_lp).sum(), (x, w))
     for name, a, r, e in zip(("grad_hidden", "grad_weight"), got, ref_g, base_g, strict=True):
         assert_close_budget(a.double(), r, e.double(), torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "scale"])
+def test_scaled_rows_against_fp32(gather, out_dtype):
+    """``terms.scaled_rows``: diag(s) a (+ diag(t) b[idx]) in fp32, rounded once to nearest
+    (even): exactly PyTorch's fp32 sum rounded, on the interpreter; within a rounding on a GPU
+    (where a fused multiply-add may round once less). Rows of a width that is not a power of
+    two, a strided input, a source row used twice."""
+    gen = torch.Generator().manual_seed(15)
+    a = torch.randn(37, 1200, generator=gen).to(DEVICE)[:, :1003]  # rows 1200 apart
+    b = torch.randn(50, 1003, generator=gen).to(DEVICE, torch.bfloat16)
+    s, t = (torch.randn(37, generator=gen).to(DEVICE) for _ in range(2))
+    idx = torch.randint(0, 50, (37,), generator=gen).to(DEVICE)
+    idx[1] = idx[0]
+    out = torch.empty(37, 1003, dtype=out_dtype, device=DEVICE)
+    args = (t, b, idx) if gather else ()
+    TERMS.scaled_rows(a, s, out, *args)
+    want = a * s[:, None] + (t[:, None] * b[idx].float() if gather else 0)
+    exact = not out.is_cuda
+    torch.testing.assert_close(out, want.to(out_dtype), rtol=0 if exact else 2**-8,
+                               atol=0 if exact else 1e-6)  # fmt: skip
 
 
 # linear_log_probs' options: Gemma 2's head; at GRPO's temperature 0.7 (cap / T 42.9: the sums'
@@ -153,7 +176,7 @@ def test_second_backward_recomputes(fused_chunks, recompute_calls, q_backwards):
 @pytest.mark.parametrize("z_loss_scale", [0.0, 1e-3], ids=["q", "zloss-logits"])
 def test_per_token_loss_keeps_q_without_a_zloss(z_loss_scale, fused_chunks, q_backwards):
     """``linear_cross_entropy(reduction="none")`` on a softcapped head keeps Q; with a z-loss
-    (two coefficients per row, ``_softcap_terms`` takes one) it keeps the logits. Both right for
+    (two coefficients per row, ``terms.target_terms`` takes one) it keeps the logits. Both right for
     random upstream gradients on the loss and the z-loss."""
     x, w, _, labels = make_inputs(181, 64, 1003, torch.bfloat16, seed=12)
     check_against_reference(x, w, None, labels, torch.bfloat16, softcap=30.0, reduction="none",
