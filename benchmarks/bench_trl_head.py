@@ -15,10 +15,11 @@ outputs, as TRL's trainers ask for them:
 Contenders: TRL's ``ChunkedLogProbFunction`` (its 1.16 wheel, TRL's own chunk size), surgery's
 ``linear_log_probs`` (for ``sft`` with an ``UpstreamHint`` taught by one call first, as in
 training from the second step on; for ``grpo`` the logits kept from the forward where one chunk
-holds them; a softcapped head, in both, keeps its fused product's Q instead), for ``sft`` also surgery's ``linear_cross_entropy`` (the token mean alone, no
-per-token outputs: what the per-token contract costs beside it), for ``grpo`` also surgery with
-the kept schedule declined (``surgery_recompute``: the backward recomputes the logits, four
-products, as before 2026-12-01), and the floor:
+holds them; a softcapped head, in both, keeps its fused product's Q instead), for ``sft`` also
+surgery's ``linear_cross_entropy`` (the token mean alone, no per-token outputs: what the
+per-token contract costs beside it), for ``grpo`` also surgery with the kept schedule declined
+(``surgery_recompute``: the backward recomputes the logits, four products, as before
+2026-12-01), and the floor:
 the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W``,
 ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
 median of forward+backward. Memory: peak allocated over one forward+backward minus what was
