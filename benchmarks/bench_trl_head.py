@@ -22,7 +22,9 @@ per-token contract costs beside it), for ``grpo`` also surgery with the kept sch
 2026-12-01), and the floor:
 the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W``,
 ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
-median of forward+backward. Memory: peak allocated over one forward+backward minus what was
+median of forward+backward, the floor and the contenders timed in turn in ``ROUNDS`` rounds: a
+contender's ms is its median over them, its multiple of the floor the median of its rounds'
+ratios to the same round's floor. Memory: peak allocated over one forward+backward minus what was
 allocated before it, the gradients dX, dW excluded. Accuracy: ||a - b|| / ||b|| of log_probs
 and dX, dW between surgery and TRL (both accumulate in fp32).
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -175,7 +178,7 @@ def run_case(name, shape, objective, device):
     x, w, labels, advantage = make_inputs(n, d, v, device)
     fns = contenders(objective, softcap, advantage)
     row = {"case": name, "objective": objective, "n": n, "d": d, "v": v, "softcap": softcap}
-    results = {}
+    results, steps = {}, {}
     for who, fn in fns.items():
 
         def step(fn=fn):
@@ -188,7 +191,7 @@ def run_case(name, shape, objective, device):
         loss.backward()
         results[who] = (lp.detach(), x.grad.clone(), w.grad.clone())
         x.grad = w.grad = None
-        row[f"{who}_ms"] = bench(step, device, [x, w])
+        steps[who] = step
         row[f"{who}_extra_gib"] = gib(peak_extra(step, device, [x, w]))
     if device == "cuda":
         dl = torch.randn(n, v, device=device, dtype=torch.bfloat16)
@@ -199,11 +202,24 @@ def run_case(name, shape, objective, device):
             dl @ wd
             dl.T @ xd
 
-        row["floor_ms"] = bench(floor, device, [])
+        # rounds of the floor and every contender in turn: each ratio is to its own round's
+        # floor, the machine's clock drifting over a run (the floor 42.4 -> 43.4 ms in three
+        # rounds one minute apart, 2026-12-01)
+        times = {who: [] for who in ("floor", *fns)}
+        for _ in range(ROUNDS):
+            times["floor"].append(bench(floor, device, []))
+            for who in fns:
+                times[who].append(bench(steps[who], device, [x, w]))
         del dl
+        for who, ms in times.items():
+            row[f"{who}_ms"] = statistics.median(ms)
         for who in fns:
-            row[f"{who}_x_floor"] = row[f"{who}_ms"] / row["floor_ms"]
+            ratios = [t / f for t, f in zip(times[who], times["floor"], strict=True)]
+            row[f"{who}_x_floor"] = statistics.median(ratios)
         row["speedup_vs_trl"] = row["trl_ms"] / row["surgery_ms"]
+    else:
+        for who in fns:
+            row[f"{who}_ms"] = bench(steps[who], device, [x, w])
     for i, what in enumerate(("log_probs", "dx", "dw")):
         row[f"rel_diff_{what}"] = rel(results["surgery"][i], results["trl"][i])
     for who in ("surgery_lce", "surgery_recompute"):
@@ -215,6 +231,7 @@ def run_case(name, shape, objective, device):
 
 
 PROFILED_STEPS = 5
+ROUNDS = 3
 
 
 def idle_summary(events: list[dict], steps: int, wall_ms: float, label: str, top: int = 6) -> str:
