@@ -23,9 +23,10 @@ Three schedules share the row kernels of ``cross_entropy`` (cuBLAS does the matr
   the weight gradient exists. Four matrix products.
 
 Extra memory is bounded by ``chunk_bytes`` (logits of one chunk, in the input dtype) plus, in the
-eager schedule with several chunks, one fp32 weight-sized accumulator (one chunk is taken, and in
-the kept schedule held, up to twice that budget: ``plan_token_chunk``); it does not grow with the
-number of tokens. Under ``torch.no_grad()`` only the loss is computed.
+recompute schedule, an fp32 hidden-gradient accumulator of at most twice it (rows in blocks), and
+in the eager schedule with several chunks, one fp32 weight-sized accumulator (one chunk is taken,
+and in the kept schedule held, up to twice that budget: ``plan_token_chunk``); it does not grow
+with the number of tokens. Under ``torch.no_grad()`` only the loss is computed.
 
 Under ``torch.autocast`` the public function casts hidden, weight and bias to the autocast dtype on
 entry, as ``F.linear`` (transformers' ``lm_head``) casts them, and the ops run with autocast

@@ -592,7 +592,9 @@ def lce_bwd_recompute(
     live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute schedule's backward: vocabulary slices, each weight-gradient slice complete after
-    one product; the hidden gradient is accumulated in fp32. ``coef_entropy``: the upstream
+    one product; the hidden gradient is accumulated in fp32, in blocks of rows whose accumulator
+    holds at most twice ``chunk_bytes`` (each block's slices recomputed, the weight gradient added
+    to in its dtype past the first block). ``coef_entropy``: the upstream
     gradient of the per-token ``entropy`` too. ``skip_ignored``: rows without a target or with
     every coefficient 0 (they contribute nothing) take no part in the products (``live``: those
     that do, where the caller has found them with ``live_rows``).
@@ -626,34 +628,53 @@ def lce_bwd_recompute(
         dw = torch.zeros_like(w) if need_dw else x.new_empty(0)
         db = torch.zeros_like(bias) if need_db else x.new_empty(0)
         return dx, dw, db
-    cols = _rows_for(chunk_bytes, n * x.element_size(), v, MIN_SLICE_COLS)
-    dx_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
+    # Rows in blocks whose fp32 hidden-gradient accumulator holds at most twice the budget (one
+    # block but under low_memory's small budget at long inputs: Qwen 2.5's head at 16384 tokens
+    # takes two of 8192 at 64 MiB, 0.11 GiB of accumulator where one took 0.22). Each block
+    # recomputes its own slices of the logits; the weight gradient's slices are added to in its
+    # own dtype after the first block (one rounding more each).
+    blocks = cdiv(n * d * 4, 2 * chunk_bytes) if need_dx else 1
+    block = min(n, cdiv(cdiv(n, blocks), _ALIGN) * _ALIGN)
+    cols = _rows_for(chunk_bytes, block * x.element_size(), v, MIN_SLICE_COLS)
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
     db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    big_a = small_a = None
     if fused:  # the rows' coefficients A = a + 2 s lse b and a, 0 without a target
         valid = (targets >= 0) & (targets < (vocab_total or v))
         big_a = torch.where(valid, coef_ce + 2.0 * z_scale * lse * coef_z, 0.0)
         small_a = torch.where(valid, coef_ce, 0.0)
         if coef_entropy is not None:
             coef_entropy = torch.where(valid, coef_entropy, 0.0)
-    for v0 in range(0, v, cols):
-        v1 = min(v0 + cols, v)
-        wc = w[v0:v1]
-        if fused:
-            logits = grad_products(x, wc, targets, lse, big_a, small_a, softcap, vocab_start + v0,
-                                   entropy, coef_entropy, transform)  # fmt: skip
-        else:
-            logits = _logits(x, wc, None if bias is None else bias[v0:v1])
-            _gradient_in_place(logits, targets, lse, coef_ce, coef_z, (softcap, eps, z_scale),
-                               transform, entropy, coef_entropy, vocab_start + v0,
-                               vocab_total or v)  # fmt: skip
-        if need_dw:
-            torch.mm(logits.t(), x, out=dw[v0:v1])
+    for r0 in range(0, n, block):
+        r1 = min(r0 + block, n)
+        xb, tb, lb, ab, bb, eb, ceb, big_b, small_b = (
+            None if t is None else t[r0:r1]
+            for t in (x, targets, lse, coef_ce, coef_z, entropy, coef_entropy, big_a, small_a)
+        )  # fmt: skip
+        dx_acc = torch.zeros(r1 - r0, d, dtype=torch.float32, device=dev) if need_dx else None
+        for v0 in range(0, v, cols):
+            v1 = min(v0 + cols, v)
+            wc = w[v0:v1]
+            if fused:
+                logits = grad_products(xb, wc, tb, lb, big_b, small_b, softcap, vocab_start + v0,
+                                       eb, ceb, transform)  # fmt: skip
+            else:
+                logits = _logits(xb, wc, None if bias is None else bias[v0:v1])
+                _gradient_in_place(logits, tb, lb, ab, bb, (softcap, eps, z_scale), transform,
+                                   eb, ceb, vocab_start + v0, vocab_total or v)  # fmt: skip
+            if need_dw and r0 == 0:
+                torch.mm(logits.t(), xb, out=dw[v0:v1])
+            elif need_dw:
+                dw[v0:v1].addmm_(logits.t(), xb)
+            if need_dx:
+                accumulate_mm(dx_acc, logits, wc, max(_ALIGN, (r1 - r0) // 8))
+            if need_db and r0 == 0:
+                db[v0:v1] = logits.sum(0, dtype=torch.float32)
+            elif need_db:
+                db[v0:v1] += logits.sum(0, dtype=torch.float32)
         if need_dx:
-            accumulate_mm(dx_acc, logits, wc, max(_ALIGN, n // 8))
-        if need_db:
-            db[v0:v1] = logits.sum(0, dtype=torch.float32)
-    dx = dx_acc.to(x.dtype) if need_dx else x.new_empty(0)
+            dx[r0:r1] = dx_acc
     if need_db:
         db = db.to(bias.dtype)
     if rows is not None and need_dx:

@@ -123,6 +123,31 @@ def test_multi_chunk_schedules(small_chunks, low_memory, dtype):
         assert small_chunks["bwd"] >= 3
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_recompute_in_row_blocks(small_chunks, monkeypatch, dtype):
+    """The recompute schedule's fp32 hidden-gradient accumulator holds at most twice the logits'
+    budget: rows in blocks, each recomputing its own vocabulary slices, the bias and weight
+    gradients added to across them; the single-block answer, within the dtype's budget."""
+    lce = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
+    calls, logits = [], lce._logits
+
+    def counted(x, w, *args):
+        calls.append((x.shape[0], w.shape[0]))
+        return logits(x, w, *args)
+
+    monkeypatch.setattr(lce, "_logits", counted)
+    n, d, v = 90, 67, 1001
+    x, w, b, labels = make_inputs(n, d, v, DTYPES[dtype], bias=True)  # a bias: unfused
+    kw = dict(low_memory=True, z_loss_scale=1e-3, reduction="none")
+    for budget, blocks in ((16 * v * 2, [90]), (d * 4 * 16, [32, 32, 26])):
+        # (an accumulator of 2 budget / 4 d rows: 119, one block; 32: three)
+        calls.clear()
+        check_against_reference(x, w, b, labels, DTYPES[dtype], chunk_bytes=budget, **kw)
+        backward = [rows for rows, cols in calls if cols < v]  # the forward's are whole rows
+        slices = len(backward) // len(blocks)
+        assert backward == [r for r in blocks for _ in range(slices)] and slices > 2
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_linear_cross_entropy_options(case, dtype):
