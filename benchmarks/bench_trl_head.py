@@ -13,9 +13,10 @@ outputs, as TRL's trainers ask for them:
   -sum(advantage * log_probs) / N with a random advantage per token (a gradient per token).
 
 Contenders: TRL's ``ChunkedLogProbFunction`` (its 1.16 wheel, TRL's own chunk size), surgery's
-``linear_log_probs`` (for ``sft`` with an ``UpstreamHint`` taught by one call first, as in
-training from the second step on; for ``grpo`` the logits kept from the forward where one chunk
-holds them; a softcapped head, in both, keeps its fused product's Q instead), for ``sft`` also
+``linear_log_probs`` with an ``UpstreamHint``, as TRL's integration passes one (for ``sft`` taught
+by one call first, as in training from the second step on; for ``grpo`` the logits kept from the
+forward where one chunk holds them; a softcapped head, in both, keeps its fused product's Q
+instead), for ``sft`` also
 surgery's ``linear_cross_entropy`` (the token mean alone, no per-token outputs: what the
 per-token contract costs beside it), for ``grpo`` also surgery with the kept schedule declined
 (``surgery_recompute``: the backward recomputes the logits, four products, as before
@@ -114,7 +115,7 @@ def contenders(objective, softcap, advantage):
                             opts["outputs"])  # fmt: skip
         return out[0], loss_of(out[0])
 
-    hint = kernels.UpstreamHint() if objective == "sft" else None
+    hint = kernels.UpstreamHint()  # as TRL's integration passes one, whatever the objective
 
     def surgery(x, w, labels):
         out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],

@@ -76,7 +76,11 @@ def linear_log_probs(
             ``linear_cross_entropy`` does, with no logits kept for the backward); each backward
             checks that the upstream gradient is still uniform over the tokens with a target (one
             host read) and recomputes if not. Exact either way; off under ``torch.compile``.
-            None: never.
+            None: never. A softcapped bf16 head on a GPU that runs the fused products, in one
+            chunk, instead keeps its product's Q for the backward, whatever the upstream gradient
+            (three products, no guess, no host read), unless the hint saw the last backward take
+            a gradient through the entropy, or, without a hint, the entropy is an output: then
+            the logits are kept (they serve that gradient too).
 
     Returns:
         ``TokenLogProbs``, fp32 (``is_top1`` bool, ``predicted`` int64), shaped like ``labels``,

@@ -21,6 +21,7 @@ from .ops import (
     join_gradient_stream,
     keeps_q,
     kept_pays,
+    kept_slot_free,
     lce_bwd_kept,
     lce_bwd_recompute,
     lce_fwd,
@@ -57,13 +58,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         compiled = torch.compiler.is_compiling()
         # A softcapped head's Q kept from the forward (lce_fwd's keep_products) gives the eager
         # schedule's three products for any upstream gradient, with no guess and no host read:
-        # planned, it is taken instead of speculating, unless the hint saw the last backward
-        # take an entropy's gradient, which a Q cannot give (the logits are kept then).
-        keep_products = hint is None or not hint.entropy_grad
+        # planned (the device's slot free), it is taken instead of speculating. A Q has no room
+        # for an entropy's gradient: the logits are kept instead where the hint saw the last
+        # backward take one, or, without a hint, wherever the entropy is an output.
+        keep_products = not hint.entropy_grad if hint is not None else not (stats & 1)  # entropy
         q_planned = (
             weights is None and not low_memory and not compiled and keep_products
-            and (need_dx or need_dw) and keeps_q(x, w, bias, softcap, eps, z_scale, transform,
-                                                 need_dw, chunk_bytes)
+            and (need_dx or need_dw) and kept_slot_free(x.device)
+            and keeps_q(x, w, bias, softcap, eps, z_scale, transform, need_dw, chunk_bytes)
         )  # fmt: skip
         # Per-token losses whose upstream gradient was uniform last time: the gradients for the
         # hint's guess of it on every token with a target, now (checked in the backward).
@@ -212,7 +214,8 @@ class UpstreamHint:
         self.token_mean = False  # it was 1 / (tokens with a target) of its batch
 
     def __repr__(self) -> str:
-        return f"UpstreamHint(uniform={self.uniform}, token_mean={self.token_mean})"
+        return (f"UpstreamHint(uniform={self.uniform}, token_mean={self.token_mean}, "
+                f"entropy_grad={self.entropy_grad})")  # fmt: skip
 
     def guess(self, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The 0-dim fp32 upstream gradient the next backward is expected to bring, on the

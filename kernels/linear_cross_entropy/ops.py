@@ -41,6 +41,7 @@ __all__ = [
     "join_gradient_stream",
     "keeps_q",
     "kept_pays",
+    "kept_slot_free",
     "lce_bwd_kept",
     "lce_bwd_recompute",
     "lce_fwd",
@@ -302,6 +303,13 @@ _KEPT_LOCK = threading.Lock()
 
 class _Reserved:
     """What holds a device's slot between ``_reserve_kept`` and the logits taking it."""
+
+
+def kept_slot_free(device: torch.device) -> bool:
+    """Whether no call's kept logits hold the device's slot now (``_reserve_kept`` would give it;
+    a peek, for planning: the reservation itself is ``lce_fwd``'s)."""
+    ref = _KEPT.get(device)
+    return ref is None or ref() is None
 
 
 def _reserve_kept(device: torch.device) -> _Reserved | None:
@@ -748,7 +756,7 @@ def _kept_q_backward(x, w, targets, lse, coef, q, q_rows, cap, transform, need_d
     v, d = w.shape
     terms = target_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
     slice_rows = _rows_for(DEFAULT_CHUNK_BYTES // 4, d * 4, v)
-    dx = dw = x.new_empty(0)
+    dx, dw = x.new_empty(0), x.new_empty(0)  # outputs of a custom op may not alias
     if need_dx:
         dx = torch.empty_like(x)
         softcap_dx(q, w, terms, dx, slice_rows)

@@ -63,22 +63,27 @@ if triton is not None:
 
 def scaled_rows(a, s, out, t=None, b=None, idx=None) -> torch.Tensor:
     """``out`` (n, D) = diag(s) a, plus diag(t) b[idx] where ``b`` is given; s, t fp32 (n,); the
-    sum in fp32, rounded once to out's dtype. Rows of unit stride along D."""
+    sum in fp32, rounded once to out's dtype (bf16 or fp32 in the kernel; PyTorch's ops take any
+    other, and rows not of unit stride along D)."""
     n, d = a.shape
     if n == 0:
         return out
-    fits = out.dtype in (torch.bfloat16, torch.float32)
+    gather = b is not None
+    fits = out.dtype in (torch.bfloat16, torch.float32) and all(
+        u.stride(-1) == 1 for u in (a, out, *((b,) if gather else ()))
+    )
     if scaled_rows_kernel is None or not use_triton(a) or not fits:
         total = a.float() * s[:, None]
         if b is not None:
             total += t[:, None] * b[idx].float()
         return out.copy_(total)
-    gather = b is not None
+    s = s.contiguous()
+    t, idx = (t.contiguous(), idx.contiguous()) if gather else (s, s)
     block = min(ROWS_BLOCK, triton.next_power_of_2(d))
     with on_device(a):
         scaled_rows_kernel[(n, cdiv(d, block))](
-            a, a.stride(0), s, t if gather else s, b if gather else a,
-            b.stride(0) if gather else 0, idx if gather else s, out, out.stride(0), d,
+            a, a.stride(0), s, t, b if gather else a, b.stride(0) if gather else 0, idx, out,
+            out.stride(0), d,
             BLOCK=block, GATHER=gather, TO_BF16=out.dtype == torch.bfloat16,
             INTERP=not a.is_cuda, num_warps=4,
         )  # fmt: skip

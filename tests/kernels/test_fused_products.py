@@ -54,7 +54,7 @@ def fused_chunks(monkeypatch):
 
 def _regime(x, w, regime: str, cap: float):
     """Inputs whose capped logits sit where the fused product's numbers are smallest: "flat"
-    puts every logit far below -cap's neighbourhood floor (exp(x - cap) ~ exp(-1.9 cap)),
+    puts every logit near -cap (exp(x - r) ~ exp(-cap - r), r = products.cap_reference),
     "saturated" puts them far out on tanh's tails (1 - t^2 ~ 0)."""
     with torch.no_grad():
         if regime == "flat":  # a shared direction along which every weight row points away
@@ -546,7 +546,10 @@ def test_scaled_logits_products_against_fp64(case, regime):
     start = 128  # a slice: its own column numbers, the targets the whole's
     got = grad_products(x, w[start:], targets, lse.float(), big_a, small_a, cap, start,
                         h.float(), e, transform)  # fmt: skip
-    torch.testing.assert_close(got.double(), g[:, start:], rtol=2**-8, atol=1e-6)
+    # within bf16's rounding; on a GPU (exp2 and tanh instructions, fused multiply-adds) an entry
+    # by a rounding midpoint may land one step away
+    rtol = 2**-7 if x.is_cuda else 2**-8
+    torch.testing.assert_close(got.double(), g[:, start:], rtol=rtol, atol=1e-6)
 
 
 # (softcap, logit scale, temperature, eager): the recompute schedule (an RL objective: GRPO's pass
