@@ -340,11 +340,18 @@ def keeps_q(x, w, bias, softcap: float, eps: float, z_scale: float, transform, n
     z-loss, the eager products apply (a softcapped bf16 head on a GPU that runs them)."""
     n, d = x.shape
     return (
-        n > 0 and z_scale == 0.0
+        n > 0
         and plan_token_chunk(n, w.shape[0], d, x.element_size(),
                              need_dw and w.dtype != torch.float32, chunk_bytes) >= n
-        and products_apply(x, w, bias, softcap, eps, z_scale, *transform, eager=True)
+        and _q_applies(x, w, bias, softcap, eps, z_scale, transform)
     )  # fmt: skip
+
+
+def _q_applies(x, w, bias, softcap: float, eps: float, z_scale: float, transform) -> bool:
+    """Whether a Q of ``softcap_products`` can serve the kept schedule: the eager products apply,
+    and no z-loss (the backward's ``terms.target_terms`` take one coefficient per row)."""
+    return z_scale == 0.0 and products_apply(x, w, bias, softcap, eps, z_scale, *transform,
+                                             eager=True)  # fmt: skip
 
 
 def kept_pays(logits: torch.Tensor, live: torch.Tensor | None) -> bool:
@@ -435,10 +442,9 @@ def lce_fwd(
     # through the fused products: their lse is the fp32 products' (a backward recomputing the
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, or Q kept for them,
     # softcapped heads with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only
-    # (products.options_apply); Q kept without a z-loss (the backward's ``terms.target_terms`` take
-    # one coefficient per row)
-    keep_q = keep and keep_products and keeps_q(
-        x, w, bias, softcap, eps, z_scale, (logit_scale, inv_temperature), need_dw, chunk_bytes
+    # (products.options_apply); Q kept without a z-loss (``_q_applies``; the plan held for keep)
+    keep_q = keep and keep_products and _q_applies(
+        x, w, bias, softcap, eps, z_scale, (logit_scale, inv_temperature)
     )  # fmt: skip
     fused = keep_q or (not keep and products_apply(
         x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
@@ -646,7 +652,7 @@ def lce_bwd_recompute(
     cols = _rows_for(chunk_bytes, block * x.element_size(), v, MIN_SLICE_COLS)
     dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     dw = torch.empty_like(w) if need_dw else x.new_empty(0)
-    db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     big_a = small_a = None
     if fused:  # the rows' coefficients A = a + 2 s lse b and a, 0 without a target
         valid = (targets >= 0) & (targets < (vocab_total or v))
@@ -677,9 +683,7 @@ def lce_bwd_recompute(
                 dw[v0:v1].addmm_(logits.t(), xb)
             if need_dx:
                 accumulate_mm(dx_acc, logits, wc, max(_ALIGN, (r1 - r0) // 8))
-            if need_db and r0 == 0:
-                db[v0:v1] = logits.sum(0, dtype=torch.float32)
-            elif need_db:
+            if need_db:
                 db[v0:v1] += logits.sum(0, dtype=torch.float32)
         if need_dx:
             dx[r0:r1] = dx_acc
