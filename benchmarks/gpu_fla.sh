@@ -3,20 +3,22 @@
 # needs. The wheels exceed one call's 64 MiB beside the repository, so they travel in two calls
 # while the machine stays warm (it keeps /tmp between calls until it is given back).
 #
-# Here, once (TileLang's wheel is cut in two, one piece per call):
+# Here, once (the two large wheels are stored uncompressed and then xz-compressed: 49.5 MB of
+# TileLang's wheel becomes 28.6 MB, 29.3 MB of z3's 9.7 MB, so the cache fits beside them):
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64"
-#   pip download $P -d .fla1 tilelang==0.1.15 apache-tvm-ffi==0.1.12 \
+#   pip download $P -d .fla1 tilelang==0.1.15
+#   pip download $P -d .fla2 z3-solver==4.15.4.0 apache-tvm-ffi==0.1.12 \
 #       torch-c-dlpack-ext==0.1.5 fla-core==0.6.0 flash-linear-attention==0.6.0
-#   pip download $P -d .fla2 z3-solver==4.15.4.0
-#   split -b 34M .fla1/tilelang-*.whl .fla1/tilelang.part. && rm .fla1/tilelang-*.whl
-#   mv .fla1/tilelang.part.ab .fla2/
-# (each call's carry beside the tree, 21.6 MB at 97d58e0, must stay under 64 MiB: .whl + .fla1
-# 43.9 MB, .fla2 43.2 MB; the 40M cut of earlier sessions no longer fits)
+#   for w in .fla1/tilelang-*.whl .fla2/z3_solver-*.whl; do
+#       rm -rf /tmp/unz && mkdir /tmp/unz && (cd /tmp/unz && unzip -q "$OLDPWD/$w" && rm "$OLDPWD/$w" \
+#           && zip -0 -r -q -X "$OLDPWD/$w" .) && xz -9 -T2 "$w"; done
 #   echo /.fla1/ >> .git/info/exclude; echo /.fla2/ >> .git/info/exclude
-# Then the first call (carry .fla1) runs `source benchmarks/gpu_fla.sh 1`, and the next one
-# (carry .fla2) `source benchmarks/gpu_fla.sh 2`, which installs everything into /tmp/site2;
+# (each call's carry beside the tree, 21.7 MB at 4bd5c57, must stay under 64 MiB: .whl + .fla1
+# 31.7 MB, .fla2 16.5 MB with the cache)
+# Then the first call (carry .whl and .fla1) runs `source benchmarks/gpu_fla.sh 1`, and the next
+# one (carry .fla2) `source benchmarks/gpu_fla.sh 2`, which installs everything into /tmp/site2;
 # every later call of that machine only `source benchmarks/gpu_fla.sh use` to use it (an argument
 # other than 1 or 2: a bare `source` inside a script passes on that script's own arguments).
 #
@@ -24,16 +26,18 @@
 # its cache lives in /tmp, lost with the machine. `fla_save_cache` (after the fla tests) writes it
 # to $OUT/tilelang_cache.tar.gz when it fits what comes back (16 MiB); put that file into .fla2/
 # here, and the next machine's `source benchmarks/gpu_fla.sh 2` unpacks it before anything runs.
-TILELANG=tilelang-0.1.15-cp39-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
 if [ "$1" = 1 ]; then
     mkdir -p /tmp/fla_wheels && cp .fla1/* /tmp/fla_wheels/ || return 1
 elif [ "$1" = 2 ]; then
-    if [ ! -f "/tmp/fla_wheels/$TILELANG" ]; then  # not yet joined (a second call skips it)
-        cat /tmp/fla_wheels/tilelang.part.aa .fla2/tilelang.part.ab > "/tmp/fla_wheels/$TILELANG" \
-            && rm /tmp/fla_wheels/tilelang.part.aa || return 1
-    fi
-    cp .fla2/*.whl /tmp/fla_wheels/ && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --target /tmp/site2 /tmp/fla_wheels/*.whl || return 1
+    cp .fla2/*.whl* /tmp/fla_wheels/ && python3 - <<'PY' || return 1
+import glob, lzma, os, shutil
+for packed in glob.glob("/tmp/fla_wheels/*.whl.xz"):
+    with lzma.open(packed) as src, open(packed[: -len(".xz")], "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(packed)
+PY
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site2 /tmp/fla_wheels/*.whl || return 1
     if [ -f .fla2/tilelang_cache.tar.gz ]; then
         tar xzf .fla2/tilelang_cache.tar.gz -C /tmp && echo "TileLang cache unpacked"
     fi

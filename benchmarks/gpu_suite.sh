@@ -2,7 +2,8 @@
 # machine (flash-linear-attention's wheels travel in two halves: benchmarks/gpu_fla.sh).
 #
 # Here, before: our wheel and the peers' in .whl (benchmarks/gpu_prelude.sh), .fla1/.fla2
-# (benchmarks/gpu_fla.sh; put the last run's tilelang_cache.tar.gz into .fla2: it saves minutes).
+# (benchmarks/gpu_fla.sh; put the last run's tilelang_cache.tar.gz into .fla2: it saves minutes;
+# with the two large wheels xz-compressed, it fits beside them).
 # No GPU test needs DeepSpeed (its tests run on CPU), and beside .fla2 its wheels no longer fit in
 # one call's 64 MiB. Then, within 30 s of each other (the machine keeps /tmp while it stays warm):
 #   run(carry=[".whl", ".fla1"], command="bash benchmarks/gpu_suite.sh 1")
