@@ -14,13 +14,14 @@ outputs, as TRL's trainers ask for them:
 
 Contenders: TRL's ``ChunkedLogProbFunction`` (its 1.16 wheel, TRL's own chunk size), surgery's
 ``linear_log_probs`` with an ``UpstreamHint``, as TRL's integration passes one (for ``sft`` taught
-by one call first, as in training from the second step on; for ``grpo`` the logits kept from the
-forward where one chunk holds them; a softcapped head, in both, keeps its fused product's Q
-instead), for ``sft`` also
+by one call first, as in training from the second step on; for ``grpo`` the logits' gradient for
+a unit coefficient kept from the forward where one chunk holds it; a softcapped head, in both,
+keeps its fused product's Q instead), for ``sft`` also
 surgery's ``linear_cross_entropy`` (the token mean alone, no per-token outputs: what the
 per-token contract costs beside it), for ``grpo`` also surgery with the kept schedule declined
 (``surgery_recompute``: the backward recomputes the logits, four products, as before
-2026-12-01), and the floor:
+2026-12-01) and with the logits kept (``surgery_kept_logits``: the backward sweeps them, as
+before the kept unit gradient, a Q's neither), and the floor:
 the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W``,
 ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
 median of forward+backward, the floor and the contenders timed in turn in ``ROUNDS`` rounds: a
@@ -133,11 +134,26 @@ def contenders(objective, softcap, advantage):
         with mock.patch.object(ops, "_reserve_kept", lambda device: None):
             return surgery(x, w, labels)
 
+    class LogitsHint(kernels.UpstreamHint):
+        """A hint that always expects the entropy's gradient: the kept schedule keeps the
+        logits (neither a Q nor the unit gradient), and the backward sweeps them."""
+
+        entropy_grad = property(lambda self: True, lambda self, value: None)
+
+    logits_hint = LogitsHint()
+
+    def surgery_kept_logits(x, w, labels):  # the kept schedule as before 2026-12-01's unit one
+        out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
+                                       temperature=opts["temperature"], softcap=softcap,
+                                       upstream=logits_hint)  # fmt: skip
+        return out.log_probs, loss_of(out.log_probs)
+
     fns = {"trl": trl, "surgery": surgery}
     if objective == "sft":
         fns["surgery_lce"] = surgery_lce
     else:
         fns["surgery_recompute"] = surgery_recompute
+        fns["surgery_kept_logits"] = surgery_kept_logits
     return fns
 
 
@@ -223,7 +239,7 @@ def run_case(name, shape, objective, device):
             row[f"{who}_ms"] = bench(steps[who], device, [x, w])
     for i, what in enumerate(("log_probs", "dx", "dw")):
         row[f"rel_diff_{what}"] = rel(results["surgery"][i], results["trl"][i])
-    for who in ("surgery_lce", "surgery_recompute"):
+    for who in ("surgery_lce", "surgery_recompute", "surgery_kept_logits"):
         if who in results:
             row[f"rel_diff_dw_{who.removeprefix('surgery_')}"] = rel(
                 results[who][2], results["trl"][2]
@@ -305,11 +321,12 @@ def plot(rows, path: Path) -> str | None:
         return None
     series = [("floor", "3-GEMM floor"), ("trl", "TRL 1.16"), ("surgery", "surgery"),
               ("surgery_lce", "surgery linear_cross_entropy (loss only)"),
-              ("surgery_recompute", "surgery, logits recomputed (four products)")]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.16
+              ("surgery_recompute", "surgery, logits recomputed (four products)"),
+              ("surgery_kept_logits", "surgery, logits kept (swept in the backward)")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.14
     for i, (key, label) in enumerate(series):
-        xs = [j + (i - 2) * width for j, r in enumerate(rows) if r.get(f"{key}_ms")]
+        xs = [j + (i - 2.5) * width for j, r in enumerate(rows) if r.get(f"{key}_ms")]
         ys = [r[f"{key}_ms"] for r in rows if r.get(f"{key}_ms")]
         ax.bar(xs, ys, width, label=label, color=f"C{i}")
     ax.set_xticks(range(len(rows)), [f"{r['case']}\n{r['objective']}" for r in rows], fontsize=8)
@@ -360,13 +377,13 @@ def main(argv=None) -> int:
     write_json(args.out / f"{stem}.json", result)
     headers = ["case", "objective", "floor ms", "TRL ms", "surgery ms", "x floor", "vs TRL",
                "TRL GiB", "surgery GiB", "dW diff", "LCE ms", "recompute ms",
-               "recompute GiB"]  # fmt: skip
+               "recompute GiB", "kept logits ms"]  # fmt: skip
     print(table(headers, [[
         r["case"], r["objective"], fmt(r.get("floor_ms")), fmt(r.get("trl_ms")),
         fmt(r.get("surgery_ms")), fmt(r.get("surgery_x_floor")), fmt(r.get("speedup_vs_trl")),
         fmt(r.get("trl_extra_gib")), fmt(r.get("surgery_extra_gib")), fmt(r["rel_diff_dw"]),
         fmt(r.get("surgery_lce_ms")), fmt(r.get("surgery_recompute_ms")),
-        fmt(r.get("surgery_recompute_extra_gib")),
+        fmt(r.get("surgery_recompute_extra_gib")), fmt(r.get("surgery_kept_logits_ms")),
     ] for r in rows]))  # fmt: skip
     return 0
 

@@ -58,9 +58,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         compiled = torch.compiler.is_compiling()
         # A softcapped head's Q kept from the forward (lce_fwd's keep_products) gives the eager
         # schedule's three products for any upstream gradient, with no guess and no host read:
-        # planned (the device's slot free), it is taken instead of speculating. A Q has no room
-        # for an entropy's gradient: the logits are kept instead where the hint saw the last
-        # backward take one, or, without a hint, wherever the entropy is an output.
+        # planned (the device's slot free), it is taken instead of speculating. Other heads keep
+        # the logits' gradient for a unit coefficient where they do not speculate (no z-loss or
+        # bias: lce_fwd). Neither has room for an entropy's gradient: the logits are kept instead
+        # where the hint saw the last backward take one, or, without a hint, wherever the
+        # entropy is an output.
         keep_products = not hint.entropy_grad if hint is not None else not (stats & 1)  # entropy
         q_planned = (
             weights is None and not low_memory and not compiled and keep_products
@@ -108,7 +110,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # whether lce_fwd took the fused products (their log-sum-exp is the fp32 products'),
         # decided without reading tensor data (traced, x and w are fake); the backward's op
         # checks the tensors themselves. A kept Q came from them.
-        ctx.fused_lse = kept_terms.numel() > 0 or (ctx.kept is None and options_apply(
+        ctx.fused_lse = kept_terms.shape[0] == 2 or (ctx.kept is None and options_apply(
             w.shape[0], bias, softcap, eps, z_scale, *transform, eager
         ))  # fmt: skip
         ctx.hint = hint if weights is None and not compiled else None
@@ -130,10 +132,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             g_entropy = None
         if ctx.hint is not None:
             ctx.hint.entropy_grad = g_entropy is not None
-        # a kept Q serves any upstream gradient but an entropy's: then nothing for the hint to
-        # learn (no host read)
-        q_serves = kept is not None and kept[2].numel() > 0 and g_entropy is None
-        learn = ctx.hint is not None and not q_serves
+        # A kept Q or unit gradient serves any upstream gradient but an entropy's: then nothing
+        # for the hint to learn (no host read), but where it has not yet seen a backward, whose
+        # uniform gradient lets the next forwards speculate (a unit gradient is kept only where
+        # they do not).
+        serves = kept is not None and kept[2].numel() > 0 and g_entropy is None
+        learn = ctx.hint is not None and not (
+            serves and (kept[2].shape[0] == 2 or ctx.hint.uniform is not None)
+        )
         if learn and g_loss is None:
             ctx.hint.uniform = False  # nothing to scale: the next forward computes no gradients
         elif learn:
@@ -190,7 +196,10 @@ class UpstreamHint:
     target (``uniform``: None before any). When it was, the next forward computes the gradients
     at once, the eager schedule's three matrix products, and its backward scales them; when it
     no longer is, that backward recomputes (four products in all, that once), and the forwards
-    after it keep their logits for the backward where one chunk holds them (three again).
+    after it keep their logits for the backward where one chunk holds them (three again): without
+    a z-loss or a bias, their gradient for a unit coefficient per row, which serves any upstream
+    gradient on the log-probabilities with no host read, so that ``uniform`` then stays False
+    (nothing more is learned: an RL loop's advantages never return to uniform).
 
     The forward computes them for a guess of the upstream gradient, so that the backward's
     scaling (a pass over the weight gradient, V x D read and written) is skipped on the device

@@ -32,7 +32,7 @@ from .products import (
     target_logits,
     tma_ready,
 )
-from .terms import accumulate_mm, softcap_dw, softcap_dx, target_terms
+from .terms import TargetTerms, accumulate_mm, scaled_dw, scaled_dx, target_terms
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -405,7 +405,12 @@ def lce_fwd(
     ``keep_products`` too (and no z-loss) where ``softcap_products`` applies (a softcapped head):
     its Q in place of the logits, and ``kept_terms``, (2, rows) fp32, the rows' S and 1 - t^2 at
     the target (``_softcap_chunk``): no pass over the logits, forward or backward, a backward
-    that cannot take an entropy's gradient (its caller recomputes then).
+    that cannot take an entropy's gradient (its caller recomputes then). Elsewhere with
+    ``keep_products``, no z-loss and no bias: the logits' gradient for a coefficient of 1 on the
+    cross entropy of every row with a target (written by the row sweep, which reads them anyway),
+    and ``kept_terms`` (1, rows) fp32, 1 on those rows and 0 on the others: the backward scales
+    its rows by their coefficients inside its two products (no pass over them, the same limits
+    as a Q's).
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
@@ -446,6 +451,10 @@ def lce_fwd(
     keep_q = keep and keep_products and _q_applies(
         x, w, bias, softcap, eps, z_scale, (logit_scale, inv_temperature)
     )  # fmt: skip
+    # else, without a z-loss or a bias, the logits' gradient for a coefficient of 1 on every row
+    # with a target, written by the row sweep in place of them: the backward's coefficients are
+    # then a scale of its rows, which its two products take (``_kept_q_backward``)
+    keep_unit = keep and keep_products and not keep_q and z_scale == 0.0 and bias is None
     fused = keep_q or (not keep and products_apply(
         x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
     ))  # fmt: skip
@@ -498,15 +507,19 @@ def lce_fwd(
             _fill_statistics(part, values, valid, targets[n0:n1])
         else:
             logits = _logits(xc, w, bias)
+            coef = weights[n0:n1] if grads else None
+            if keep_unit:
+                coef = torch.ones(n1 - n0, dtype=torch.float32, device=dev)
+                kept_terms = (targets[n0:n1] >= 0).to(torch.float32)[None]
             rl, rc, rz = cross_entropy_fwd(
                 logits,
                 targets[n0:n1],
                 softcap=softcap,
                 label_smoothing=eps,
                 z_loss_scale=z_scale,
-                coef_ce=weights[n0:n1] if grads else None,
-                coef_z=weights[n0:n1] if grads else None,
-                grad_out=logits if grads else None,  # our own buffer: overwritten in place
+                coef_ce=coef,
+                coef_z=coef,
+                grad_out=None if coef is None else logits,  # our own buffer: overwritten in place
                 logit_scale=logit_scale,
                 inv_temperature=inv_temperature,
                 stats={k: t[n0:n1] for k, t in statistics.items()},
@@ -520,12 +533,12 @@ def lce_fwd(
         with _on_gradient_stream(side, x, w, logits, dx, dw, db, *(terms or ())):
             if need_dx:
                 if terms is not None:
-                    softcap_dx(logits, w, terms, dx[n0:n1], slice_rows)
+                    scaled_dx(logits, w, terms, dx[n0:n1], slice_rows)
                 else:
                     torch.mm(logits, w, out=dx[n0:n1])
             if need_dw:
                 if terms is not None:
-                    softcap_dw(logits, xc, terms, dw, not single, slice_rows)
+                    scaled_dw(logits, xc, terms, dw, not single, slice_rows)
                 elif single:
                     torch.mm(logits.t(), xc, out=dw)
                 else:
@@ -727,9 +740,9 @@ def lce_bwd_kept(
     vocabulary-parallel slice's logits: ``targets`` and ``lse`` the whole vocabulary's).
 
     ``terms`` (non-empty: ``lce_fwd``'s ``kept_terms``): ``logits`` is a kept Q of
-    ``softcap_products`` (one GPU, no z-loss, no entropy's gradient, no bias): the products
-    take it as it is with the rows' ``terms.target_terms`` for ``coef_ce``, as the eager
-    schedule's do."""
+    ``softcap_products`` or a kept unit gradient (one GPU, no z-loss, no entropy's gradient, no
+    bias): the products take it as it is with the rows' ``terms.target_terms`` for ``coef_ce``
+    (a unit gradient: ``coef_ce`` alone), as the eager schedule's do."""
     n_all = x.shape[0]
     rows = rows if rows.numel() else None
     if rows is not None:
@@ -755,20 +768,24 @@ def lce_bwd_kept(
 
 def _kept_q_backward(x, w, targets, lse, coef, q, q_rows, cap, transform, need_dx, need_dw,
                      n_all, rows):  # fmt: skip
-    """``lce_bwd_kept``'s ``(dx, dw, db)`` from a kept Q and its ``kept_terms``: the eager
-    schedule's two gradient products (``terms.softcap_dx``, ``softcap_dw``) for ``coef``."""
+    """``lce_bwd_kept``'s ``(dx, dw, db)`` from a kept Q and its ``kept_terms`` (or a kept unit
+    gradient and its rows' weights, ``q_rows`` of one row): the eager schedule's two gradient
+    products (``terms.scaled_dx``, ``scaled_dw``) for ``coef``."""
     v, d = w.shape
-    terms = target_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
+    if q_rows.shape[0] == 1:  # the gradient for a unit coefficient: scaled by the row's
+        terms = TargetTerms(torch.where(q_rows[0] > 0, coef, 0.0), None, None)
+    else:
+        terms = target_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
     slice_rows = _rows_for(DEFAULT_CHUNK_BYTES // 4, d * 4, v)
     dx, dw = x.new_empty(0), x.new_empty(0)  # outputs of a custom op may not alias
     if need_dx:
         dx = torch.empty_like(x)
-        softcap_dx(q, w, terms, dx, slice_rows)
+        scaled_dx(q, w, terms, dx, slice_rows)
         if rows is not None:
             dx = _scatter_rows(dx, rows, n_all)
     if need_dw:
         dw = torch.empty_like(w)
-        softcap_dw(q, x, terms, dw, False, slice_rows)
+        scaled_dw(q, x, terms, dw, False, slice_rows)
     return dx, dw, x.new_empty(0)
 
 

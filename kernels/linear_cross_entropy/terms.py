@@ -1,5 +1,7 @@
-"""The two gradient products of a softcapped head's fused forward (``products.softcap_products``'
-Q) and the passes over (rows, D) around them.
+"""The two gradient products of a logit gradient kept up to its rows' scales: a softcapped head's
+fused forward's Q (``products.softcap_products``), or the unit gradient the kept schedule keeps
+of other heads (``ops.lce_fwd``: each row's gradient for a coefficient of 1, E = 0); and the
+passes over (rows, D) around them.
 
 A row's logit gradient for its coefficient is ``scale_i Q_i + E_i``, E one entry per row,
 ``corr_i`` at the target's column (``TargetTerms``): kept apart from Q, the row's one large entry
@@ -32,7 +34,7 @@ if triton_available():
 else:  # pragma: no cover
     triton = None
 
-__all__ = ["TargetTerms", "accumulate_mm", "scaled_rows", "softcap_dw", "softcap_dx",
+__all__ = ["TargetTerms", "accumulate_mm", "scaled_dw", "scaled_dx", "scaled_rows",
            "target_terms"]  # fmt: skip
 
 ROWS_BLOCK = 1024
@@ -95,8 +97,8 @@ class TargetTerms(NamedTuple):
     one entry per row, ``corr`` at column ``cols`` (0 on rows without a target)."""
 
     scale: torch.Tensor  # (n,) fp32
-    cols: torch.Tensor  # (n,) the target columns (clamped into [0, V))
-    corr: torch.Tensor  # (n,) fp32: E's entries
+    cols: torch.Tensor | None  # (n,) the target columns (clamped into [0, V))
+    corr: torch.Tensor | None  # (n,) fp32: E's entries; None: no E (a kept unit gradient)
 
 
 def target_terms(coef, lse, rows, targets, v: int, z_scale: float, cap: float, transform):
@@ -139,20 +141,26 @@ def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slice_row
             acc[r0 : r0 + slice_rows] += a[r0 : r0 + slice_rows] @ b
 
 
-def softcap_dx(q, w, terms: TargetTerms, out: torch.Tensor, slice_rows: int) -> None:
-    """out = diag(scale) (Q W) + diag(corr) W[cols]: Q W in fp32, each row's sum rounded once."""
+def scaled_dx(q, w, terms: TargetTerms, out: torch.Tensor, slice_rows: int) -> None:
+    """out = diag(scale) (Q W) + diag(corr) W[cols] (no E where ``corr`` is None): Q W in fp32,
+    each row's sum rounded once."""
     acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
     accumulate_mm(acc, q, w, slice_rows)
-    scaled_rows(acc, terms.scale, out, terms.corr, w, terms.cols)
+    if terms.corr is None:
+        scaled_rows(acc, terms.scale, out)
+    else:
+        scaled_rows(acc, terms.scale, out, terms.corr, w, terms.cols)
 
 
-def softcap_dw(q, x, terms: TargetTerms, dw: torch.Tensor, accumulate: bool, slice_rows):
+def scaled_dw(q, x, terms: TargetTerms, dw: torch.Tensor, accumulate: bool, slice_rows):
     """dw (=, or += where ``accumulate``) Q^T diag(scale) x + E^T x; E's rows (rounded to dw's
-    dtype) added by a sorted (deterministic) accumulation."""
+    dtype) added by a sorted (deterministic) accumulation (none where ``corr`` is None)."""
     xs = scaled_rows(x, terms.scale, torch.empty_like(x))  # rounded once
     if accumulate:
         accumulate_mm(dw, q.t(), xs, slice_rows)
     else:
         torch.mm(q.t(), xs, out=dw)
+    if terms.corr is None:
+        return
     sparse = scaled_rows(x, terms.corr, torch.empty(x.shape, dtype=dw.dtype, device=dw.device))
     dw.index_put_((terms.cols,), sparse, accumulate=True)

@@ -65,25 +65,36 @@ def test_smoke_run_writes_every_contender(tmp_path):
         assert r["rel_diff_dw"] < 2e-2 and r[other] < 2e-2, r
 
 
-def test_grpo_recompute_contender_declines_the_kept_schedule(monkeypatch):
-    """``surgery_recompute`` runs the four-product backward, ``surgery`` the kept logits'."""
+def test_grpo_contenders_take_their_schedules(monkeypatch):
+    """``surgery`` keeps the unit gradient (from its second step: the first teaches the hint),
+    ``surgery_kept_logits`` the logits (its backward sweeps them), ``surgery_recompute`` runs
+    the four-product backward."""
     pytest.importorskip("trl")
     import torch
 
     api = importlib.import_module("surgery.kernels.linear_cross_entropy.api")
+    ops = importlib.import_module("surgery.kernels.linear_cross_entropy.ops")
     calls = []
-    for name in ("lce_bwd_kept", "lce_bwd_recompute"):
-        fn = getattr(api, name)
-        monkeypatch.setattr(
-            api, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k)
-        )
+
+    def spy(module, name, label):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, **k: calls.append(label) or fn(*a, **k))  # fmt: skip
+
+    spy(api, "lce_bwd_kept", "kept")
+    spy(api, "lce_bwd_recompute", "recompute")
+    spy(ops, "_kept_q_backward", "unit")
+    spy(ops, "_gradient_in_place", "sweep")
     x, w, labels, advantage = bench_trl_head.make_inputs(64, 32, 300, "cpu")
     fns = bench_trl_head.contenders("grpo", None, advantage)
-    for who, want in (("surgery", "lce_bwd_kept"), ("surgery_recompute", "lce_bwd_recompute")):
-        calls.clear()
-        _, loss = fns[who](x, w, labels)
-        torch.autograd.grad(loss, (x, w))
-        assert calls == [want], (who, calls)
+    wants = {"surgery": ["kept", "unit"], "surgery_kept_logits": ["kept", "sweep"],
+             "surgery_recompute": ["recompute"]}  # fmt: skip
+    for who, want in wants.items():
+        for _ in range(2):
+            calls.clear()
+            _, loss = fns[who](x, w, labels)
+            torch.autograd.grad(loss, (x, w))
+        assert calls == want, (who, calls)
 
 
 def test_profile_refuses_the_smoke_run(tmp_path, capsys):
