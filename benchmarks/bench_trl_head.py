@@ -21,7 +21,9 @@ surgery's ``linear_cross_entropy`` (the token mean alone, no per-token outputs: 
 per-token contract costs beside it), for ``grpo`` also surgery with the kept schedule declined
 (``surgery_recompute``: the backward recomputes the logits, four products, as before
 2026-12-01) and with the logits kept (``surgery_kept_logits``: the backward sweeps them, as
-before the kept unit gradient, a Q's neither), and the floor:
+before the kept unit gradient, a Q's neither), for ``sft`` also surgery keeping the unit
+gradient instead of speculating (``surgery_unit``: a hint that has seen a non-uniform gradient),
+and the floor:
 the three bf16 matrix products every exact head does (``x @ W.T``, ``dlogits @ W``,
 ``dlogits.T @ x``). Time: ``triton.testing.do_bench``
 median of forward+backward, the floor and the contenders timed in turn in ``ROUNDS`` rounds: a
@@ -148,9 +150,19 @@ def contenders(objective, softcap, advantage):
                                        upstream=logits_hint)  # fmt: skip
         return out.log_probs, loss_of(out.log_probs)
 
+    unit_hint = kernels.UpstreamHint()
+    unit_hint.uniform = False  # as after a non-uniform step: no speculation, nothing learned
+
+    def surgery_unit(x, w, labels):  # sft: the kept unit gradient in place of speculating
+        out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
+                                       temperature=opts["temperature"], softcap=softcap,
+                                       upstream=unit_hint)  # fmt: skip
+        return out.log_probs, loss_of(out.log_probs)
+
     fns = {"trl": trl, "surgery": surgery}
     if objective == "sft":
         fns["surgery_lce"] = surgery_lce
+        fns["surgery_unit"] = surgery_unit
     else:
         fns["surgery_recompute"] = surgery_recompute
         fns["surgery_kept_logits"] = surgery_kept_logits
@@ -239,7 +251,7 @@ def run_case(name, shape, objective, device):
             row[f"{who}_ms"] = bench(steps[who], device, [x, w])
     for i, what in enumerate(("log_probs", "dx", "dw")):
         row[f"rel_diff_{what}"] = rel(results["surgery"][i], results["trl"][i])
-    for who in ("surgery_lce", "surgery_recompute", "surgery_kept_logits"):
+    for who in ("surgery_lce", "surgery_recompute", "surgery_kept_logits", "surgery_unit"):
         if who in results:
             row[f"rel_diff_dw_{who.removeprefix('surgery_')}"] = rel(
                 results[who][2], results["trl"][2]
@@ -377,13 +389,14 @@ def main(argv=None) -> int:
     write_json(args.out / f"{stem}.json", result)
     headers = ["case", "objective", "floor ms", "TRL ms", "surgery ms", "x floor", "vs TRL",
                "TRL GiB", "surgery GiB", "dW diff", "LCE ms", "recompute ms",
-               "recompute GiB", "kept logits ms"]  # fmt: skip
+               "recompute GiB", "kept logits ms", "unit ms"]  # fmt: skip
     print(table(headers, [[
         r["case"], r["objective"], fmt(r.get("floor_ms")), fmt(r.get("trl_ms")),
         fmt(r.get("surgery_ms")), fmt(r.get("surgery_x_floor")), fmt(r.get("speedup_vs_trl")),
         fmt(r.get("trl_extra_gib")), fmt(r.get("surgery_extra_gib")), fmt(r["rel_diff_dw"]),
         fmt(r.get("surgery_lce_ms")), fmt(r.get("surgery_recompute_ms")),
         fmt(r.get("surgery_recompute_extra_gib")), fmt(r.get("surgery_kept_logits_ms")),
+        fmt(r.get("surgery_unit_ms")),
     ] for r in rows]))  # fmt: skip
     return 0
 

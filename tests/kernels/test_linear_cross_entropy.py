@@ -444,6 +444,19 @@ def test_errors_are_clear():
         linear_cross_entropy(x, w, labels, softcap=0.0)
 
 
+def test_meta_tensors_leave_no_label_flag_behind():
+    """A call on meta tensors (shape tracing) has no labels to check: it leaves no flag for
+    ``check_labels()`` to read (reading one raised "Tensor.item() cannot be called on meta
+    tensors" in whatever test next called it, in the worker that had traced: a fresh clone's CI
+    failed by the order xdist gave the tests)."""
+    x = torch.randn(8, 4, device="meta", requires_grad=True)
+    w = torch.randn(16, 4, device="meta", requires_grad=True)
+    labels = torch.randint(0, 16, (8,)).to("meta")
+    linear_cross_entropy(x, w, labels).loss.backward()
+    cross_entropy(x @ w.t(), labels)
+    check_labels()
+
+
 def test_traces_with_fullgraph_compile():
     """The ops are opaque to dynamo: the whole loss, forward and backward, traces in one graph."""
     x, w, _, labels = make_inputs(24, 16, 64, torch.float32)
