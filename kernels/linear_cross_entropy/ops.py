@@ -751,7 +751,7 @@ def lce_bwd_kept(
         )  # fmt: skip
     if terms is not None and terms.numel():
         if entropy is not None or bias is not None or z_scale != 0.0 or vocab_total:
-            raise ValueError("a kept Q takes the log-probabilities' gradient alone")
+            raise ValueError("a kept Q or unit gradient takes the log-probabilities' gradient alone")
         return _kept_q_backward(x, w, targets, lse, coef_ce, logits, terms, softcap,
                                 (logit_scale, inv_temperature), need_dx, need_dw, n_all,
                                 rows)  # fmt: skip
