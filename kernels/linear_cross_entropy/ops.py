@@ -406,11 +406,11 @@ def lce_fwd(
     its Q in place of the logits, and ``kept_terms``, (2, rows) fp32, the rows' S and 1 - t^2 at
     the target (``_softcap_chunk``): no pass over the logits, forward or backward, a backward
     that cannot take an entropy's gradient (its caller recomputes then). Elsewhere with
-    ``keep_products``, no z-loss and no bias: the logits' gradient for a coefficient of 1 on the
-    cross entropy of every row with a target (written by the row sweep, which reads them anyway),
-    and ``kept_terms`` (1, rows) fp32, 1 on those rows and 0 on the others: the backward scales
-    its rows by their coefficients inside its two products (no pass over them, the same limits
-    as a Q's).
+    ``keep_products``, no z-loss, no bias and not in fp16: the logits' gradient for a coefficient
+    of 1 on the cross entropy of every row with a target (written by the row sweep, which reads
+    them anyway), and ``kept_terms`` (1, rows) fp32, 1 on those rows and 0 on the others: the
+    backward scales its rows by their coefficients inside its two products (no pass over them,
+    the same limits as a Q's).
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
@@ -453,8 +453,12 @@ def lce_fwd(
     )  # fmt: skip
     # else, without a z-loss or a bias, the logits' gradient for a coefficient of 1 on every row
     # with a target, written by the row sweep in place of them: the backward's coefficients are
-    # then a scale of its rows, which its two products take (``_kept_q_backward``)
-    keep_unit = keep and keep_products and not keep_q and z_scale == 0.0 and bias is None
+    # then a scale of its rows, which its two products take (``_kept_q_backward``); not in fp16,
+    # whose range may not hold X's rows scaled by a loss scaler's upstream gradient
+    keep_unit = (
+        keep and keep_products and not keep_q and z_scale == 0.0 and bias is None
+        and x.dtype in (torch.bfloat16, torch.float32, torch.float64)
+    )  # fmt: skip
     fused = keep_q or (not keep and products_apply(
         x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
     ))  # fmt: skip
@@ -751,7 +755,9 @@ def lce_bwd_kept(
         )  # fmt: skip
     if terms is not None and terms.numel():
         if entropy is not None or bias is not None or z_scale != 0.0 or vocab_total:
-            raise ValueError("a kept Q or unit gradient takes the log-probabilities' gradient alone")
+            raise ValueError(
+                "a kept Q or unit gradient takes the log-probabilities' gradient alone"
+            )
         return _kept_q_backward(x, w, targets, lse, coef_ce, logits, terms, softcap,
                                 (logit_scale, inv_temperature), need_dx, need_dw, n_all,
                                 rows)  # fmt: skip

@@ -149,11 +149,13 @@ def test_rows_without_a_target_take_no_part_whatever_their_upstream(backward):
 
 
 # what keeps the logits instead: a bias, a z-loss (its coefficient is its own), an entropy output
-# without a hint (its gradient has no room in the unit gradient)
+# without a hint (its gradient has no room in the unit gradient), fp16 (X's rows scaled by a loss
+# scaler's upstream gradient overflow its range where the weight gradient does not)
 LOGITS_CASES = {
     "bias": (dict(bias=True), dict()),
     "zloss": (dict(bias=False), dict(z_loss_scale=1e-2)),
     "entropy": (dict(bias=False), dict(outputs=("log_probs", "entropy"))),
+    "fp16": (dict(bias=False, dtype=torch.float16), dict()),
 }
 
 
@@ -162,8 +164,9 @@ def test_what_keeps_the_logits_instead(case, backward):
     """Where the unit gradient cannot serve every gradient the backward may be asked for, the
     logits are kept (their backward sweeps them), and the gradients, an entropy's among them,
     are the reference's."""
-    make_kw, kw = LOGITS_CASES[case]
-    x, w, b, labels = make_inputs(40, 16, 97, torch.float32, seed=10, **make_kw)
+    make_kw, kw = dict(LOGITS_CASES[case][0]), LOGITS_CASES[case][1]
+    dtype = make_kw.pop("dtype", torch.float32)
+    x, w, b, labels = make_inputs(40, 16, 97, dtype, seed=10, **make_kw)
     inputs = tuple(t for t in (x, w, b) if t is not None)
     g, g_e = _upstream(labels, 11), _upstream(labels, 12)
     if case == "zloss":
@@ -178,8 +181,33 @@ def test_what_keeps_the_logits_instead(case, backward):
         got, want = (torch.autograd.grad((r.log_probs * g).sum() + (
             (r.entropy * g_e).sum() if pick else 0), inputs) for r in (out, ref))  # fmt: skip
     assert backward["kept"] == ["logits"] and not backward["recompute"]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     for a, r in zip(got, want, strict=True):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.float(), r.float(), **tol)
+
+
+@pytest.mark.parametrize("needs", ["hidden", "weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_gradient_and_a_second_backward(needs, dtype, backward):
+    """A frozen head (the hidden states' gradient alone) or frozen hidden states (the weight's
+    alone) take the unit gradient too; a second backward through the same graph finds it spent
+    and recomputes, told the lse is the unfused logits'. Both within the dtype's budget of
+    fp64's."""
+    x, w, _, labels = make_inputs(53, 24, 301, dtype, seed=18, bias=False)
+    leaf = x if needs == "hidden" else w
+    (w if needs == "hidden" else x).requires_grad_(False)
+    hint = UpstreamHint()
+    hint.uniform = False
+    out = linear_log_probs(x, w, labels, upstream=hint, temperature=0.8)
+    ref = linear_log_probs_reference(x, w, labels, dtype=torch.float64, temperature=0.8)
+    eager = eager_reference(x, w, None, labels, temperature=0.8)
+    for step in range(2):
+        g = _upstream(labels, 30 + step)
+        (got,) = torch.autograd.grad((out.log_probs * g).sum(), leaf, retain_graph=True)
+        (want,) = torch.autograd.grad((ref.log_probs * g.double()).sum(), leaf, retain_graph=True)
+        (base,) = torch.autograd.grad((eager.log_probs * g).sum(), leaf, retain_graph=True)
+        assert_close_budget(got.double(), want, base.double(), dtype, f"{needs} {step}")
+    assert backward["kept"][:1] == ["unit"] and backward["fused_lse"] == [False]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
