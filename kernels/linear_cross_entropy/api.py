@@ -113,7 +113,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.fused_lse = kept_terms.shape[0] == 2 or (ctx.kept is None and options_apply(
             w.shape[0], bias, softcap, eps, z_scale, *transform, eager
         ))  # fmt: skip
-        ctx.hint = hint if weights is None and not compiled else None
+        # nothing to learn from meta tensors (shape tracing: no data to read)
+        ctx.hint = hint if weights is None and not compiled and not x.is_meta else None
         ctx.guess = guess
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*others)

@@ -242,15 +242,18 @@ def test_skip_ignored_recomputes_where_few_rows_have_a_gradient(live, schedule):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", ["log_probs", "loss-none"])
+@pytest.mark.parametrize("fn", ["log_probs", "log_probs-hint", "loss-none"])
 def test_meta_tensors_trace_forward_and_backward(fn):
     """On meta tensors (shape-only tracing, memory estimators) the head runs forward and
-    backward: the kept schedule, whose logits' rows are the batch's, is declined there."""
+    backward: the kept schedule, whose logits' rows are the batch's, is declined there, and an
+    ``UpstreamHint`` learns nothing (there is nothing to read)."""
     x = torch.empty(48, 16, device="meta", requires_grad=True)
     w = torch.empty(97, 16, device="meta", requires_grad=True)
     labels = torch.zeros(48, dtype=torch.long, device="meta")
-    if fn == "log_probs":
-        out = linear_log_probs(x, w, labels, outputs=("log_probs", "entropy")).log_probs
+    if fn.startswith("log_probs"):
+        hint = UpstreamHint() if fn.endswith("hint") else None
+        out = linear_log_probs(x, w, labels, outputs=("log_probs", "entropy"),
+                               upstream=hint).log_probs  # fmt: skip
     else:
         out = linear_cross_entropy(x, w, labels, reduction="none").loss
     gx, gw = torch.autograd.grad(out.sum(), (x, w))
