@@ -59,10 +59,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # A softcapped head's Q kept from the forward (lce_fwd's keep_products) gives the eager
         # schedule's three products for any upstream gradient, with no guess and no host read:
         # planned (the device's slot free), it is taken instead of speculating. Other heads keep
-        # the logits' gradient for a unit coefficient where they do not speculate (no z-loss or
-        # bias: lce_fwd). Neither has room for an entropy's gradient: the logits are kept instead
-        # where the hint saw the last backward take one, or, without a hint, wherever the
-        # entropy is an output.
+        # the logits' gradient for a unit coefficient where they do not speculate (no z-loss, no
+        # bias, not fp16: lce_fwd). Neither has room for an entropy's gradient: the logits are
+        # kept instead where the hint saw the last backward take one, or, without a hint,
+        # wherever the entropy is an output.
         keep_products = not hint.entropy_grad if hint is not None else not (stats & 1)  # entropy
         q_planned = (
             weights is None and not low_memory and not compiled and keep_products
@@ -198,9 +198,9 @@ class UpstreamHint:
     at once, the eager schedule's three matrix products, and its backward scales them; when it
     no longer is, that backward recomputes (four products in all, that once), and the forwards
     after it keep their logits for the backward where one chunk holds them (three again): without
-    a z-loss or a bias, their gradient for a unit coefficient per row, which serves any upstream
-    gradient on the log-probabilities with no host read, so that ``uniform`` then stays False
-    (nothing more is learned: an RL loop's advantages never return to uniform).
+    a z-loss or a bias, not in fp16, their gradient for a unit coefficient per row, which serves
+    any upstream gradient on the log-probabilities with no host read, so that ``uniform`` then
+    stays False (nothing more is learned: an RL loop's advantages never return to uniform).
 
     The forward computes them for a guess of the upstream gradient, so that the backward's
     scaling (a pass over the weight gradient, V x D read and written) is skipped on the device
