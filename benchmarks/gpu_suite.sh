@@ -9,12 +9,14 @@
 #   run(carry=[".whl", ".fla1"], command="bash benchmarks/gpu_suite.sh 1")
 #   run(carry=[".fla2"], command="bash benchmarks/gpu_suite.sh 2")
 # Everything lands flat in $OUT (the device tool may not bring back subfolders). With two GPUs the
-# compile tests run on the second beside the rest (about 200 s for call 1 on an H200 x2, against
-# about 270 s on one), and call 2 splits the fla tests over both (about 400 s with the cache).
+# compile tests run on the second beside the rest (about 170 s for call 1 on an H200 x2, against
+# about 270 s on one), and call 2 splits the fla tests over both (about 390 s with the cache).
+# On one GPU the fla tests take longer than a call: run their two halves as stages 2a and 2b,
+# each a call of its own (carry [".fla2"] both times), right after call 1.
 # Call 1 also runs what needs two GPUs (test_device_map_gpu.py) where there are two.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-STAGE=${1:?stage 1 or 2}
+STAGE=${1:?stage 1, 2 (or 2a and 2b)}
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
 LAST=$((NGPU - 1))
 FLA='qwen3_5 or qwen3_next or fla'
@@ -39,15 +41,20 @@ else
     export PYTHONPATH=/tmp/site REPO=$(pwd)
     source benchmarks/gpu_fla.sh use  # an argument: a bare `source` would pass on this script's "2"
     cd /tmp/w || exit 1
+    FA=a  # the log of the tests run on GPU 0
     A="tests/surgery/test_linear_attention_fla.py tests/surgery/test_gpu.py tests/models/test_vision_attention.py tests/models/test_llama4.py"
     B="tests/surgery/test_compile.py tests/surgery/test_autocast.py tests/models/test_multimodal.py"
-    if [ "$NGPU" -lt 2 ]; then A="$A $B"; B=""; fi
+    case "$STAGE" in
+        2a) B="" ;;
+        2b) A="$B"; B=""; FA=b ;;
+        *) if [ "$NGPU" -lt 2 ]; then A="$A $B"; B=""; fi ;;
+    esac
     [ -n "$B" ] && ( CUDA_VISIBLE_DEVICES=$LAST timeout -s INT 540 python3 -m pytest -m gpu -v -n 7 \
         -p no:cacheprovider $B -k "$FLA" > "$OUT/suite_fla_b.txt" 2>&1
       echo "exit status $?" >> "$OUT/suite_fla_b.txt" ) &
     CUDA_VISIBLE_DEVICES=0 timeout -s INT 540 python3 -m pytest -m gpu -v -n 7 -p no:cacheprovider \
-        $A -k "$FLA" > "$OUT/suite_fla_a.txt" 2>&1
-    echo "exit status $?" >> "$OUT/suite_fla_a.txt"
+        $A -k "$FLA" > "$OUT/suite_fla_$FA.txt" 2>&1
+    echo "exit status $?" >> "$OUT/suite_fla_$FA.txt"
     wait
     cd "$REPO" && fla_save_cache
     echo "=== SUMMARY"
