@@ -118,13 +118,17 @@ def contenders(objective, softcap, advantage):
                             opts["outputs"])  # fmt: skip
         return out[0], loss_of(out[0])
 
-    hint = kernels.UpstreamHint()  # as TRL's integration passes one, whatever the objective
+    def surgery_with(hint):
+        def surgery(x, w, labels):
+            out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
+                                           temperature=opts["temperature"], softcap=softcap,
+                                           upstream=hint)  # fmt: skip
+            return out.log_probs, loss_of(out.log_probs)
 
-    def surgery(x, w, labels):
-        out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
-                                       temperature=opts["temperature"], softcap=softcap,
-                                       upstream=hint)  # fmt: skip
-        return out.log_probs, loss_of(out.log_probs)
+        return surgery
+
+    # as TRL's integration passes one, whatever the objective
+    surgery = surgery_with(kernels.UpstreamHint())
 
     def surgery_lce(x, w, labels):  # the loss alone: what the per-token contract costs
         loss = kernels.linear_cross_entropy(x, w, labels, softcap=softcap).loss
@@ -138,34 +142,21 @@ def contenders(objective, softcap, advantage):
 
     class LogitsHint(kernels.UpstreamHint):
         """A hint that always expects the entropy's gradient: the kept schedule keeps the
-        logits (neither a Q nor the unit gradient), and the backward sweeps them."""
+        logits (neither a Q nor the unit gradient), and the backward sweeps them (the kept
+        schedule as before 2026-12-01's unit gradient)."""
 
         entropy_grad = property(lambda self: True, lambda self, value: None)
-
-    logits_hint = LogitsHint()
-
-    def surgery_kept_logits(x, w, labels):  # the kept schedule as before 2026-12-01's unit one
-        out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
-                                       temperature=opts["temperature"], softcap=softcap,
-                                       upstream=logits_hint)  # fmt: skip
-        return out.log_probs, loss_of(out.log_probs)
 
     unit_hint = kernels.UpstreamHint()
     unit_hint.uniform = False  # as after a non-uniform step: no speculation, nothing learned
 
-    def surgery_unit(x, w, labels):  # sft: the kept unit gradient in place of speculating
-        out = kernels.linear_log_probs(x, w, labels, outputs=opts["outputs"],
-                                       temperature=opts["temperature"], softcap=softcap,
-                                       upstream=unit_hint)  # fmt: skip
-        return out.log_probs, loss_of(out.log_probs)
-
     fns = {"trl": trl, "surgery": surgery}
     if objective == "sft":
         fns["surgery_lce"] = surgery_lce
-        fns["surgery_unit"] = surgery_unit
+        fns["surgery_unit"] = surgery_with(unit_hint)  # in place of speculating
     else:
         fns["surgery_recompute"] = surgery_recompute
-        fns["surgery_kept_logits"] = surgery_kept_logits
+        fns["surgery_kept_logits"] = surgery_with(LogitsHint())
     return fns
 
 

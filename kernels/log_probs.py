@@ -80,7 +80,10 @@ def linear_log_probs(
             chunk, instead keeps its product's Q for the backward, whatever the upstream gradient
             (three products, no guess, no host read), unless the hint saw the last backward take
             a gradient through the entropy, or, without a hint, the entropy is an output: then
-            the logits are kept (they serve that gradient too).
+            the logits are kept (they serve that gradient too). Where the hint does not guess,
+            other heads (bf16 or fp32, no bias, no z-loss) keep the logits' gradient for a unit
+            coefficient per token under the same rule: the backward scales its rows (no pass
+            over the logits, and no host read once the hint has seen a backward).
 
     Returns:
         ``TokenLogProbs``, fp32 (``is_top1`` bool, ``predicted`` int64), shaped like ``labels``,

@@ -17,9 +17,11 @@ from ..cross_entropy import (
 )
 from ..reference import LossOutput
 from .ops import (
+    FP32_RANGE,
     chunk_budget,
     join_gradient_stream,
     keeps_q,
+    kept_is_q,
     kept_pays,
     kept_slot_free,
     lce_bwd_kept,
@@ -110,7 +112,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # whether lce_fwd took the fused products (their log-sum-exp is the fp32 products'),
         # decided without reading tensor data (traced, x and w are fake); the backward's op
         # checks the tensors themselves. A kept Q came from them.
-        ctx.fused_lse = kept_terms.shape[0] == 2 or (ctx.kept is None and options_apply(
+        ctx.fused_lse = kept_is_q(kept_terms) or (ctx.kept is None and options_apply(
             w.shape[0], bias, softcap, eps, z_scale, *transform, eager
         ))  # fmt: skip
         # nothing to learn from meta tensors (shape tracing: no data to read)
@@ -139,7 +141,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # they do not).
         serves = kept is not None and kept[2].numel() > 0 and g_entropy is None
         learn = ctx.hint is not None and not (
-            serves and (kept[2].shape[0] == 2 or ctx.hint.uniform is not None)
+            serves and (kept_is_q(kept[2]) or ctx.hint.uniform is not None)
         )
         if learn and g_loss is None:
             ctx.hint.uniform = False  # nothing to scale: the next forward computes no gradients
@@ -232,7 +234,7 @@ class UpstreamHint:
         targets' device (no host read): 1 where nothing better is known or ``dtype`` (the
         inputs') lacks fp32's exponent range."""
         one = torch.ones((), dtype=torch.float32, device=targets.device)
-        if dtype not in _FP32_RANGE:
+        if dtype not in FP32_RANGE:
             return one
         if self.token_mean:
             return _reciprocal_count(targets >= 0)
@@ -260,11 +262,6 @@ class UpstreamHint:
         self.last = hi.detach() if usable else None
         self.token_mean = bool(usable and token_mean)
         return value if scalable else None
-
-
-# The dtypes with fp32's exponent range (its least normal number; bf16's largest is smaller only
-# by its mantissa's bits): fp16 and the 8-bit floats are not among them.
-_FP32_RANGE = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _reciprocal_count(valid: torch.Tensor) -> torch.Tensor:

@@ -36,10 +36,12 @@ from .terms import TargetTerms, accumulate_mm, scaled_dw, scaled_dx, target_term
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "FP32_RANGE",
     "LOW_MEMORY_CHUNK_BYTES",
     "chunk_budget",
     "join_gradient_stream",
     "keeps_q",
+    "kept_is_q",
     "kept_pays",
     "kept_slot_free",
     "lce_bwd_kept",
@@ -354,6 +356,17 @@ def _q_applies(x, w, bias, softcap: float, eps: float, z_scale: float, transform
                                              eager=True)  # fmt: skip
 
 
+# The dtypes with fp32's exponent range (its least normal number; bf16's largest is smaller only
+# by its mantissa's bits): fp16 and the 8-bit floats are not among them.
+FP32_RANGE = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def kept_is_q(kept_terms: torch.Tensor) -> bool:
+    """Whether ``lce_fwd``'s ``kept_terms`` are a kept Q's, (2, rows): from the fused products
+    (a kept unit gradient's are (1, rows); none kept, empty)."""
+    return kept_terms.dim() == 2 and kept_terms.shape[0] == 2
+
+
 def kept_pays(logits: torch.Tensor, live: torch.Tensor | None) -> bool:
     """Whether the kept logits' two products over their rows cost no more than the recompute
     schedule's three over the ``live`` rows alone (``live_rows``): at least two thirds of the
@@ -457,7 +470,7 @@ def lce_fwd(
     # whose range may not hold X's rows scaled by a loss scaler's upstream gradient
     keep_unit = (
         keep and keep_products and not keep_q and z_scale == 0.0 and bias is None
-        and x.dtype in (torch.bfloat16, torch.float32, torch.float64)
+        and x.dtype in FP32_RANGE
     )  # fmt: skip
     fused = keep_q or (not keep and products_apply(
         x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
@@ -778,10 +791,10 @@ def _kept_q_backward(x, w, targets, lse, coef, q, q_rows, cap, transform, need_d
     gradient and its rows' weights, ``q_rows`` of one row): the eager schedule's two gradient
     products (``terms.scaled_dx``, ``scaled_dw``) for ``coef``."""
     v, d = w.shape
-    if q_rows.shape[0] == 1:  # the gradient for a unit coefficient: scaled by the row's
-        terms = TargetTerms(torch.where(q_rows[0] > 0, coef, 0.0), None, None)
-    else:
+    if kept_is_q(q_rows):
         terms = target_terms(coef, lse, q_rows, targets, v, 0.0, cap, transform)
+    else:  # the gradient for a unit coefficient: scaled by the row's
+        terms = TargetTerms(torch.where(q_rows[0] > 0, coef, 0.0), None, None)
     slice_rows = _rows_for(DEFAULT_CHUNK_BYTES // 4, d * 4, v)
     dx, dw = x.new_empty(0), x.new_empty(0)  # outputs of a custom op may not alias
     if need_dx:
