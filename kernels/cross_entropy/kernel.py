@@ -80,13 +80,18 @@ if triton is not None:
 
     @triton.jit
     def _ce_grad(z, cols, tgt, lse, a, c, e, h, cap, inv_cap, scale, inv_temp, eps, inv_v,
-                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
-                 ENTROPY_GRAD: tl.constexpr):  # fmt: skip
+                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+                 SMOOTHING: tl.constexpr):  # fmt: skip
         """dL/dz for the upstream gradients a (on ce), c = a + 2 s lse b (ce and z-loss) and e (on
-        the entropy h), through the transform of ``_transformed``."""
+        the entropy h), through the transform of ``_transformed``. The chain rule's scale *
+        inv_temp is folded into the row's coefficients and the target's term is a select, not a
+        product with a one-hot: the sweeps run near the memory's bandwidth, where each
+        instruction per element shows (``benchmarks/ce_sweep.py``)."""
         y = z
         if SCALED:
             y = z * scale
+            k = scale * inv_temp
+            a, c, e = a * k, c * k, e * k
         if SOFTCAP:
             t = _softcap_tanh(y * inv_cap, SOFTCAP)
             x = cap * t
@@ -99,11 +104,11 @@ if triton is not None:
             g = (c - e * (x - lse + h)) * p  # d(-sum p log p) / dx_j = -p_j (log p_j + h)
         else:
             g = c * p
-        g = g - a * (1.0 - eps) * (cols == tgt).to(tl.float32) - a * eps * inv_v
+        g = tl.where(cols == tgt, g - a * (1.0 - eps), g)
+        if SMOOTHING:
+            g = g - a * eps * inv_v
         if SOFTCAP:
             g = g * (1.0 - t * t)  # d(cap tanh(z / cap)) / dz, from the same t as the forward's
-        if SCALED:
-            g = g * (scale * inv_temp)
         return g
 
     @triton.jit
@@ -139,10 +144,12 @@ if triton is not None:
         MEAN: tl.constexpr,
         TOP1: tl.constexpr,
         PRED: tl.constexpr,
+        IN_PLACE: tl.constexpr,
     ):
         """One program per row: online logsumexp over the vocabulary, the row's losses and the
         requested statistics (each a constexpr: nothing computed when off), and (when
-        WRITE_GRAD) the row's gradient written in a second sweep, possibly over the logits."""
+        WRITE_GRAD) the row's gradient written in a second sweep, over the logits where IN_PLACE
+        (``grad_ptr`` is ``logits_ptr``: one address per element for both)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_logits
         tgt = tl.load(targets_ptr + row).to(tl.int64)
@@ -215,7 +222,7 @@ if triton is not None:
             a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)
             b = tl.where(valid, tl.load(coef_z_ptr + row), 0.0)
             c = a + 2.0 * z_scale * lse * b
-            gbase = grad_ptr + row * stride_grad
+            gbase = base if IN_PLACE else grad_ptr + row * stride_grad
             # Last block first: the first sweep read those last, and some are still in L2 (on the
             # H200, 16% less time at Qwen 2.5's head than the same sweep in the first's order).
             blocks = tl.cdiv(V, BLOCK_V)
@@ -225,7 +232,7 @@ if triton is not None:
                 mask = cols < V
                 z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
                 g = _ce_grad(z, cols, tgt, lse, a, c, 0.0, h, cap, inv_cap, scale, inv_temp, eps,
-                             inv_v, SOFTCAP, SCALED, False)  # fmt: skip
+                             inv_v, SOFTCAP, SCALED, False, SMOOTHING)  # fmt: skip
                 tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -252,6 +259,7 @@ if triton is not None:
         SOFTCAP: tl.constexpr,
         SCALED: tl.constexpr,
         ENTROPY_GRAD: tl.constexpr,
+        SMOOTHING: tl.constexpr,
     ):
         """Elementwise gradient of a block of columns [col_offset, col_offset + n_cols) given the
         row's logsumexp (and entropy); the output may alias the logits (each element is read
@@ -274,5 +282,5 @@ if triton is not None:
         z = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=0.0).to(tl.float32)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
         g = _ce_grad(z, cols + col_offset, tgt, lse, a, c, e, h, cap, inv_cap, scale, inv_temp,
-                     eps, inv_v, SOFTCAP, SCALED, ENTROPY_GRAD)  # fmt: skip
+                     eps, inv_v, SOFTCAP, SCALED, ENTROPY_GRAD, SMOOTHING)  # fmt: skip
         tl.store(grad_ptr + row * stride_grad + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
