@@ -14,6 +14,8 @@
 # On one GPU the fla tests take longer than a call: run their two halves as stages 2a and 2b,
 # each a call of its own (carry [".fla2"] both times), right after call 1.
 # Call 1 also runs what needs two GPUs (test_device_map_gpu.py) where there are two.
+# Call 1 reruns alone any test that ran out of GPU memory beside the other run's workers
+# (benchmarks/oom_reruns.py reads the runs' JUnit reports): suite_oom_rerun.txt.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 STAGE=${1:?stage 1, 2 (or 2a and 2b)}
@@ -26,15 +28,27 @@ if [ "$STAGE" = 1 ]; then
     git rev-parse --short HEAD 2>/dev/null | tee "$OUT/suite_commit.txt"
     cd /tmp/w || exit 1
     ( CUDA_VISIBLE_DEVICES=$LAST timeout 420 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-        tests/surgery/test_compile.py > "$OUT/suite_compile.txt" 2>&1
+        --junitxml="$OUT/suite_compile.xml" tests/surgery/test_compile.py > "$OUT/suite_compile.txt" 2>&1
       echo "exit status $?" >> "$OUT/suite_compile.txt" ) &
-    timeout 420 python3 -m pytest -m gpu -q -rsxX -n 6 -p no:cacheprovider tests \
-        --ignore=tests/surgery/test_compile.py --ignore=tests/benchmarks > "$OUT/suite_rest.txt" 2>&1
+    timeout 420 python3 -m pytest -m gpu -q -rfEsxX -n 6 -p no:cacheprovider tests \
+        --junitxml="$OUT/suite_rest.xml" --ignore=tests/surgery/test_compile.py \
+        --ignore=tests/benchmarks > "$OUT/suite_rest.txt" 2>&1
     echo "exit status $?" >> "$OUT/suite_rest.txt"
     wait
+    # A test that ran out of GPU memory beside the other run's workers (one GPU: a test or two of
+    # a run), rerun alone; its first failure stays in its run's log (benchmarks/oom_reruns.py)
+    python3 "$REPO/benchmarks/oom_reruns.py" "$OUT"/suite_compile.xml "$OUT"/suite_rest.xml \
+        > /tmp/oom_ids.txt
+    if [ -s /tmp/oom_ids.txt ]; then
+        timeout 240 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $(cat /tmp/oom_ids.txt) \
+            > "$OUT/suite_oom_rerun.txt" 2>&1
+        echo "exit status $?" >> "$OUT/suite_oom_rerun.txt"
+    fi
     echo "=== SUMMARY"
     tail -n 2 "$OUT/suite_compile.txt"; tail -n 2 "$OUT/suite_rest.txt"
-    grep -hE "^(FAILED|ERROR)" "$OUT"/suite_*.txt | head -20
+    grep -hE "^(FAILED|ERROR)" "$OUT"/suite_compile.txt "$OUT"/suite_rest.txt | head -20
+    [ -s /tmp/oom_ids.txt ] && { echo "out of memory beside the other run, rerun alone:";
+        cat /tmp/oom_ids.txt; tail -n 2 "$OUT/suite_oom_rerun.txt"; }
 else
     source benchmarks/gpu_fla.sh 2 || echo "fla part 2 install failed"
     [ -d /tmp/site/surgery ] || { echo "machine lost: /tmp/site missing (run stage 1 again)"; exit 1; }

@@ -1,0 +1,41 @@
+"""``benchmarks/oom_reruns.py``: from pytest's own JUnit report, the out-of-memory failures only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import oom_reruns
+
+CASES = """
+import pytest
+
+def test_fine():
+    pass
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_oom(n):
+    class OutOfMemoryError(RuntimeError):
+        pass
+    if n == 2:
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+def test_wrong():
+    assert 1 == 2
+"""
+
+
+def test_only_the_out_of_memory_failure_is_named_by_its_node_id(tmp_path):
+    folder = tmp_path / "tests" / "sub"
+    folder.mkdir(parents=True)
+    (folder / "test_cases.py").write_text(CASES)
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "-p", "no:xdist", f"--junitxml={report}", "tests/sub/test_cases.py"],
+                   cwd=tmp_path, capture_output=True, check=False)  # fmt: skip
+    assert oom_reruns.oom_failures([report, tmp_path / "missing.xml"]) == [
+        "tests/sub/test_cases.py::test_oom[2]"
+    ]
