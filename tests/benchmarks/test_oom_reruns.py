@@ -16,19 +16,21 @@ import pytest
 def test_fine():
     pass
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_oom(n):
     class OutOfMemoryError(RuntimeError):
         pass
     if n == 2:
         raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    if n == 3:
+        raise RuntimeError("CUDA error: out of memory")
 
 def test_wrong():
     assert 1 == 2
 """
 
 
-def test_only_the_out_of_memory_failure_is_named_by_its_node_id(tmp_path):
+def test_only_the_out_of_memory_failures_are_named_by_their_node_ids(tmp_path, capsys):
     folder = tmp_path / "tests" / "sub"
     folder.mkdir(parents=True)
     (folder / "test_cases.py").write_text(CASES)
@@ -37,5 +39,7 @@ def test_only_the_out_of_memory_failure_is_named_by_its_node_id(tmp_path):
                     "-p", "no:xdist", f"--junitxml={report}", "tests/sub/test_cases.py"],
                    cwd=tmp_path, capture_output=True, check=False)  # fmt: skip
     assert oom_reruns.oom_failures([report, tmp_path / "missing.xml"]) == [
-        "tests/sub/test_cases.py::test_oom[2]"
+        "tests/sub/test_cases.py::test_oom[2]",
+        "tests/sub/test_cases.py::test_oom[3]",
     ]
+    assert "missing.xml" in capsys.readouterr().err  # a killed run's absent report is named
