@@ -223,8 +223,8 @@ if triton is not None:
             b = tl.where(valid, tl.load(coef_z_ptr + row), 0.0)
             c = a + 2.0 * z_scale * lse * b
             gbase = base if IN_PLACE else grad_ptr + row * stride_grad
-            # Last block first: the first sweep read those last, and some are still in L2 (on the
-            # H200, 16% less time at Qwen 2.5's head than the same sweep in the first's order).
+            # Last block first: the first sweep read those last, and some are still in L2
+            # (``benchmarks/ce_sweep.py``: a minimal sweep's A/B of the order on the H200).
             blocks = tl.cdiv(V, BLOCK_V)
             for i in range(0, blocks):
                 v0 = (blocks - 1 - i) * BLOCK_V
