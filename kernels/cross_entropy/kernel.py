@@ -149,7 +149,7 @@ if triton is not None:
         """One program per row: online logsumexp over the vocabulary, the row's losses and the
         requested statistics (each a constexpr: nothing computed when off), and (when
         WRITE_GRAD) the row's gradient written in a second sweep, over the logits where IN_PLACE
-        (``grad_ptr`` is ``logits_ptr``: one address per element for both)."""
+        (the caller passed the logits themselves as the gradient: one address per element)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_logits
         tgt = tl.load(targets_ptr + row).to(tl.int64)

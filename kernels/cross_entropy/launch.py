@@ -131,11 +131,6 @@ HARDWARE_TANH = os.environ.get("SURGERY_HARDWARE_TANH", "1") != "0"
 ``SURGERY_HARDWARE_TANH=0`` keeps the exact one (1) everywhere, as CPU tests run it."""
 
 
-def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` is ``b``'s memory, row for row (a gradient written in place of its logits)."""
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype
-
-
 def softcap_mode(softcap: float, logits: torch.Tensor) -> int:
     """The kernels' ``SOFTCAP``: 0 without a softcap; 2 (the tanh instruction) for bf16 logits on
     a GPU, whose own rounding (2^-9) is coarser than the instruction's error (2^-10.9); else 1
@@ -262,7 +257,7 @@ def cross_entropy_fwd(
             MEAN="mean_logits" in stats,
             TOP1=top1 is not None,
             PRED=predicted is not None,
-            IN_PLACE=write_grad and same_rows(grad_out, logits),
+            IN_PLACE=grad_out is logits,
             num_warps=FWD_NUM_WARPS,
         )
     return lse, ce, zl
