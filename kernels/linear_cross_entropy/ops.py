@@ -209,7 +209,7 @@ def _row_losses(lse, x_y, targets, v: int, z_scale: float):
 def _lse_chunk(xc, w, targets, cap: float, z_scale: float, stats: int, transform):
     """One chunk's ``(lse, ce, zl, valid, statistics)`` through ``lse_products``: no logits
     stored."""
-    lse, values = lse_products(xc, w, cap, stats, transform, targets)
+    lse, values = lse_products(xc, w, cap, stats, transform)
     x_y, _ = target_logits(xc, w, targets, cap, transform)
     valid, ce, zl = _row_losses(lse, x_y, targets, w.shape[0], z_scale)
     return lse, ce, zl, valid, values
@@ -221,8 +221,7 @@ def _fill_statistics(statistics: dict, values: dict, valid, targets) -> None:
     ``predicted`` -1) on rows without a target."""
     for name, out in statistics.items():
         if name == "is_top1":
-            top1 = values["is_top1"] if "is_top1" in values else values["predicted"] == targets
-            out.copy_(valid & top1)
+            out.copy_(valid & (values["predicted"] == targets))
         elif name == "predicted":
             out.copy_(torch.where(valid, values["predicted"], -1))
         else:

@@ -32,11 +32,8 @@ Its three epilogues, by schedule (the package docstring names the schedules):
 The first two also gather ``STATISTICS`` where asked, one fp32 plane of (rows, pieces) each
 (``PLANE_BITS``): sum e (x - r) with e = exp(x - r) for the sums' reference r (the entropy,
 log s - that / s), sum exp(2 (x - m)) for the piece's maximum m (log sum p^2), sum x (the mean
-logit) and the piece's first column holding m (``predicted``: the first piece holding the row's
-maximum, as argmax takes the first), combined per row on the host. ``is_top1`` asked for without
-``predicted`` needs that column only in the piece holding the row's target (the target is the
-top-1 where that piece is the first holding the row's maximum and the column is the target's), so
-the tile finds it only in pieces holding some row's target.
+logit) and the piece's first column holding m (``is_top1``, ``predicted``: the first piece holding
+the row's maximum, as argmax takes the first), combined per row on the host.
 
 Each row's target logit (and 1 - t^2) comes from its own fp32 dot product (``target_logits``).
 The logits are fp32 inside the product (not rounded to bf16 first, as the unfused head's are).
@@ -93,11 +90,9 @@ ENABLED = os.environ.get("SURGERY_FUSED_PRODUCTS", "1") != "0"
 products and the row kernels, for a comparison or to rule the fused products out."""
 SOFTCAP_Q, LSE, GRAD = 0, 1, 2  # the kernel's EPILOGUE
 # The kernel's STATS: a plane of per-piece sums each (``_piece_statistics``), by the statistic it
-# serves: sum e (x - r) (entropy), sum exp(2 (x - max)), sum x, the first maximum's column in
-# every piece (predicted; is_top1 beside it reads it too) or only in the piece holding the row's
-# target (is_top1 alone: ``_plane_bits``).
-PLANE_BITS = {"entropy": 1, "log_sum_sq_probs": 2, "mean_logits": 4, "predicted": 8, "is_top1": 16}
-NEEDS_MAXIMA = 2 | 8 | 16  # the kernel's STATS & 26: the pieces' maxima stored
+# serves: sum e (x - r) (entropy), sum exp(2 (x - max)), sum x, the first maximum's column.
+PLANE_BITS = {"entropy": 1, "log_sum_sq_probs": 2, "mean_logits": 4, "is_top1": 8, "predicted": 8}
+NEEDS_MAXIMA = PLANE_BITS["log_sum_sq_probs"] | PLANE_BITS["is_top1"]  # the kernel's STATS & 10
 
 if triton_available():
     import triton
@@ -147,27 +142,17 @@ if triton is not None:
         return first_m + (tile % size_m), (tile % in_group) // size_m
 
     @triton.jit
-    def _first_maximum(xm, m, cols, N):
-        """Each row's first column holding its maximum m (N where none does). The maximum's and
-        a minimum's reductions cost less than tl.argmax's reduction of (value, index) pairs
-        (benchmarks/results/fused_statistics-h200-*)."""
-        return tl.min(tl.where(xm == m[:, None], cols[None, :], N), 1)
-
-    @triton.jit
-    def _piece_statistics(x, xm, e, ref, rows, cols, off_n, live, slot, row_a, targets, planes,
-                          plane, N, STATS: tl.constexpr, STORE_MAX: tl.constexpr,
-                          EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    def _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane, N,
+                          STATS: tl.constexpr, STORE_MAX: tl.constexpr,
+                          EVEN_N: tl.constexpr):  # fmt: skip
         """A piece's statistics, one plane each (``STATS``' bits, ``PLANE_BITS``; the planes of
         the bits set, in their order): ``x`` the logits, ``xm`` the same with -inf past N, ``e`` =
         exp(x - ref) (0 past N) for the rows' reference ``ref`` (``cap_reference``, or the piece's
-        maximum), ``off_n`` the piece's first column. ``STORE_MAX``: the piece's maximum into
-        ``row_a`` (by the cap, BY_CAP; by the maxima the log-sum-exp has stored it). The first
-        maximum's column: in every slot (8), or (16) only in the slots of rows whose target (in
-        ``targets``) the piece holds, the others left as they were: the where and minimum run
-        only in a piece holding some row's target (about one in 16 at V = 256000)."""
+        maximum). ``STORE_MAX``: the piece's maximum into ``row_a`` (by the cap, BY_CAP; by the
+        maxima the log-sum-exp has stored it)."""
         if STATS & 1:  # sum e (x - ref): the entropy
             tl.store(planes + slot, tl.sum(e * (x - ref[:, None]), 1), mask=live)
-        if STATS & 26:  # NEEDS_MAXIMA
+        if STATS & 10:  # NEEDS_MAXIMA
             m = tl.max(xm, 1)
             if STORE_MAX:
                 tl.store(row_a + slot, m, mask=live)
@@ -176,24 +161,21 @@ if triton is not None:
                 u = e * tl.exp2(shift * 1.4426950408889634)[:, None]
                 at = (STATS & 1) * plane
                 tl.store(planes + at + slot, tl.sum(u * u, 1), mask=live)
-            at = ((STATS & 1) + (STATS >> 1 & 1) + (STATS >> 2 & 1)) * plane
-            if STATS & 8:  # the first maximum's column (predicted)
-                tl.store(planes + at + slot, _first_maximum(xm, m, cols, N).to(tl.float32),
-                         mask=live)  # fmt: skip
-            elif STATS & 16:  # the same where this piece holds the row's target (is_top1)
-                target = tl.load(targets + rows, mask=live, other=-1)
-                held = live & (target >= off_n) & (target < off_n + BLOCK_N)
-                if tl.max(held.to(tl.int32), 0) > 0:
-                    tl.store(planes + at + slot, _first_maximum(xm, m, cols, N).to(tl.float32),
-                             mask=held)  # fmt: skip
+            if STATS & 8:  # the first maximum's column (is_top1, predicted): the maximum's and
+                # a minimum's reductions cost less than tl.argmax's reduction of (value, index)
+                # pairs (benchmarks/results/fused_statistics-h200-*)
+                at_max = tl.where(xm == m[:, None], cols[None, :], N)
+                first = tl.min(at_max, 1)
+                at = ((STATS & 1) + (STATS >> 1 & 1) + (STATS >> 2 & 1)) * plane
+                tl.store(planes + at + slot, first.to(tl.float32), mask=live)
         if STATS & 4:  # sum x: the mean logit
             xs = x if EVEN_N else tl.where(cols[None, :] < N, x, 0.0)
             at = ((STATS & 1) + (STATS >> 1 & 1)) * plane
             tl.store(planes + at + slot, tl.sum(xs, 1), mask=live)
 
     @triton.jit
-    def _epilogue(acc, out_desc, off_m, off_n, M, N, z_mul, x_cap, x_ref, row_a, row_b, targets,
-                  planes, plane, col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+    def _epilogue(acc, out_desc, off_m, off_n, M, N, z_mul, x_cap, x_ref, row_a, row_b, planes,
+                  plane, col_offset, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
                   SCALED: tl.constexpr, BY_CAP: tl.constexpr, STATS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
                   INTERP: tl.constexpr):  # fmt: skip
@@ -249,8 +231,8 @@ if triton is not None:
             if STATS:
                 xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
                 ref = tl.zeros((BLOCK_M,), dtype=tl.float32) + x_ref
-                _piece_statistics(x, xm, e, ref, rows, cols, off_n, live, slot, row_a, targets,
-                                  planes, plane, N, STATS, True, EVEN_N, BLOCK_N)  # fmt: skip
+                _piece_statistics(x, xm, e, ref, cols, live, slot, row_a, planes, plane,
+                                  N, STATS, True, EVEN_N)  # fmt: skip
         else:  # LSE by the maxima: this piece's maximum and sum of exp(x - maximum)
             xm = x if EVEN_N else tl.where(cols[None, :] < N, x, float("-inf"))
             m = tl.max(xm, 1)  # the logits' own maximum: the pieces' order is argmax's
@@ -259,12 +241,12 @@ if triton is not None:
             p = tl.exp2((xm - m[:, None]) * 1.4426950408889634)
             tl.store(row_b + slot, tl.sum(p, 1), mask=live)
             if STATS:
-                _piece_statistics(x, xm, p, m, rows, cols, off_n, live, slot, row_a, targets,
-                                  planes, plane, N, STATS, False, EVEN_N, BLOCK_N)  # fmt: skip
+                _piece_statistics(x, xm, p, m, cols, live, slot, row_a, planes, plane, N, STATS,
+                                  False, EVEN_N)  # fmt: skip
 
     @triton.jit
     def head_products_kernel(x_desc, w_desc, out_desc, M, N, K, z_mul, x_cap, x_ref, row_a, row_b,
-                             targets, planes, plane, col_offset, EPILOGUE: tl.constexpr,
+                             planes, plane, col_offset, EPILOGUE: tl.constexpr,
                              SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BY_CAP: tl.constexpr,
                              STATS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -295,11 +277,11 @@ if triton is not None:
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
                                               (0, 2, 1)))  # fmt: skip
             _epilogue(left, out_desc, off_m, off_n, M, N, z_mul, x_cap, x_ref, row_a, row_b,
-                      targets, planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP,
-                      STATS, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
+                      planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP, STATS, BLOCK_M,
+                      BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
             _epilogue(right, out_desc, off_m, off_n + BLOCK_N // 2, M, N, z_mul, x_cap, x_ref,
-                      row_a, row_b, targets, planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED,
-                      BY_CAP, STATS, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
+                      row_a, row_b, planes, plane, col_offset, EPILOGUE, SOFTCAP, SCALED, BY_CAP,
+                      STATS, BLOCK_M, BLOCK_N // 2, EVEN_N, INTERP)  # fmt: skip
 
     @triton.jit
     def target_logits_kernel(x_ptr, w_ptr, t_ptr, xy_ptr, dy_ptr, K, N, stride_x, stride_w,
@@ -435,7 +417,7 @@ def applies(x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature,
 
 
 def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bits=0,
-            transform=(1.0, 1.0), targets=None):  # fmt: skip
+            transform=(1.0, 1.0)):  # fmt: skip
     n, d = x.shape
     v = w.shape[0]
     z_mul, x_cap, _ = logit_map(cap, transform)
@@ -452,8 +434,7 @@ def _launch(x, w, out, cap, row_a, row_b, col_offset, epilogue, planes=None, bit
             TensorDescriptor.from_tensor(w, [BN, BK]),
             TensorDescriptor.from_tensor(out, [BM, PIECE]),
             n, v, d, float(z_mul), float(x_cap), float(x_ref), row_a, row_b,
-            row_b if targets is None else targets, row_b if planes is None else planes, plane,
-            col_offset, EPILOGUE=epilogue,
+            row_b if planes is None else planes, plane, col_offset, EPILOGUE=epilogue,
             SOFTCAP=cap > 0, SCALED=cap == 0 and z_mul != 1.0,
             BY_CAP=epilogue != GRAD and _by_cap(x_cap), STATS=bits,
             BLOCK_M=BM, BLOCK_N=BN,
@@ -492,9 +473,8 @@ def _pieces(n: int, v: int, device, planes: int = 0) -> torch.Tensor:
 
 def _plane_bits(stats: int) -> int:
     """The kernel's ``STATS`` (bits of ``PLANE_BITS``) for ``stats``, a bit mask of
-    ``STATISTICS``: ``is_top1`` beside ``predicted`` reads the latter's plane."""
-    bits = sum({PLANE_BITS[name] for i, name in enumerate(STATISTICS) if stats >> i & 1})
-    return bits & ~16 if bits & 8 else bits
+    ``STATISTICS``."""
+    return sum({PLANE_BITS[name] for i, name in enumerate(STATISTICS) if stats >> i & 1})
 
 
 class _Pieces(NamedTuple):
@@ -508,8 +488,7 @@ class _Pieces(NamedTuple):
     ref: float
 
 
-def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int, transform,
-                   targets=None) -> _Pieces:  # fmt: skip
+def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int, transform) -> _Pieces:
     n, v = x.shape[0], w.shape[0]
     bits = _plane_bits(stats)
     x_cap = logit_map(cap, transform).x_cap
@@ -517,18 +496,15 @@ def _launch_pieces(x, w, out, cap: float, epilogue: int, stats: int, transform,
     sums = _pieces(n, v, x.device)
     maxima = _pieces(n, v, x.device) if ref == 0 or bits & NEEDS_MAXIMA else None
     planes = _pieces(n, v, x.device, bits.bit_count()) if bits else None
-    if bits & 16 and targets is None:
-        raise ValueError("is_top1 without predicted needs the rows' targets")
     _launch(x, w, out, cap, sums if maxima is None else maxima, sums, 0, epilogue, planes, bits,
-            transform, targets)  # fmt: skip
+            transform)  # fmt: skip
     return _Pieces(sums, maxima, planes, ref)
 
 
-def _row_statistics(pieces: _Pieces, stats: int, v: int, lse, s, targets=None) -> dict:
+def _row_statistics(pieces: _Pieces, stats: int, v: int, lse, s) -> dict:
     """The rows' ``STATISTICS`` asked for by ``stats`` from the pieces' (``predicted``, int64,
-    in place of ``is_top1`` where both are asked for), for every row (``ops`` masks those without
-    a target: ``is_top1`` alone is meaningless there); ``lse`` and ``s`` = sum exp(x - ref) (the
-    pieces' ``ref``) or exp(x - max) (ref 0) the rows' own; ``targets`` for ``is_top1`` alone."""
+    in place of ``is_top1`` too), for every row (``ops`` masks those without a target); ``lse``
+    and ``s`` = sum exp(x - ref) (the pieces' ``ref``) or exp(x - max) (ref 0) the rows' own."""
     names = {name for i, name in enumerate(STATISTICS) if stats >> i & 1}
     bits = _plane_bits(stats)
     out, (sums, maxima, planes, ref) = {}, pieces
@@ -550,12 +526,7 @@ def _row_statistics(pieces: _Pieces, stats: int, v: int, lse, s, targets=None) -
         out["mean_logits"] = planes[4].sum(1) / v
     if names & {"is_top1", "predicted"}:  # the first piece holding the row's maximum
         first = maxima.argmax(1, keepdim=True)
-        if bits & 8:
-            out["predicted"] = planes[8].gather(1, first)[:, 0].to(torch.int64)
-        else:  # the top-1 where that piece holds the target and its first maximum is the target
-            held = (targets // PIECE).clamp(0, maxima.shape[1] - 1)[:, None]
-            column = planes[16].gather(1, held)[:, 0]  # unset unless the target is in [0, v)
-            out["is_top1"] = (held == first)[:, 0] & (column == targets)
+        out["predicted"] = planes[8].gather(1, first)[:, 0].to(torch.int64)
     return out
 
 
@@ -570,20 +541,19 @@ def softcap_products(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ca
     if not _by_cap(logit_map(cap, transform).x_cap):
         raise ValueError(f"softcap_products needs 0 < cap / T <= {MAX_SOFTCAP}")
     q = _rows_out(n, v, x)
-    pieces = _launch_pieces(x, w, q, cap, SOFTCAP_Q, stats, transform, targets)
+    pieces = _launch_pieces(x, w, q, cap, SOFTCAP_Q, stats, transform)
     s = pieces.sums.sum(1)
-    values = _row_statistics(pieces, stats, v, pieces.ref + s.log(), s, targets)
+    values = _row_statistics(pieces, stats, v, pieces.ref + s.log(), s)
     return q, s, *target_logits(x, w, targets, cap, transform), values
 
 
 def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float, stats: int = 0,
-                 transform=(1.0, 1.0), targets=None):  # fmt: skip
+                 transform=(1.0, 1.0)):  # fmt: skip
     """``(lse, statistics)``: the rows' log-sum-exp of the logits the loss sees (fp32, n;
-    ``logit_map``) and the ``STATISTICS`` asked for by ``stats`` (``_row_statistics``; the rows'
-    ``targets`` for ``is_top1`` without ``predicted``), storing no logits
-    (``statistics_row_bytes``). Call only where ``applies(..., eager=False)``."""
+    ``logit_map``) and the ``STATISTICS`` asked for by ``stats`` (``_row_statistics``), storing
+    no logits (``statistics_row_bytes``). Call only where ``applies(..., eager=False)``."""
     v = w.shape[0]
-    pieces = _launch_pieces(x, w, None, cap, LSE, stats, transform, targets)
+    pieces = _launch_pieces(x, w, None, cap, LSE, stats, transform)
     if pieces.ref > 0:
         s = pieces.sums.sum(1)
         lse = s.log() + pieces.ref
@@ -591,7 +561,7 @@ def lse_products(x: torch.Tensor, w: torch.Tensor, cap: float, stats: int = 0,
         top = pieces.maxima.amax(1)
         s = (pieces.sums * (pieces.maxima - top[:, None]).exp()).sum(1)
         lse = top + s.log()
-    return lse, _row_statistics(pieces, stats, v, lse, s, targets)
+    return lse, _row_statistics(pieces, stats, v, lse, s)
 
 
 def grad_products(x, w, targets, lse, big_a, small_a, cap: float, col_offset: int = 0,

@@ -327,12 +327,8 @@ def test_piece_statistics_against_fp64(cap, v):
         runs.append(values)
     for subset in (("entropy", "is_top1"), ("log_sum_sq_probs", "mean_logits"), ("mean_logits",)):
         bits = sum(1 << ALL_STATISTICS.index(name) for name in subset)
-        some = lse_products(x, w, cap, bits, targets=targets)[1]
-        top1 = some.pop("is_top1", None)  # is_top1 alone: read in the target's piece
+        some = lse_products(x, w, cap, bits)[1]
         assert all(torch.equal(t, got[k]) for k, t in some.items()), subset  # planes by rank
-        if top1 is not None:
-            valid = targets >= 0
-            assert torch.equal(top1[valid], (got["predicted"] == targets)[valid])
     for got in runs:
         assert set(got) == {"entropy", "log_sum_sq_probs", "mean_logits", "predicted"}
         for name, ref in want.items():
@@ -362,44 +358,6 @@ def test_first_maximum_breaks_ties_to_the_left_across_pieces(cap):
     if cap:
         targets = torch.zeros(64, dtype=torch.long, device=DEVICE)
         assert torch.equal(softcap_products(x, w, targets, cap, stats)[4]["predicted"], predicted)
-
-
-@pytest.mark.parametrize("cap", [0.0, 20.0], ids=["plain", "softcap"])
-def test_top1_alone_is_the_first_maximum_at_the_target(cap):
-    """``is_top1`` asked for without ``predicted`` takes the first maximum's column only in the
-    piece holding each row's target: True exactly where the target is the column argmax takes,
-    whether the row's maximum is tied within a piece (600, 601), across a tile's two pieces (130,
-    200) or two tiles (5, 900), for targets at the first maximum, at a later tied copy, elsewhere
-    in the maximum's piece, in another piece, and none (-1, V) where the masks take over."""
-    x, w, _, _ = make_inputs(96, 64, 1003, torch.bfloat16, seed=5)
-    x, w = x.detach().clone(), w.detach().clone()
-    copies = {0: [130, 200, 600, 601], 1: [5, 900]}
-    for half, cols in copies.items():
-        w[cols] = w[cols[0]].clone()
-        rows = slice(32 * half, 32 * half + 32)
-        x[rows] += (8.0 * w[cols[0]] / w[cols[0]].float().norm()).to(x.dtype)
-    both = (1 << ALL_STATISTICS.index("predicted")) | (1 << ALL_STATISTICS.index("is_top1"))
-    predicted = lse_products(x, w, cap, both)[1]["predicted"]
-    assert (predicted[:32] == 130).all() and (predicted[32:64] == 5).all(), predicted
-    i = torch.arange(96, device=DEVICE)
-    tied = torch.where(i < 32, 600 + (i % 2) * (200 - 600), 900)  # a later copy: not the top-1
-    in_piece = predicted ^ 1  # the maximum's neighbour, in its piece
-    elsewhere = (predicted + 512) % 1003
-    choices = torch.stack([predicted, tied, in_piece, elsewhere, predicted, -1 + 0 * i,
-                           1003 + 0 * i])  # fmt: skip
-    targets = choices.gather(0, (i % 7)[None])[0]
-    valid = (targets >= 0) & (targets < 1003)
-    want = valid & (targets == predicted)
-    assert want.sum() >= 20 and (valid & ~want).sum() >= 40  # both answers well represented
-    alone = 1 << ALL_STATISTICS.index("is_top1")
-    runs = [lse_products(x, w, cap, alone, targets=targets)[1]]
-    if cap:
-        runs.append(softcap_products(x, w, targets, cap, alone)[4])
-    for got in runs:
-        assert set(got) == {"is_top1"} and got["is_top1"].dtype == torch.bool
-        assert torch.equal(got["is_top1"] & valid, want)
-    with pytest.raises(ValueError, match="targets"):
-        lse_products(x, w, cap, alone)
 
 
 def test_first_maximum_tells_adjacent_fp32_logits_apart():
@@ -501,12 +459,6 @@ def test_statistics_through_the_fused_products(case, regime, layout, fused_chunk
     assert (predicted[~valid] == -1).all() and not stats["is_top1"][~valid].any()
     _assert_first_maximum(predicted[valid], xs[valid], 1e-4, regime == "typical")
     assert torch.equal(stats["is_top1"], valid & (predicted == labels))
-    # is_top1 without predicted (read in the target's piece), half the targets the top-1
-    hits = torch.where(valid & (torch.arange(n, device=DEVICE) % 2 == 0), predicted, labels)
-    _, alone = linear_cross_entropy_statistics(x, w, hits, statistics=("entropy", "is_top1"),
-                                               **kw)  # fmt: skip
-    assert torch.equal(alone["is_top1"], valid & (predicted == hits)) and alone["is_top1"].any()
-    assert torch.equal(alone["entropy"], stats["entropy"])
 
 
 def test_grad_products_entropy_term_against_fp64():
