@@ -61,47 +61,70 @@ if triton is not None:
         return _tanh(u)
 
     @triton.jit
-    def _capped(z, cap, inv_cap, SOFTCAP: tl.constexpr):
-        if SOFTCAP:
-            return cap * _softcap_tanh(z * inv_cap, SOFTCAP)
-        return z
-
-    @triton.jit
-    def _transformed(z, cap, inv_cap, scale, inv_temp, SOFTCAP: tl.constexpr,
-                     SCALED: tl.constexpr):  # fmt: skip
-        """x = inv_temp * cap * tanh(scale * z / cap): the logits the loss sees (each factor only
-        where its option is on)."""
-        if SCALED:
-            z = z * scale
-        x = _capped(z, cap, inv_cap, SOFTCAP)
-        if SCALED:
-            x = x * inv_temp
-        return x
-
-    @triton.jit
-    def _ce_grad(z, cols, tgt, lse, a, c, e, h, cap, inv_cap, scale, inv_temp, eps, inv_v,
-                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-                 SMOOTHING: tl.constexpr):  # fmt: skip
-        """dL/dz for the upstream gradients a (on ce), c = a + 2 s lse b (ce and z-loss) and e (on
-        the entropy h), through the transform of ``_transformed``. The chain rule's scale *
-        inv_temp is folded into the row's coefficients and the target's term is a select, not a
-        product with a one-hot: the sweeps run near the memory's bandwidth, where each
+    def _row_maps(cap, scale, inv_temp, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
+                  SIGN: tl.constexpr):  # fmt: skip
+        """``(zc, k2, slope)`` for the logits the loss sees, x = inv_temp cap tanh(scale z / cap)
+        (each factor only where its option is on), taken in base 2: u = x log2(e) is k2 tanh(z
+        zc) with a softcap and k2 key(z) without (``_order_key``, SIGN the sign of scale: k2 >=
+        0), and dx/dz is slope (1 - t^2) or slope. In base 2 the sweeps' exponentials are
+        exp2(u - reference) with no multiply of their own, and without a softcap u - reference
+        is one fused multiply-add: the sweeps run near the memory's bandwidth, where each
         instruction per element shows (``benchmarks/ce_sweep.py``)."""
-        y = z
         if SCALED:
-            y = z * scale
-            k = scale * inv_temp
-            a, c, e = a * k, c * k, e * k
-        if SOFTCAP:
-            t = _softcap_tanh(y * inv_cap, SOFTCAP)
-            x = cap * t
+            slope = scale * inv_temp
         else:
-            x = y
+            slope = 1.0
+        if SOFTCAP:
+            inv_cap = tl.math.div_rn(1.0, cap)  # one correctly rounded division per row
+            if SCALED:
+                zc = inv_cap * scale
+                k2 = cap * inv_temp * 1.4426950408889634
+            else:
+                zc = inv_cap
+                k2 = cap * 1.4426950408889634
+        else:
+            zc = 1.0
+            k2 = slope * (SIGN * 1.4426950408889634)
+        return zc, k2, slope
+
+    @triton.jit
+    def _order_key(z, zc, k2, SOFTCAP: tl.constexpr, SIGN: tl.constexpr):
+        """What a row's logits are ordered by (its maximum, the top-1): without a softcap z, -z
+        or 0 by the sign of the logit scale (SIGN; x is that times a positive factor, so the
+        order is the logits' own exactly, not as rounded by a product), u = x log2(e) with one."""
+        if SOFTCAP:
+            return k2 * _softcap_tanh(z * zc, SOFTCAP)
+        if SIGN == 1:
+            return z
+        if SIGN == -1:
+            return -z
+        return z * 0.0
+
+    @triton.jit
+    def _base2(key, k2, SOFTCAP: tl.constexpr):
+        """u = x log2(e) from ``_order_key``'s key."""
+        if SOFTCAP:
+            return key
+        return key * k2
+
+    @triton.jit
+    def _ce_grad(z, cols, tgt, lse2, a, c, e, h, zc, k2, slope, eps, inv_v,
+                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr, SIGN: tl.constexpr,
+                 ENTROPY_GRAD: tl.constexpr, SMOOTHING: tl.constexpr):  # fmt: skip
+        """dL/dz for the upstream gradients a (on ce), c = a + 2 s lse b (ce and z-loss) and e (on
+        the entropy h), through the transform of ``_row_maps``, for the row's log-sum-exp in base
+        2, lse2 = lse log2(e). The chain rule's slope is folded into the row's coefficients and
+        the target's term is a select, not a product with a one-hot."""
         if SCALED:
-            x = x * inv_temp
-        p = tl.exp(x - lse)
-        if ENTROPY_GRAD:
-            g = (c - e * (x - lse + h)) * p  # d(-sum p log p) / dx_j = -p_j (log p_j + h)
+            a, c, e = a * slope, c * slope, e * slope
+        if SOFTCAP:
+            t = _softcap_tanh(z * zc, SOFTCAP)
+            d = k2 * t - lse2
+        else:
+            d = _order_key(z, zc, k2, SOFTCAP, SIGN) * k2 - lse2
+        p = tl.exp2(d)  # d = (x - lse) log2(e)
+        if ENTROPY_GRAD:  # d(-sum p log p) / dx_j = -p_j (log p_j + h) = -p_j (d ln 2 + h)
+            g = (c - e * h - (e * 0.6931471805599453) * d) * p
         else:
             g = c * p
         g = tl.where(cols == tgt, g - a * (1.0 - eps), g)
@@ -110,6 +133,60 @@ if triton is not None:
         if SOFTCAP:
             g = g * (1.0 - t * t)  # d(cap tanh(z / cap)) / dz, from the same t as the forward's
         return g
+
+    @triton.jit
+    def _sweep_block(base, v0, V, tgt, m, s, se, sq, sx, mb, idx, zc, k2,
+                     BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, SIGN: tl.constexpr,
+                     MASKED: tl.constexpr,
+                     ENTROPY: tl.constexpr, SUM_SQ: tl.constexpr, SUM_X: tl.constexpr,
+                     TOP1: tl.constexpr, PRED: tl.constexpr):  # fmt: skip
+        """One block of the forward's first sweep: the running maximum m of the order keys, s =
+        sum exp2(u - u_m) (u_m the base-2 logit at m) and the statistics' sums (se = sum exp2(u
+        - u_m) (u - u_m), sq = sum exp2(2 (u - u_m)), sx = sum of keys), the maximum before the
+        target's column mb and the first maximum's column idx, updated by the block at v0.
+        MASKED: the last, partial block (the full ones carry no masks)."""
+        cols = v0 + tl.arange(0, BLOCK_V)
+        if MASKED:
+            mask = cols < V
+            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            raw = _order_key(z, zc, k2, SOFTCAP, SIGN)
+            key = tl.where(mask, raw, float("-inf"))
+        else:
+            raw = _order_key(tl.load(base + cols).to(tl.float32), zc, k2, SOFTCAP, SIGN)
+            key = raw
+        block_max = tl.max(key, 0)
+        m_new = tl.maximum(m, block_max)
+        # the reference: the running maximum's u, or 0 while every logit so far is -inf (a
+        # masked column: every term so far 0, where -inf - -inf would make them nan)
+        u_m = _base2(m, k2, SOFTCAP)
+        u_new = tl.where(m_new == float("-inf"), 0.0, _base2(m_new, k2, SOFTCAP))
+        r = tl.where(s > 0.0, tl.exp2(u_m - u_new), 0.0)  # s = 0 while m = -inf (u_m nan at k2 0)
+        d = _base2(raw, k2, SOFTCAP) - u_new  # -inf at logits of -inf
+        if MASKED:  # past V a term of 0 (not from a key of -inf: -inf * k2 is nan at k2 0)
+            d = tl.where(mask, d, float("-inf"))
+        ex = tl.exp2(d)
+        if ENTROPY:
+            # Relative to the running maximum, so that the entropy never takes the difference
+            # of two numbers of the logits' size (a peaked row's entropy is small beside them).
+            # A term of probability 0 adds 0 (0 * -inf would add nan).
+            d = tl.maximum(d, -1.0e30)
+            shift = tl.where(s > 0.0, u_m - u_new, 0.0) * s
+            se = (se + shift) * r + tl.sum(ex * d, 0)
+        s = s * r + tl.sum(ex, 0)
+        if SUM_SQ:
+            sq = sq * r * r + tl.sum(ex * ex, 0)
+        if TOP1:  # per element only in the block holding the target: others whole or not
+            if v0 + BLOCK_V <= tgt:
+                mb = tl.maximum(mb, block_max)
+            elif v0 < tgt:
+                mb = tl.maximum(mb, tl.max(tl.where(cols < tgt, key, float("-inf")), 0))
+        if PRED:  # a block's first maximum, kept only where it beats every earlier column
+            idx = tl.where(block_max > m, v0 + tl.argmax(key, 0, tie_break_left=True), idx)
+        if SUM_X:
+            if MASKED:
+                raw = tl.where(mask, raw, 0.0)
+            sx += tl.sum(raw, 0)
+        return m_new, s, se, sq, sx, mb, idx
 
     @triton.jit
     def cross_entropy_fwd_kernel(
@@ -139,6 +216,7 @@ if triton is not None:
         SMOOTHING: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
         SCALED: tl.constexpr,
+        SIGN: tl.constexpr,
         ENTROPY: tl.constexpr,
         SUM_SQ: tl.constexpr,
         MEAN: tl.constexpr,
@@ -146,74 +224,59 @@ if triton is not None:
         PRED: tl.constexpr,
         IN_PLACE: tl.constexpr,
     ):
-        """One program per row: online logsumexp over the vocabulary, the row's losses and the
-        requested statistics (each a constexpr: nothing computed when off), and (when
-        WRITE_GRAD) the row's gradient written in a second sweep, over the logits where IN_PLACE
-        (the caller passed the logits themselves as the gradient: one address per element)."""
+        """One program per row: online logsumexp over the vocabulary in base 2 (``_row_maps``),
+        full blocks first and the partial one last, the row's losses and the requested
+        statistics (each a constexpr: nothing computed when off), and (when WRITE_GRAD) the
+        row's gradient written in a second sweep, over the logits where IN_PLACE (the caller
+        passed the logits themselves as the gradient: one address per element)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_logits
         tgt = tl.load(targets_ptr + row).to(tl.int64)
         valid = tgt >= 0
-        inv_cap = tl.math.div_rn(1.0, cap)  # one correctly rounded division per row
+        zc, k2, slope = _row_maps(cap, scale, inv_temp, SOFTCAP, SCALED, SIGN)
 
-        m = tl.full((), float("-inf"), tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)  # the running maximum of the order keys
         s = tl.zeros((), tl.float32)
-        sx = tl.zeros((), tl.float32)  # sum of x (smoothing, mean)
-        se = tl.zeros((), tl.float32)  # sum of exp(x - m) (x - m) (entropy)
-        sq = tl.zeros((), tl.float32)  # sum of exp(2 (x - m)) (sum of squared probabilities)
-        mb = tl.full((), float("-inf"), tl.float32)  # max of x over the columns before the target
+        sx = tl.zeros((), tl.float32)  # sum of keys (smoothing, mean)
+        se = tl.zeros((), tl.float32)  # sum of exp2(u - u_m) (u - u_m) (entropy)
+        sq = tl.zeros((), tl.float32)  # sum of exp2(2 (u - u_m)) (sum of squared probabilities)
+        mb = tl.full((), float("-inf"), tl.float32)  # max key over the columns before the target
         idx = tl.zeros((), tl.int32)  # the column of the first maximum so far
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            mask = cols < V
-            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            x = _transformed(z, cap, inv_cap, scale, inv_temp, SOFTCAP, SCALED)
-            x0 = tl.where(mask, x, 0.0)
-            x = tl.where(mask, x, float("-inf"))
-            block_max = tl.max(x, 0)
-            m_new = tl.maximum(m, block_max)
-            r = tl.exp(m - m_new)
-            ex = tl.exp(x - m_new)
-            if ENTROPY:
-                # Relative to the running max, so that the entropy log(s) - se / s never takes
-                # the difference of two numbers of the logits' size (a peaked row's entropy is
-                # small beside them). Before the first block s = 0 and m = -inf.
-                shift = tl.where(s > 0.0, m - m_new, 0.0) * s
-                se = (se + shift) * r + tl.sum(ex * tl.where(mask, x - m_new, 0.0), 0)
-            s = s * r + tl.sum(ex, 0)
-            if SUM_SQ:
-                sq = sq * r * r + tl.sum(ex * ex, 0)
-            if TOP1:  # per element only in the block holding the target: others whole or not
-                if v0 + BLOCK_V <= tgt:
-                    mb = tl.maximum(mb, block_max)
-                elif v0 < tgt:
-                    mb = tl.maximum(mb, tl.max(tl.where(cols < tgt, x, float("-inf")), 0))
-            if PRED:  # a block's first maximum, kept only where it beats every earlier column
-                idx = tl.where(block_max > m, v0 + tl.argmax(x, 0, tie_break_left=True), idx)
-            m = m_new
-            if SMOOTHING or MEAN:
-                sx += tl.sum(x0, 0)
-        lse = m + tl.log(s)
+        full = V // BLOCK_V
+        for b in range(0, full):
+            m, s, se, sq, sx, mb, idx = _sweep_block(
+                base, b * BLOCK_V, V, tgt, m, s, se, sq, sx, mb, idx, zc, k2, BLOCK_V, SOFTCAP,
+                SIGN, False, ENTROPY, SUM_SQ, SMOOTHING or MEAN, TOP1, PRED)  # fmt: skip
+        if full * BLOCK_V < V:
+            m, s, se, sq, sx, mb, idx = _sweep_block(
+                base, full * BLOCK_V, V, tgt, m, s, se, sq, sx, mb, idx, zc, k2, BLOCK_V, SOFTCAP,
+                SIGN, True, ENTROPY, SUM_SQ, SMOOTHING or MEAN, TOP1, PRED)  # fmt: skip
+        log2_s = tl.log2(s)
+        lse2 = _base2(m, k2, SOFTCAP) + log2_s  # the log-sum-exp in base 2
+        lse = lse2 * 0.6931471805599453
 
-        x_t = tl.load(base + tgt, mask=valid, other=0.0).to(tl.float32)
-        x_t = _transformed(x_t, cap, inv_cap, scale, inv_temp, SOFTCAP, SCALED)
+        z_t = tl.load(base + tgt, mask=valid, other=0.0).to(tl.float32)
+        key_t = _order_key(z_t, zc, k2, SOFTCAP, SIGN)
+        u_t = _base2(key_t, k2, SOFTCAP)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
-        ce = lse - (1.0 - eps) * x_t
-        if SMOOTHING:
-            ce -= eps * sx * inv_v
+        # lse - x_t without rounding lse first: the target the maximum, (u_m - u_t) is 0
+        ce = ((_base2(m, k2, SOFTCAP) - u_t) + log2_s) * 0.6931471805599453
+        mean = _base2(sx, k2, SOFTCAP) * 0.6931471805599453 * inv_v
+        if SMOOTHING:  # lse - (1 - eps) x_t - eps mean
+            ce += eps * (u_t * 0.6931471805599453 - mean)
         tl.store(lse_ptr + row, lse)
         tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
         tl.store(z_ptr + row, tl.where(valid, z_scale * lse * lse, 0.0))
-        h = tl.log(s) - se / s
+        h = (log2_s - se / s) * 0.6931471805599453
         if ENTROPY:
             tl.store(entropy_ptr + row, tl.where(valid, h, 0.0))
         if SUM_SQ:
             tl.store(sum_sq_ptr + row, tl.where(valid, tl.log(sq) - 2.0 * tl.log(s), 0.0))
         if MEAN:
-            tl.store(mean_ptr + row, tl.where(valid, sx * inv_v, 0.0))
+            tl.store(mean_ptr + row, tl.where(valid, mean, 0.0))
         if TOP1:
             # The first maximum, as argmax takes it: an earlier column as large is the top-1.
-            top1 = valid & (x_t >= m) & (x_t > mb)
+            top1 = valid & (key_t >= m) & (key_t > mb)
             tl.store(top1_ptr + row, top1.to(tl.uint8))
         if PRED:
             tl.store(pred_ptr + row, tl.where(valid, idx, -1).to(tl.int64))
@@ -231,8 +294,8 @@ if triton is not None:
                 cols = v0 + tl.arange(0, BLOCK_V)
                 mask = cols < V
                 z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                g = _ce_grad(z, cols, tgt, lse, a, c, 0.0, h, cap, inv_cap, scale, inv_temp, eps,
-                             inv_v, SOFTCAP, SCALED, False, SMOOTHING)  # fmt: skip
+                g = _ce_grad(z, cols, tgt, lse2, a, c, 0.0, h, zc, k2, slope, eps, inv_v,
+                             SOFTCAP, SCALED, SIGN, False, SMOOTHING)  # fmt: skip
                 tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -258,6 +321,7 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         SOFTCAP: tl.constexpr,
         SCALED: tl.constexpr,
+        SIGN: tl.constexpr,
         ENTROPY_GRAD: tl.constexpr,
         SMOOTHING: tl.constexpr,
     ):
@@ -270,7 +334,7 @@ if triton is not None:
         tgt = tl.load(targets_ptr + row).to(tl.int64)
         valid = tgt >= 0
         lse = tl.load(lse_ptr + row)
-        inv_cap = tl.math.div_rn(1.0, cap)
+        zc, k2, slope = _row_maps(cap, scale, inv_temp, SOFTCAP, SCALED, SIGN)
         a = tl.where(valid, tl.load(coef_ce_ptr + row), 0.0)
         b = tl.where(valid, tl.load(coef_z_ptr + row), 0.0)
         c = a + 2.0 * z_scale * lse * b
@@ -281,6 +345,7 @@ if triton is not None:
             h = tl.load(entropy_ptr + row)
         z = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=0.0).to(tl.float32)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
-        g = _ce_grad(z, cols + col_offset, tgt, lse, a, c, e, h, cap, inv_cap, scale, inv_temp,
-                     eps, inv_v, SOFTCAP, SCALED, ENTROPY_GRAD, SMOOTHING)  # fmt: skip
+        g = _ce_grad(z, cols + col_offset, tgt, lse * 1.4426950408889634, a, c, e, h, zc, k2,
+                     slope, eps, inv_v, SOFTCAP, SCALED, SIGN, ENTROPY_GRAD,
+                     SMOOTHING)  # fmt: skip
         tl.store(grad_ptr + row * stride_grad + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)

@@ -62,19 +62,22 @@ def _grad_torch(z, cols, tgt, lse, a, c, softcap, eps, V, scale=1.0, inv_temp=1.
     return g
 
 
-def _stats_torch(x, t, row_lse, valid, stats):
-    """The requested statistics of the rows' transformed logits ``x`` into ``stats``' slices."""
+def _stats_torch(x, t, row_lse, valid, stats, order):
+    """The requested statistics of the rows' transformed logits ``x`` into ``stats``' slices;
+    the first maximum of ``order`` (the logits themselves without a softcap: x is z times a
+    positive factor, whose rounding could tie two fp32 logits; ``x`` with one), as the kernel."""
     zero = torch.zeros((), dtype=torch.float32, device=x.device)
     if "entropy" in stats:
         log_p = x - row_lse[:, None]
-        stats["entropy"][:] = torch.where(valid, -(log_p.exp() * log_p).sum(-1), zero)
+        terms = torch.where(log_p > -torch.inf, log_p.exp() * log_p, zero)  # -inf: p log p = 0
+        stats["entropy"][:] = torch.where(valid, -terms.sum(-1), zero)
     if "log_sum_sq_probs" in stats:
         sum_sq = torch.logsumexp(2.0 * (x - row_lse[:, None]), dim=-1)
         stats["log_sum_sq_probs"][:] = torch.where(valid, sum_sq, zero)
     if "mean_logits" in stats:
         stats["mean_logits"][:] = torch.where(valid, x.mean(-1), zero)
     if "is_top1" in stats or "predicted" in stats:
-        first = x.argmax(-1)  # the first maximum, as the kernel takes it
+        first = order.argmax(-1)  # the first maximum, as the kernel takes it
         if "is_top1" in stats:
             stats["is_top1"][:] = valid & (first == t)
         if "predicted" in stats:
@@ -93,12 +96,15 @@ def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps
         valid = t >= 0
         row_lse = torch.logsumexp(x, dim=-1)
         x_t = x.gather(1, t.clamp_min(0)[:, None])[:, 0]
-        row_ce = row_lse - (1.0 - eps) * x_t - (eps / V) * x.sum(-1)
+        row_ce = row_lse - (1.0 - eps) * x_t
+        if eps:  # not 0 * sum: a logit of -inf (a masked column) would make it nan
+            row_ce = row_ce - (eps / V) * x.sum(-1)
         lse[sl] = row_lse
         ce[sl] = torch.where(valid, row_ce, 0.0)
         zl[sl] = torch.where(valid, z_scale * row_lse.square(), 0.0)
         if stats:
-            _stats_torch(x, t, row_lse, valid, {k: v[sl] for k, v in stats.items()})
+            _stats_torch(x, t, row_lse, valid, {k: v[sl] for k, v in stats.items()},
+                         x if softcap else z * order_sign(0.0, scale))  # fmt: skip
         if grad is not None:
             a = torch.where(valid, coef_ce[sl], 0.0)
             c = a + 2.0 * z_scale * row_lse * torch.where(valid, coef_z[sl], 0.0)
@@ -129,6 +135,15 @@ def _bwd_torch(logits, targets, lse, coef_ce, coef_z, grad, col_offset, V, softc
 HARDWARE_TANH = os.environ.get("SURGERY_HARDWARE_TANH", "1") != "0"
 """Whether the softcap of bf16 logits on a GPU takes the GPU's tanh instruction (``SOFTCAP`` 2);
 ``SURGERY_HARDWARE_TANH=0`` keeps the exact one (1) everywhere, as CPU tests run it."""
+
+
+def order_sign(softcap: float, logit_scale: float) -> int:
+    """The kernels' ``SIGN``: without a softcap, the sign of the logit scale (the logits the loss
+    sees are z times a factor of that sign, and the kernels order a row by z times it: its own
+    order exactly); 1 with one (they order by the softcapped logits)."""
+    if softcap or logit_scale > 0:
+        return 1
+    return -1 if logit_scale < 0 else 0
 
 
 def softcap_mode(softcap: float, logits: torch.Tensor) -> int:
@@ -252,6 +267,7 @@ def cross_entropy_fwd(
             SMOOTHING=label_smoothing > 0.0,
             WRITE_GRAD=write_grad,
             SCALED=logit_scale != 1.0 or inv_temperature != 1.0,
+            SIGN=order_sign(softcap, logit_scale),
             ENTROPY="entropy" in stats,
             SUM_SQ="log_sum_sq_probs" in stats,
             MEAN="mean_logits" in stats,
@@ -319,6 +335,7 @@ def cross_entropy_bwd(
             BLOCK_V=block,
             SOFTCAP=softcap_mode(softcap, logits),
             SCALED=logit_scale != 1.0 or inv_temperature != 1.0,
+            SIGN=order_sign(softcap, logit_scale),
             ENTROPY_GRAD=entropy_grad,
             SMOOTHING=label_smoothing > 0.0,
             num_warps=BWD_NUM_WARPS,

@@ -425,6 +425,53 @@ def test_is_top1_is_argmax_whatever_block_holds_the_target_or_its_ties():
     assert stats["predicted"].tolist() == torch.where(valid, first, -1).tolist()
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+def test_minus_infinity_logits_are_masked_columns(path, softcap):
+    """Logits of -inf (a vocabulary masked by the caller) are columns of probability 0, as
+    ``F.cross_entropy`` takes them (under a softcap, logits of -cap): the loss, z-loss, gradient
+    and statistics finite and those of the columns left, whether the kernel's first block is
+    masked whole (its running maximum starts at -inf), columns are masked within blocks and the
+    last, partial block, or every column but the target's (a loss and an entropy of 0)."""
+    from surgery.kernels import cross_entropy_statistics
+    from surgery.kernels.cross_entropy.kernel import FWD_BLOCK_V as BLOCK
+
+    v = 2 * BLOCK + 808
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, v, generator=g) * 2
+    logits[0, : BLOCK + 17] = float("-inf")  # the first block whole, and into the second
+    logits[1, 3::5] = float("-inf")  # within every block, the partial last one too
+    logits[2] = float("-inf")
+    logits[2, 2 * BLOCK + 5] = 1.5  # the target the only column left
+    logits[3, :BLOCK] = float("-inf")
+    labels = torch.tensor([BLOCK + 20, 4, 2 * BLOCK + 5, 2 * BLOCK + 1, -100])
+    logits, labels = logits.to(path), labels.to(path)
+    z = logits.clone().requires_grad_()
+    (loss, z_loss), stats = cross_entropy_statistics(
+        z, labels, statistics=("entropy", "log_sum_sq_probs", "is_top1", "predicted"),
+        reduction="none", softcap=softcap, z_loss_scale=1e-3,
+    )  # fmt: skip
+    x64 = logits.detach().double().requires_grad_()
+    want = reference64(x64, labels, -100, "none", z_loss_scale=1e-3, softcap=softcap)
+    up = torch.rand(5, generator=g, dtype=torch.float64) + 0.5
+    (grad,) = torch.autograd.grad((loss * up.to(path, torch.float32)).sum(), z)  # z-loss in it
+    (grad64,) = torch.autograd.grad((want * up.to(path)).sum(), x64)
+    assert torch.isfinite(loss).all() and torch.isfinite(z_loss).all()
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), grad64, rtol=1e-5, atol=1e-6)
+    x = logits.double() if softcap is None else softcap * torch.tanh(logits.double() / softcap)
+    p = torch.softmax(x, -1)
+    entropy = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+    valid = labels >= 0
+    torch.testing.assert_close(stats["entropy"].double(), torch.where(valid, entropy, 0.0),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    sum_sq = torch.where(valid, (p * p).sum(-1).log(), 0.0)
+    torch.testing.assert_close(stats["log_sum_sq_probs"].double(), sum_sq, rtol=1e-5, atol=1e-5)
+    assert stats["is_top1"].tolist() == (valid & (x.argmax(-1) == labels)).tolist()
+    if softcap is None:  # under a softcap, -inf is the cap's floor, not a masked column
+        assert stats["is_top1"][2] and stats["entropy"][2] == 0 and loss[2] == z_loss[2]
+
+
 def test_statistics_over_logits_trace_with_fullgraph_compile():
     """The op with its statistics is opaque to dynamo: the loss, the statistics and the gradient
     trace in one graph and equal eager's."""

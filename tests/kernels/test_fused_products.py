@@ -459,6 +459,12 @@ def test_statistics_through_the_fused_products(case, regime, layout, fused_chunk
     assert (predicted[~valid] == -1).all() and not stats["is_top1"][~valid].any()
     _assert_first_maximum(predicted[valid], xs[valid], 1e-4, regime == "typical")
     assert torch.equal(stats["is_top1"], valid & (predicted == labels))
+    # is_top1 asked for without predicted, half the targets the top-1 (random labels hit none)
+    hits = torch.where(valid & (torch.arange(n, device=DEVICE) % 2 == 0), predicted, labels)
+    _, alone = linear_cross_entropy_statistics(x, w, hits, statistics=("entropy", "is_top1"),
+                                               **kw)  # fmt: skip
+    assert torch.equal(alone["is_top1"], valid & (predicted == hits)) and alone["is_top1"].any()
+    assert torch.equal(alone["entropy"], stats["entropy"])
 
 
 def test_grad_products_entropy_term_against_fp64():

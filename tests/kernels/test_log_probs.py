@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 
 import pytest
 import torch
@@ -24,13 +25,14 @@ CASES = {
     "plain": dict(),
     "temperature": dict(temperature=0.7),
     "scale-softcap": dict(logit_scale=1.3, softcap=5.0),
+    "negative-scale": dict(logit_scale=-0.8, temperature=0.9),  # the top-1 is z's minimum
     "shift": dict(shift=True, temperature=1.4),
     "skip_ignored": dict(skip_ignored=True, softcap=30.0),
 }
 FLOAT_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
 
 
-def make_inputs(n, d, v, dtype, seed=0, bias=True, shift=False):
+def make_inputs(n, d, v, dtype, seed=0, bias=True, shift=False, sign=1.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g).to(DEVICE, dtype).requires_grad_()
     w = (torch.randn(v, d, generator=g) * 2 / d**0.5).to(DEVICE, dtype).requires_grad_()
@@ -40,7 +42,7 @@ def make_inputs(n, d, v, dtype, seed=0, bias=True, shift=False):
     # Some targets are the top-1 (most of a random row's are not).
     with torch.no_grad():
         logits = x.float() @ w.float().T + (0 if b is None else b.float())
-    top = logits.argmax(-1)[::4]
+    top = (logits * sign).argmax(-1)[::4]  # sign: the logit scale's
     labels[int(shift) :: 4] = top[: len(labels[int(shift) :: 4])]
     return x, w, b, labels.to(DEVICE)
 
@@ -92,7 +94,8 @@ def test_every_output_and_gradient_against_fp64(case, dtype, budget, schedule):
     budget takes: the logits kept from the forward (three products) or recomputed (four)."""
     kw = CASES[case]
     ref_kw = {k: v for k, v in kw.items() if k != "skip_ignored"}
-    x, w, b, labels = make_inputs(53, 24, 301, dtype, shift=kw.get("shift", False))
+    x, w, b, labels = make_inputs(53, 24, 301, dtype, shift=kw.get("shift", False),
+                                  sign=math.copysign(1.0, kw.get("logit_scale", 1.0)))  # fmt: skip
     out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, **BUDGETS[budget], **kw)
     ref = linear_log_probs_reference(x, w, labels, b, dtype=torch.float64, **ref_kw)
     eager = eager_reference(x, w, b, labels, **ref_kw)
@@ -119,6 +122,22 @@ def test_every_output_and_gradient_against_fp64(case, dtype, budget, schedule):
         assert schedule == {"logits": 1, "lce_bwd_kept": 1, "lce_bwd_recompute": 0}
     else:
         assert schedule["lce_bwd_recompute"] == 1 and schedule["lce_bwd_kept"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_zero_logit_scale_makes_every_row_uniform(dtype):
+    """logit_scale=0: every logit the loss sees is 0, a uniform row: log-probabilities -log V,
+    entropy log V, the first maximum column 0 (argmax of a row of ties), the gradient 0."""
+    x, w, b, labels = make_inputs(24, 16, 301, dtype)
+    labels[:3] = 0
+    out = linear_log_probs(x, w, labels, b, outputs=OUTPUTS, logit_scale=0.0)
+    valid = labels >= 0
+    log_v = math.log(301)
+    torch.testing.assert_close(out.log_probs[valid], torch.full_like(out.log_probs[valid], -log_v))
+    torch.testing.assert_close(out.entropy[valid], torch.full_like(out.entropy[valid], log_v))
+    assert (out.predicted[valid] == 0).all() and torch.equal(out.is_top1, valid & (labels == 0))
+    grads = torch.autograd.grad(out.log_probs.sum() + out.entropy.sum(), (x, w, b))
+    assert all((g == 0).all() for g in grads)
 
 
 def test_kept_logits_are_spent_by_the_first_backward(schedule):
