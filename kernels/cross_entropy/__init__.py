@@ -18,9 +18,10 @@ softcap ``cap`` where set; a logit scale k and a temperature T, both 1 unless gi
 
 where p = softmax(x) and a_i, b_i, e_i are the upstream gradients reaching ce_i, zl_i and h_i.
 Tokens without a target (ignore_index, or a label outside [0, V)) have loss 0 and gradient 0 for
-any upstream gradient. The other statistics (``STATISTICS``) are log sum_j p_ij^2, the mean of
-x_i, whether y is the first maximum of x_i and that first maximum's column (argmax's, -1 without
-a target); none has a gradient.
+any upstream gradient. Logits of -inf (a vocabulary the caller masked) are columns of probability
+0, as ``F.cross_entropy`` takes them (under a softcap they are logits of -cap). The other
+statistics (``STATISTICS``) are log sum_j p_ij^2, the mean of x_i, whether y is the first maximum
+of x_i and that first maximum's column (argmax's, -1 without a target); none has a gradient.
 """
 
 from __future__ import annotations
