@@ -67,9 +67,10 @@ if triton is not None:
         (each factor only where its option is on), taken in base 2: u = x log2(e) is k2 tanh(z
         zc) with a softcap and k2 key(z) without (``_order_key``, SIGN the sign of scale: k2 >=
         0), and dx/dz is slope (1 - t^2) or slope. In base 2 the sweeps' exponentials are
-        exp2(u - reference) with no multiply of their own, and without a softcap u - reference
-        is one fused multiply-add: the sweeps run near the memory's bandwidth, where each
-        instruction per element shows (``benchmarks/ce_sweep.py``)."""
+        exp2(u - reference) with no multiply of their own (the gradient's exponent one fused
+        multiply-add without a softcap), where the logits the loss sees took two multiplies
+        before: the sweeps run near the memory's bandwidth, where each instruction per element
+        shows (``benchmarks/ce_sweep.py``)."""
         if SCALED:
             slope = scale * inv_temp
         else:
@@ -108,6 +109,15 @@ if triton is not None:
         return key * k2
 
     @triton.jit
+    def _exponent(key, k2, ref, SOFTCAP: tl.constexpr):
+        """u - u_ref in base 2 for a key and a reference, both ``_order_key``'s: the difference
+        first (exactly 0 at the reference, the row's maximum), then its factor without a
+        softcap, so that a peaked row's terms and loss keep their digits."""
+        if SOFTCAP:
+            return key - ref
+        return (key - ref) * k2
+
+    @triton.jit
     def _ce_grad(z, cols, tgt, lse2, a, c, e, h, zc, k2, slope, eps, inv_v,
                  SOFTCAP: tl.constexpr, SCALED: tl.constexpr, SIGN: tl.constexpr,
                  ENTROPY_GRAD: tl.constexpr, SMOOTHING: tl.constexpr):  # fmt: skip
@@ -119,11 +129,13 @@ if triton is not None:
             a, c, e = a * slope, c * slope, e * slope
         if SOFTCAP:
             t = _softcap_tanh(z * zc, SOFTCAP)
-            d = k2 * t - lse2
+            d = tl.fma(t, k2, -lse2)
         else:
-            d = _order_key(z, zc, k2, SOFTCAP, SIGN) * k2 - lse2
+            d = tl.fma(_order_key(z, zc, k2, SOFTCAP, SIGN), k2, -lse2)  # rounded once
         p = tl.exp2(d)  # d = (x - lse) log2(e)
         if ENTROPY_GRAD:  # d(-sum p log p) / dx_j = -p_j (log p_j + h) = -p_j (d ln 2 + h)
+            # (a logit of -inf: p = 0 and d held finite, so the term is 0, not inf * 0)
+            d = tl.maximum(d, -1.0e30)
             g = (c - e * h - (e * 0.6931471805599453) * d) * p
         else:
             g = c * p
@@ -141,10 +153,10 @@ if triton is not None:
                      ENTROPY: tl.constexpr, SUM_SQ: tl.constexpr, SUM_X: tl.constexpr,
                      TOP1: tl.constexpr, PRED: tl.constexpr):  # fmt: skip
         """One block of the forward's first sweep: the running maximum m of the order keys, s =
-        sum exp2(u - u_m) (u_m the base-2 logit at m) and the statistics' sums (se = sum exp2(u
-        - u_m) (u - u_m), sq = sum exp2(2 (u - u_m)), sx = sum of keys), the maximum before the
-        target's column mb and the first maximum's column idx, updated by the block at v0.
-        MASKED: the last, partial block (the full ones carry no masks)."""
+        sum exp2(u - u_m) (u_m the base-2 logit at m: ``_exponent``) and the statistics' sums (se
+        = sum exp2(u - u_m) (u - u_m), sq = sum exp2(2 (u - u_m)), sx = sum of keys), the maximum
+        before the target's column mb and the first maximum's column idx, updated by the block at
+        v0. MASKED: the last, partial block (the full ones carry no masks)."""
         cols = v0 + tl.arange(0, BLOCK_V)
         if MASKED:
             mask = cols < V
@@ -156,12 +168,12 @@ if triton is not None:
             key = raw
         block_max = tl.max(key, 0)
         m_new = tl.maximum(m, block_max)
-        # the reference: the running maximum's u, or 0 while every logit so far is -inf (a
-        # masked column: every term so far 0, where -inf - -inf would make them nan)
-        u_m = _base2(m, k2, SOFTCAP)
-        u_new = tl.where(m_new == float("-inf"), 0.0, _base2(m_new, k2, SOFTCAP))
-        r = tl.where(s > 0.0, tl.exp2(u_m - u_new), 0.0)  # s = 0 while m = -inf (u_m nan at k2 0)
-        d = _base2(raw, k2, SOFTCAP) - u_new  # -inf at logits of -inf
+        # the reference: the running maximum, or 0 while every logit so far is -inf (a masked
+        # column: every term so far 0, where -inf - -inf would make them nan)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        moved = _exponent(m, k2, ref, SOFTCAP)  # u_m - u_new: -inf or nan while s = 0
+        r = tl.where(s > 0.0, tl.exp2(moved), 0.0)
+        d = _exponent(raw, k2, ref, SOFTCAP)  # -inf at logits of -inf
         if MASKED:  # past V a term of 0 (not from a key of -inf: -inf * k2 is nan at k2 0)
             d = tl.where(mask, d, float("-inf"))
         ex = tl.exp2(d)
@@ -170,7 +182,7 @@ if triton is not None:
             # of two numbers of the logits' size (a peaked row's entropy is small beside them).
             # A term of probability 0 adds 0 (0 * -inf would add nan).
             d = tl.maximum(d, -1.0e30)
-            shift = tl.where(s > 0.0, u_m - u_new, 0.0) * s
+            shift = tl.where(s > 0.0, moved, 0.0) * s
             se = (se + shift) * r + tl.sum(ex * d, 0)
         s = s * r + tl.sum(ex, 0)
         if SUM_SQ:
@@ -252,18 +264,20 @@ if triton is not None:
                 base, full * BLOCK_V, V, tgt, m, s, se, sq, sx, mb, idx, zc, k2, BLOCK_V, SOFTCAP,
                 SIGN, True, ENTROPY, SUM_SQ, SMOOTHING or MEAN, TOP1, PRED)  # fmt: skip
         log2_s = tl.log2(s)
-        lse2 = _base2(m, k2, SOFTCAP) + log2_s  # the log-sum-exp in base 2
+        ref = tl.where(m == float("-inf"), 0.0, m)  # s's reference
+        lse2 = _base2(ref, k2, SOFTCAP) + log2_s  # the log-sum-exp in base 2
         lse = lse2 * 0.6931471805599453
 
         z_t = tl.load(base + tgt, mask=valid, other=0.0).to(tl.float32)
         key_t = _order_key(z_t, zc, k2, SOFTCAP, SIGN)
         u_t = _base2(key_t, k2, SOFTCAP)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
-        # lse - x_t without rounding lse first: the target the maximum, (u_m - u_t) is 0
-        ce = ((_base2(m, k2, SOFTCAP) - u_t) + log2_s) * 0.6931471805599453
+        # lse - x_t from the target's own exponent in s (log2 s - d_t), not lse rounded first:
+        # the reference's rounding cancels (a peaked row's small loss keeps its digits)
+        ce = (log2_s - _exponent(key_t, k2, ref, SOFTCAP)) * 0.6931471805599453
         mean = _base2(sx, k2, SOFTCAP) * 0.6931471805599453 * inv_v
-        if SMOOTHING:  # lse - (1 - eps) x_t - eps mean
-            ce += eps * (u_t * 0.6931471805599453 - mean)
+        if SMOOTHING:  # a masked target and mean are -inf: +inf, where the form above is nan
+            ce = lse - (1.0 - eps) * (u_t * 0.6931471805599453) - eps * mean
         tl.store(lse_ptr + row, lse)
         tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
         tl.store(z_ptr + row, tl.where(valid, z_scale * lse * lse, 0.0))

@@ -52,8 +52,8 @@ def _grad_torch(z, cols, tgt, lse, a, c, softcap, eps, V, scale=1.0, inv_temp=1.
         x = x * inv_temp
     p = torch.exp(x - lse[:, None])
     g = c[:, None] * p
-    if e is not None:
-        g -= e[:, None] * p * (x - lse[:, None] + h[:, None])
+    if e is not None:  # p (x - lse + h), 0 where p is (a logit of -inf: not 0 * -inf)
+        g -= e[:, None] * torch.where(p > 0, p * (x - lse[:, None] + h[:, None]), 0.0)
     g -= a[:, None] * ((1.0 - eps) * (cols[None, :] == tgt[:, None]).to(g.dtype) + eps / V)
     if softcap:
         g *= 1.0 - t * t
@@ -94,11 +94,15 @@ def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps
         x = _transformed_torch(z, softcap, scale, inv_temp)
         t = targets[sl].long()
         valid = t >= 0
-        row_lse = torch.logsumexp(x, dim=-1)
-        x_t = x.gather(1, t.clamp_min(0)[:, None])[:, 0]
-        row_ce = row_lse - (1.0 - eps) * x_t
+        # relative to the row's maximum, as the kernel: a peaked row's small loss is log s -
+        # (x_t - m), not lse - x_t with lse rounded at the logits' size first
+        top = x.amax(-1)
+        shifted = x - top[:, None]
+        log_s = torch.logsumexp(shifted, dim=-1)
+        row_lse = top + log_s
+        row_ce = log_s - (1.0 - eps) * shifted.gather(1, t.clamp_min(0)[:, None])[:, 0]
         if eps:  # not 0 * sum: a logit of -inf (a masked column) would make it nan
-            row_ce = row_ce - (eps / V) * x.sum(-1)
+            row_ce = row_ce - (eps / V) * shifted.sum(-1)
         lse[sl] = row_lse
         ce[sl] = torch.where(valid, row_ce, 0.0)
         zl[sl] = torch.where(valid, z_scale * row_lse.square(), 0.0)

@@ -469,7 +469,80 @@ def test_minus_infinity_logits_are_masked_columns(path, softcap):
     torch.testing.assert_close(stats["log_sum_sq_probs"].double(), sum_sq, rtol=1e-5, atol=1e-5)
     assert stats["is_top1"].tolist() == (valid & (x.argmax(-1) == labels)).tolist()
     if softcap is None:  # under a softcap, -inf is the cap's floor, not a masked column
-        assert stats["is_top1"][2] and stats["entropy"][2] == 0 and loss[2] == z_loss[2]
+        assert stats["is_top1"][2] and stats["entropy"][2].abs() < 1e-6
+        assert (loss[2] - z_loss[2]).abs() < 1e-6
+
+
+@pytest.mark.parametrize("inv_temperature", [1.0, 1.0 / 0.7], ids=["T1", "T0.7"])
+def test_a_confident_rows_loss_keeps_its_digits(path, inv_temperature):
+    """Rows whose target leads the others by 10 to 25 (losses from ~1e-4 down to ~1e-15) at
+    logits near 30 and near 100: each loss within 3e-7 of fp64's and never negative, as from the
+    target's own exponent taken as a difference first (log s - (x_t - m)); lse - x_t, lse
+    rounded at the logits' size first, is off by up to ~4e-6, and an exponent x k - m k whose
+    reference m k is rounded there (one fused multiply-add) by as much, either sign. A target
+    behind by as much (a loss near 15) as close relatively."""
+    g = torch.Generator().manual_seed(8)
+    offsets = torch.tensor([30.0, 30.0, 30.0, 100.0, 100.0, 100.0, 30.0])[:, None]
+    logits = offsets + 3.0 * torch.randn(7, V, generator=g)
+    labels = torch.tensor([3, 8, 20, 36, 0, 11, 5])
+    rows = torch.arange(7)
+    lead = torch.tensor([10.0, 15.0, 25.0, 10.0, 15.0, 25.0, -15.0]) / inv_temperature
+    logits[rows, labels] = logits.amax(-1) + lead
+    _, ce, _ = ce_mod.cross_entropy_fwd(logits.to(path), labels.to(path),
+                                        inv_temperature=inv_temperature)  # fmt: skip
+    ce = ce.double().cpu()
+    x = logits.double() * inv_temperature
+    want = -torch.log_softmax(x, -1).gather(1, labels[:, None])[:, 0]
+    assert (want[:6] < 1e-3).all() and want[6] > 10  # six confident rows, one far off
+    assert (ce >= 0).all(), ce
+    torch.testing.assert_close(ce[:6], want[:6], rtol=0, atol=3e-7)
+    torch.testing.assert_close(ce[6], want[6], rtol=1e-6, atol=0)
+
+
+def test_minus_infinity_logits_with_label_smoothing_give_an_infinite_loss(path):
+    """Label smoothing spreads a share of the target over every column, a masked one's log-prob
+    -inf among them: the loss is +inf as ``F.cross_entropy``'s (not nan), the target masked too."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, V, generator=g)
+    logits[:2, 3] = float("-inf")
+    labels = torch.tensor([3, 5, 7])  # the target masked, a masked column elsewhere, none
+    out = cross_entropy(logits.to(path), labels.to(path), label_smoothing=0.1, reduction="none")
+    want = reference64(logits, labels, -100, "none", label_smoothing=0.1)
+    assert want[:2].isposinf().all() and torch.isfinite(want[2])
+    torch.testing.assert_close(out.loss.double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_gradient_is_zero_at_minus_infinity_logits(path):
+    """The backward with the entropy's gradient (``coef_entropy``) over logits with columns of
+    -inf: 0 there and, on the other columns, the gradient of the vocabulary without them (fp64
+    autograd of lse, ce and the entropy), not nan from +inf times a probability of 0."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, V, generator=g) * 2
+    masked = torch.zeros(V, dtype=torch.bool)
+    masked[::3] = True
+    logits[:, masked] = float("-inf")
+    labels = torch.tensor([1, 2, 4, -1])
+    coef_ce, coef_z, coef_ent = (torch.rand(4, generator=g) + 0.5 for _ in range(3))
+    kept = logits[:, ~masked].double().requires_grad_()
+    target = torch.tensor([(~masked)[:t].sum().item() if t >= 0 else -1 for t in labels])
+    lse = torch.logsumexp(kept, -1)
+    log_p = kept - lse[:, None]
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    valid = target >= 0
+    ce = torch.where(valid, -log_p.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+    total = (coef_ce * ce + coef_z * torch.where(valid, 1e-3 * lse**2, 0.0)).sum()
+    total = total + (torch.where(valid, coef_ent, 0.0) * entropy).sum()
+    (want_kept,) = torch.autograd.grad(total, kept)
+    want = torch.zeros(4, V, dtype=torch.float64)
+    want[:, ~masked] = want_kept
+    on = lambda t: t.to(path)
+    grad = torch.empty(4, V, device=path)
+    ce_mod.cross_entropy_bwd(on(logits), on(labels), on(lse.detach().float()), on(coef_ce),
+                             on(coef_z), grad, z_loss_scale=1e-3,
+                             entropy=on(entropy.detach().float()),
+                             coef_entropy=on(coef_ent))  # fmt: skip
+    assert torch.isfinite(grad).all() and (grad[:, masked] == 0).all()
+    torch.testing.assert_close(grad.double().cpu(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_statistics_over_logits_trace_with_fullgraph_compile():
