@@ -272,8 +272,8 @@ if triton is not None:
         key_t = _order_key(z_t, zc, k2, SOFTCAP, SIGN)
         u_t = _base2(key_t, k2, SOFTCAP)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
-        # lse - x_t from the target's own exponent in s (log2 s - d_t), not lse rounded first:
-        # the reference's rounding cancels (a peaked row's small loss keeps its digits)
+        # lse - x_t as log2 s minus the target's exponent in s, not lse rounded at the logits'
+        # size first: a peaked row's small loss keeps its digits
         ce = (log2_s - _exponent(key_t, k2, ref, SOFTCAP)) * 0.6931471805599453
         mean = _base2(sx, k2, SOFTCAP) * 0.6931471805599453 * inv_v
         if SMOOTHING:  # a masked target and mean are -inf: +inf, where the form above is nan

@@ -64,8 +64,9 @@ def _grad_torch(z, cols, tgt, lse, a, c, softcap, eps, V, scale=1.0, inv_temp=1.
 
 def _stats_torch(x, t, row_lse, valid, stats, order):
     """The requested statistics of the rows' transformed logits ``x`` into ``stats``' slices;
-    the first maximum of ``order`` (the logits themselves without a softcap: x is z times a
-    positive factor, whose rounding could tie two fp32 logits; ``x`` with one), as the kernel."""
+    the first maximum of ``order`` (without a softcap the logits times the logit scale's sign:
+    x is that times a positive factor, whose rounding could tie two fp32 logits; ``x`` with
+    one), as the kernel takes it."""
     zero = torch.zeros((), dtype=torch.float32, device=x.device)
     if "entropy" in stats:
         log_p = x - row_lse[:, None]
