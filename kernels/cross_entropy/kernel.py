@@ -270,14 +270,14 @@ if triton is not None:
 
         z_t = tl.load(base + tgt, mask=valid, other=0.0).to(tl.float32)
         key_t = _order_key(z_t, zc, k2, SOFTCAP, SIGN)
-        u_t = _base2(key_t, k2, SOFTCAP)
         inv_v = 1.0 / V  # V may be the Python int 1: Triton specializes that value
         # lse - x_t as log2 s minus the target's exponent in s, not lse rounded at the logits'
         # size first: a peaked row's small loss keeps its digits
         ce = (log2_s - _exponent(key_t, k2, ref, SOFTCAP)) * 0.6931471805599453
         mean = _base2(sx, k2, SOFTCAP) * 0.6931471805599453 * inv_v
         if SMOOTHING:  # a masked target and mean are -inf: +inf, where the form above is nan
-            ce = lse - (1.0 - eps) * (u_t * 0.6931471805599453) - eps * mean
+            x_t = _base2(key_t, k2, SOFTCAP) * 0.6931471805599453
+            ce = lse - (1.0 - eps) * x_t - eps * mean
         tl.store(lse_ptr + row, lse)
         tl.store(ce_ptr + row, tl.where(valid, ce, 0.0))
         tl.store(z_ptr + row, tl.where(valid, z_scale * lse * lse, 0.0))

@@ -109,7 +109,7 @@ def _fwd_torch(logits, targets, lse, ce, zl, coef_ce, coef_z, grad, softcap, eps
         zl[sl] = torch.where(valid, z_scale * row_lse.square(), 0.0)
         if stats:
             _stats_torch(x, t, row_lse, valid, {k: v[sl] for k, v in stats.items()},
-                         x if softcap else z * order_sign(0.0, scale))  # fmt: skip
+                         x if softcap else z * order_sign(softcap, scale))  # fmt: skip
         if grad is not None:
             a = torch.where(valid, coef_ce[sl], 0.0)
             c = a + 2.0 * z_scale * row_lse * torch.where(valid, coef_z[sl], 0.0)
