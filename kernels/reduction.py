@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "REDUCTIONS",
     "check_labels",
+    "drop_crossing_targets",
     "host_cu_seqlens",
     "label_error_flag",
     "prepare_targets",
@@ -209,6 +210,27 @@ def prepare_targets(
     # Tokens without a target read column 0 (never out of bounds) and get weight 0.
     targets = torch.where(valid, flat, torch.zeros_like(flat))
     return targets, valid
+
+
+def drop_crossing_targets(
+    targets: torch.Tensor,
+    ignore_index: int,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """Next-token targets given as they are (transformers' ``shift_labels``: token t's target is
+    token t + 1's label), (B, T) or (N,), with ``ignore_index`` wherever token t + 1 of the same
+    row starts a sequence (``sequence_starts``): a packed sequence's last token never predicts the
+    next sequence's first, as ``prepare_targets`` has it when it shifts the labels itself. A row's
+    last target is kept (under context parallelism, the next shard's first token). Without known
+    boundaries ``targets`` itself; else a copy (the caller's tensor is never written)."""
+    starts = sequence_starts(tuple(targets.shape), targets.device, position_ids, cu_seqlens)
+    if starts is None:
+        return targets
+    starts = starts.view(targets.shape if targets.dim() == 2 else (1, -1))
+    crossing = torch.zeros_like(starts)
+    crossing[:, :-1] = starts[:, 1:]
+    return targets.masked_fill(crossing.view(targets.shape), ignore_index)
 
 
 def token_weights(

@@ -61,7 +61,7 @@ from surgery.forwards.head import (
 from surgery.integrations.trl import REQUEST_KWARG as TRL_REQUEST_KWARG
 from surgery.integrations.trl import FusedHeadRequest, fused_head_output
 from surgery.kernels import cross_entropy
-from surgery.kernels.reduction import every_token_mask
+from surgery.kernels.reduction import drop_crossing_targets, every_token_mask
 from surgery.models import ArchitectureSpec, MultimodalWrapper
 from surgery.options import PatchOptions
 from surgery.outputs import (
@@ -386,6 +386,9 @@ def _head_output(self, state, config, outputs, hidden, targets, fused, head_fuse
     else:
         given, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
         given = given.to(hidden.device)
+        if not shift:  # the loss shifts no labels: the packed boundaries dropped here
+            given = drop_crossing_targets(given, targets.ignore_index, targets.position_ids,
+                                          targets.cu_seqlens)  # fmt: skip
         loss_options["shift"] = shift
         if head_fused:
             out = fused_head(self)(hidden, labels=given, softcap=softcap, **head_options,

@@ -18,6 +18,7 @@ from surgery.kernels import (
     linear_cross_entropy_reference,
 )
 from surgery.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
+from surgery.kernels.reduction import drop_crossing_targets
 from tests.utils import (
     DEVICE,
     assert_close_budget,
@@ -322,6 +323,32 @@ def test_shift_never_crosses_packed_boundary():
     # The last token of each sequence (and of the row) has no next-token target.
     assert torch.all(out.loss[[3, 9, 11]] == 0)
     assert torch.all(out.loss[[0, 1, 2, 4, 8, 10]] > 0)
+
+
+def test_pre_shifted_targets_drop_the_packed_boundaries():
+    """``drop_crossing_targets``: next-token targets given as they are (transformers'
+    ``shift_labels``) lose those crossing into the next sequence of the row, by position_ids or
+    cu_seqlens, (N,) or (B, T); a row's last target is kept (the next shard's first token under
+    context parallelism) and the caller's tensor is not written. The loss of the targets so kept
+    is the loss's own shift, token by token."""
+    pos = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2], device=DEVICE)
+    labels = torch.arange(10, 18, device=DEVICE)
+    shifted = torch.cat([labels[1:], labels.new_tensor([-100])])
+    want = shifted.clone()
+    want[[2, 4]] = -100
+    assert torch.equal(drop_crossing_targets(shifted, -100, pos, None), want)
+    cu = torch.tensor([0, 3, 5, 8], device=DEVICE)
+    assert torch.equal(drop_crossing_targets(shifted, -100, None, cu), want)
+    assert shifted[2] == 13 and drop_crossing_targets(shifted, -100, None, None) is shifted
+    rows = torch.arange(20, 28, device=DEVICE).view(2, 4)
+    rows_pos = torch.tensor([[0, 1, 0, 1], [5, 6, 7, 0]], device=DEVICE)
+    want_rows = rows.clone()
+    want_rows[0, 1] = want_rows[1, 2] = -100
+    assert torch.equal(drop_crossing_targets(rows, -100, rows_pos, None), want_rows)
+    x, w, _, _ = make_inputs(8, 16, 50, torch.float32, ignore_frac=0.0)
+    by_shift = linear_cross_entropy(x, w, labels, reduction="none", shift=True, position_ids=pos)
+    given = linear_cross_entropy(x, w, want, reduction="none", position_ids=pos)
+    torch.testing.assert_close(given.loss, by_shift.loss, rtol=0, atol=0)
 
 
 def test_multi_turn_masking_is_not_a_boundary():

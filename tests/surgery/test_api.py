@@ -392,6 +392,34 @@ def test_hf_loss_kwargs_keep_their_meaning():
     torch.testing.assert_close(last.logits, full.logits[:, -1:], **TOL)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sequence"])
+def test_pre_shifted_labels_train_no_packed_boundary(reduction):
+    """A packed row's ``shift_labels`` shifted across the whole row (as transformers' Trainer
+    makes them under context parallelism), the documents' first labels unmasked: a document's
+    last token predicting the next document's first token is not trained, as with ``labels``
+    (docs/packing.md), and only inside the row (its last target stays: the next shard's first
+    token under context parallelism). Reference: the documents one by one, unpatched."""
+    seqs = sequences([5, 1, 4, 3])
+    batch = packed_batch(seqs, mask_first=False)
+    shifted = torch.nn.functional.pad(batch.labels[:, 1:], (0, 1), value=-100)
+    model = tiny_model("llama").train()
+    reference = twin(model)
+    surgery.patch(model, loss_reduction=reduction)
+    loss, grads = loss_and_grads(model, input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                 labels=batch.labels, shift_labels=shifted)  # fmt: skip
+    trained = [s for s in seqs if len(s) > 1]
+    total = sum(len(s) - 1 for s in trained)
+    reference.zero_grad(set_to_none=True)
+    want = 0.0
+    for s in trained:
+        part = reference(input_ids=s[None], labels=s[None]).loss
+        part = part * (len(s) - 1) / total if reduction == "mean" else part / len(trained)
+        part.backward()
+        want += part.detach()
+    torch.testing.assert_close(loss, torch.as_tensor(want), **TOL)
+    assert_grads_close(grads, {n: p.grad for n, p in reference.named_parameters()}, **TOL)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_label_smoothing_and_z_loss_are_trained_through_the_patched_model(arch):
     """The patched training forward's loss and every gradient against the unpatched model's
