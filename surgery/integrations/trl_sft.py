@@ -11,7 +11,8 @@ batch's ``position_ids`` or ``cu_seq_lens_q``) and the statistics TRL logs (entr
 accuracy). Everything else is TRL's: the data, the collator, the training loop, the MoE
 load-balancing loss (weighted as TRL weighs it), the metrics, plus ``z_loss`` where the z-loss is
 on. With the patch's default options the loss is TRL's own token mean (tested trainer against
-trainer).
+trainer). ``compute_loss(..., return_outputs=True)`` (evaluation with ``compute_metrics``) returns,
+as TRL's does, the outputs of a second forward without the labels, whose logits the metrics read.
 
     from surgery.integrations.trl_sft import SFTTrainer
 
@@ -27,8 +28,10 @@ cannot be combined with surgery's loss options: that raises too.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import torch
 import trl
 
 from surgery.api import patch_options
@@ -70,6 +73,18 @@ class SFTTrainer(trl.SFTTrainer):
             )
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
         self._log_step(mode, inputs, outputs, z_loss=options.z_loss_scale > 0)
+        if return_outputs:
+            # Evaluation with compute_metrics (or preprocess_logits_for_metrics) reads the
+            # outputs' logits, which the fused head never makes: as trl.SFTTrainer, from a
+            # forward of their own, without the labels (TRL deprecates this path too).
+            warnings.warn(
+                "surgery's SFTTrainer: return_outputs=True costs a second forward for the logits "
+                "(compute_metrics / preprocess_logits_for_metrics), as in trl.SFTTrainer",
+                FutureWarning,
+                stacklevel=2,
+            )
+            with torch.no_grad():
+                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         return (loss, outputs) if return_outputs else loss
 
     def _served(self, changed: list[str]) -> bool:

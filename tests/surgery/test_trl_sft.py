@@ -90,7 +90,7 @@ def test_sequence_mean_and_z_loss_are_the_loss_trained_and_logged(tmp_path):
     assert batch["position_ids"].eq(0).sum() == 2, "the batch packs two documents"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "options do not apply" warning
-        loss, outputs = trainer.compute_loss(model, batch, return_outputs=True)
+        loss = trainer.compute_loss(model, batch)
     labels, position_ids = batch["labels"], batch["position_ids"]
     logits = _documents_logits(reference, batch["input_ids"], position_ids)
     want = cross_entropy_reference(logits, labels, reduction="sequence", position_ids=position_ids,
@@ -98,7 +98,6 @@ def test_sequence_mean_and_z_loss_are_the_loss_trained_and_logged(tmp_path):
     token_mean = cross_entropy_reference(logits, labels, position_ids=position_ids, shift=True)
     assert abs(want.loss - token_mean.loss) > 1e-3, "the two reductions must differ here"
     torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(outputs.z_loss, want.z_loss.detach(), rtol=1e-5, atol=1e-8)
     loss.backward()
     want.loss.backward()
     got_grads = dict(model.named_parameters())
@@ -108,6 +107,28 @@ def test_sequence_mean_and_z_loss_are_the_loss_trained_and_logged(tmp_path):
     metrics = trainer._metrics["train"]
     assert metrics["z_loss"][-1] == pytest.approx(want.z_loss.item(), rel=1e-5)
     assert "entropy" in metrics and "mean_token_accuracy" in metrics
+
+
+def test_evaluation_with_compute_metrics_gets_the_logits_trls_trainer_gives(tmp_path):
+    """``Trainer.evaluate`` with ``compute_metrics`` asks ``compute_loss`` for the outputs, whose
+    logits it hands the metrics: the fused head's outputs hold none, so, as ``trl.SFTTrainer``,
+    they come from a forward of their own (without the labels); the loss and the metrics equal
+    TRL's trainer's."""
+    results = {}
+    for cls in (SFTTrainer, trl.SFTTrainer):
+        model = surgery.patch(tiny_model("llama"))
+        trainer = _trainer(cls, model, tmp_path / cls.__module__, padding_free=False)
+        trainer.eval_dataset = trainer.train_dataset
+        logits = []
+        trainer.compute_metrics = lambda p, seen=logits: seen.append(p.predictions) or {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results[cls] = trainer.evaluate(), logits[0]
+    (got, got_logits), (want, want_logits) = results[SFTTrainer], results[trl.SFTTrainer]
+    assert got_logits.shape[-1] == tiny_model("llama").config.vocab_size
+    torch.testing.assert_close(torch.as_tensor(got_logits), torch.as_tensor(want_logits))
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
 def test_a_trl_setting_that_computes_the_loss_itself_refuses_the_options(tmp_path):
