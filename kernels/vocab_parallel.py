@@ -157,21 +157,24 @@ def _row_max(x, w, bias, softcap, transform, chunk_bytes) -> torch.Tensor:
 
 
 def _slice_statistics(
-    x, w, bias, targets, start, softcap, transform, chunk_bytes, want, needs, keep
+    x, w, bias, targets, start, softcap, eps, transform, chunk_bytes, want, needs, keep
 ):  # fmt: skip
-    """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, the
-    ``target`` logit (0 where the target is another rank's) and those in ``want`` (``total``: sum
-    of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax; ``is_top1``: the
-    target is the slice's first maximum; ``predicted``: the slice's first maximum, as a column of
-    the whole vocabulary; ``max``: the slice's largest logit); ``kept``: the slice's logits kept
-    for the backward (where ``keep`` asks for them and ``lce_fwd`` takes them; else empty;
-    ``needs``: the gradients that backward makes);
-    ``fused``: a bool, whether the slice's products were the fused ones (``lce_bwd_recompute``'s
-    ``fused_lse``)."""
+    """This rank's per-token statistics over its rows ``[start, start + V_r)``: ``lse``, ``ce``
+    = lse - x_t where the target is this rank's (``mine``; else 0: the kernel's own, relative to
+    the slice's maximum, so that a confident token's keeps its digits) and those in ``want``
+    (``total``: sum of logits; ``entropy``, ``log_sum_sq_probs``: of the slice's own softmax;
+    ``is_top1``: the target is the slice's first maximum; ``predicted``: the slice's first
+    maximum, as a column of the whole vocabulary; ``max``: the slice's largest logit); ``kept``:
+    the slice's logits kept for the backward (where ``keep`` asks for them and ``lce_fwd`` takes
+    them; else empty; ``needs``: the gradients that backward makes); ``fused``: a bool, whether
+    the slice's products were the fused ones (``lce_bwd_recompute``'s ``fused_lse``): not with
+    label smoothing ``eps``, as on one GPU (their gradient has no smoothing term, and the
+    backward's recomputed logits must be those of the log-sum-exp)."""
     n, v = x.shape[0], w.shape[0]
     zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=x.device)
     if v == 0:  # more ranks than rows: this rank holds none
-        out = {k: zeros() for k in ("target", "total", "entropy", "log_sum_sq_probs")}
+        out = {k: zeros() for k in ("ce", "total", "entropy", "log_sum_sq_probs")}
+        out["mine"] = zeros(dtype=torch.bool)
         out["is_top1"] = zeros(dtype=torch.bool)
         out["predicted"] = zeros(dtype=torch.int64)
         out["kept"] = x.new_empty(0)
@@ -186,15 +189,18 @@ def _slice_statistics(
     if "max" in want:  # the slice's maximum at its first maximum's column, below
         stats |= 1 << STATISTICS.index("predicted")
     # with no weights lce_fwd makes no gradient; its own plan, of this slice, holds wherever the
-    # caller's of the whole vocabulary does
+    # caller's of the whole vocabulary does; the slice's loss is its cross entropy alone (the
+    # smoothing's and the z-loss's terms are the whole vocabulary's, added by the caller), the
+    # products those the whole loss's options allow
+    fuse = options_apply(v, bias, softcap, eps, 0.0, *transform, False)
     ce, _, lse, _, _, _, kept, _, _, *statistics = lce_fwd(
         x, w, bias, local.contiguous(), None, softcap, 0.0, 0.0, chunk_bytes, *needs, False,
-        *transform, stats, False, keep,
+        *transform, stats, False, keep, False, fuse,
     )  # fmt: skip
     # whether lce_fwd took the fused products (for the backward: lce_bwd_recompute's fused_lse)
-    fused = not kept.numel() and options_apply(v, bias, softcap, 0.0, 0.0, *transform, False)
+    fused = fuse and not kept.numel()
     by_name = dict(zip(STATISTICS, statistics, strict=True))
-    out = {"lse": lse, "target": torch.where(mine, lse - ce, 0.0), "fused": fused, "kept": kept}
+    out = {"lse": lse, "ce": torch.where(mine, ce, 0.0), "mine": mine, "fused": fused, "kept": kept}
     for key in want:
         if key == "total":
             out[key] = by_name["mean_logits"] * v
@@ -221,7 +227,9 @@ def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
     """The whole vocabulary's statistics from every rank's ``part`` (``_slice_statistics``), the
     same on every rank: a max and a sum all-reduce of per-token scalars (two more for ``is_top1``
     and ``predicted``, together). With ``e_r = exp(lse_r - peak)`` and ``S = sum_r e_r``:
-    ``lse = peak + log S``; the entropy is ``sum_r w_r (h_r + lse - lse_r)`` with
+    ``lse = peak + log S``; the cross entropy lse - x_t is ``log S + (ce_r + peak - lse_r)`` from
+    the target's rank r (exactly its own where it holds the peak: no difference of two numbers of
+    the logits' size); the entropy is ``sum_r w_r (h_r + lse - lse_r)`` with
     ``w_r = e_r / S``, summed without cancellation as ``(sum_r e_r h_r + sum_r e_r (peak - lse_r))
     / S + log S``; ``log sum_j p_j^2 = log sum_r e_r^2 exp(q_r) - 2 log S``."""
     group = layout.group
@@ -229,7 +237,7 @@ def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
     peak = peaks[0]
     e = torch.exp(part["lse"] - peak)
-    rows = {"s": e, "target": part["target"]}
+    rows = {"s": e, "ce": torch.where(part["mine"], part["ce"] + (peak - part["lse"]), 0.0)}
     if "total" in want:
         rows["total"] = part["total"]
     if "entropy" in want:  # a rank without rows: lse -inf, e = 0 (and no inf - inf)
@@ -240,7 +248,7 @@ def _whole_vocabulary(part: dict, layout: _Layout, want) -> dict:
     dist.all_reduce(sums, group=group)
     total = dict(zip(rows, sums, strict=True))
     log_s = torch.log(total["s"])
-    out = {"lse": peak + log_s, "target": total["target"], "total": total.get("total")}
+    out = {"lse": peak + log_s, "ce": log_s + total["ce"], "total": total.get("total")}
     if "entropy" in want:
         out["entropy"] = total["entropy"] / total["s"] + log_s
     if "log_sum_sq_probs" in want:
@@ -294,15 +302,14 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
                 needs[1] and w.dtype != torch.float32, chunk_bytes,
             ) >= x.shape[0]
         )  # fmt: skip
-        part = _slice_statistics(
-            x, w, bias, targets, layout.start, softcap, transform, chunk_bytes, want, needs, keep
-        )
+        part = _slice_statistics(x, w, bias, targets, layout.start, softcap, eps, transform,
+                                 chunk_bytes, want, needs, keep)  # fmt: skip
         fused, kept = part.pop("fused"), part.pop("kept")
         whole = _whole_vocabulary(part, layout, want)
         lse, valid = whole["lse"], targets >= 0
-        ce = lse - (1.0 - eps) * whole["target"]
-        if eps:
-            ce = ce - (eps / layout.vocab) * whole["total"]
+        ce = whole["ce"]
+        if eps:  # (1 - eps) (lse - x_t) + eps (lse - the mean logit)
+            ce = (1.0 - eps) * ce + eps * (lse - whole["total"] / layout.vocab)
         ce = torch.where(valid, ce, 0.0)
         zl = torch.where(valid, z_scale * lse * lse, 0.0)
         if "mean_logits" in requested:

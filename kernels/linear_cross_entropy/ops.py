@@ -396,6 +396,7 @@ def lce_fwd(
     overlap: bool = False,
     keep: bool = False,
     keep_products: bool = False,
+    fuse: bool = True,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -424,6 +425,10 @@ def lce_fwd(
     them anyway), and ``kept_terms`` (1, rows) fp32, 1 on those rows and 0 on the others: the
     backward scales its rows by their coefficients inside its two products (no pass over them,
     the same limits as a Q's).
+
+    ``fuse`` False: the unfused products even where the fused ones would apply (a vocabulary
+    slice computed with options its loss does not have, whose backward recomputes unfused logits
+    that must share this log-sum-exp: ``vocab_parallel``'s label smoothing).
 
     ``skip_ignored``: the rows without a target (or of weight 0) take no part in the products;
     their losses, logsumexp, statistics and hidden gradient are 0. Exact: such a row's logit
@@ -461,7 +466,7 @@ def lce_fwd(
     # logits takes them too: lce_bwd_recompute's fused_lse); with gradients, or Q kept for them,
     # softcapped heads with 0 < cap / T <= MAX_SOFTCAP and a z-loss within its bound only
     # (products.options_apply); Q kept without a z-loss (``_q_applies``; the plan held for keep)
-    keep_q = keep and keep_products and _q_applies(
+    keep_q = keep and keep_products and fuse and _q_applies(
         x, w, bias, softcap, eps, z_scale, (logit_scale, inv_temperature)
     )  # fmt: skip
     # else, without a z-loss or a bias, the logits' gradient for a coefficient of 1 on every row
@@ -472,7 +477,7 @@ def lce_fwd(
         keep and keep_products and not keep_q and z_scale == 0.0 and bias is None
         and x.dtype in FP32_RANGE
     )  # fmt: skip
-    fused = keep_q or (not keep and products_apply(
+    fused = keep_q or (not keep and fuse and products_apply(
         x, w, bias, softcap, eps, z_scale, logit_scale, inv_temperature, eager=grads
     ))  # fmt: skip
     transform = (logit_scale, inv_temperature)
@@ -815,7 +820,7 @@ def _kept_q_backward(x, w, targets, lse, coef, q, q_rows, cap, transform, need_d
 @lce_fwd.register_fake
 def _(x, w, bias, targets, weights, softcap, eps, z_scale, chunk_bytes, need_dx, need_dw, need_db,
       skip_ignored=False, logit_scale=1.0, inv_temperature=1.0, stats=0, overlap=False,
-      keep=False, keep_products=False):  # fmt: skip
+      keep=False, keep_products=False, fuse=True):  # fmt: skip
     n = x.shape[0]  # keep declined (lce_fwd's docstring)
     grads = weights is not None
     per_tok = [x.new_empty(n, dtype=torch.float32) for _ in range(3)]
