@@ -41,6 +41,8 @@ CASES = {
     "softcap": dict(arch="gemma2", batch="padded", outputs=ALL_OUTPUTS),
     "shift_labels": dict(arch="mistral", batch="packed", outputs=ALL_OUTPUTS, shift_labels=True),
     "moe": dict(arch="qwen3_moe", batch="packed", outputs=ALL_OUTPUTS, num_items_in_batch=11),
+    # TRL's head ignores logits_to_keep: every position's outputs come back
+    "logits_to_keep": dict(arch="llama", batch="padded", outputs=ALL_OUTPUTS, logits_to_keep=3),
 }
 
 
@@ -77,8 +79,9 @@ def _run(model, inputs, labels, case, g):
         kwargs["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((1, 1), -100)], 1)
     else:
         kwargs["labels"] = labels
-    if "num_items_in_batch" in case:
-        kwargs["num_items_in_batch"] = case["num_items_in_batch"]
+    for key in ("num_items_in_batch", "logits_to_keep"):
+        if key in case:
+            kwargs[key] = case[key]
     model.zero_grad(set_to_none=True)
     out = model(**kwargs, fused_lm_head=True)
     total = out.loss + (out.log_probs * g[0][: out.log_probs.shape[1]]).sum()
