@@ -107,10 +107,12 @@ if triton is not None:
 
     @triton.jit
     def dw_partial_sum_kernel(
-        partial_ptr, dw_ptr, n_partials, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
-    ):
+        partial_ptr, dw_ptr, n_partials, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
         """dw[c] = the sum of the (n_partials, N) fp32 buffer's column c, in a fixed order,
-        rounded once to dw's dtype. Program p takes columns [p * BLOCK_C, (p + 1) * BLOCK_C)."""
+        rounded once (to nearest, the interpreter too) to dw's dtype. Program p takes columns
+        [p * BLOCK_C, (p + 1) * BLOCK_C)."""
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_c = cols < N
         acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
@@ -118,4 +120,5 @@ if triton is not None:
             rows = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
             mask = (rows < n_partials)[:, None] & mask_c[None, :]
             acc += tl.load(partial_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        tl.store(dw_ptr + cols, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=mask_c)
+        dw = round_to(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(dw_ptr + cols, dw, mask=mask_c)

@@ -226,5 +226,6 @@ def rms_norm_bwd(
         N,
         BLOCK_P=block_p,
         BLOCK_C=launch.sum_cols,
+        INTERPRETED=interpreter_enabled(),
     )
     return dx, dw

@@ -219,6 +219,23 @@ def test_strided_rows_and_non_unit_last_stride():
     torch.testing.assert_close(rms_norm(xt, w, EPS), rms_norm_reference(xt, w, EPS))
 
 
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+def test_bf16_weight_gradient_is_its_fp32_sum_rounded_to_nearest(casting):
+    """The weight gradient in bf16 is the kernel's fp32 column sum rounded once to nearest even,
+    as a GPU rounds it, the interpreter too (it truncates a bare conversion): the same call with
+    an fp32 weight, whose values the gradient does not read, gives that sum unrounded."""
+    torch.manual_seed(0)
+    x = (3.0 * torch.randn(64, 96, device=DEVICE)).bfloat16()
+    offset = 1.0 if casting == "gemma" else 0.0
+    w = (1.0 - offset + 0.3 * torch.randn(96, device=DEVICE)).bfloat16()
+    dy = torch.randn(64, 96, device=DEVICE).bfloat16()
+    _, rstd = rms_norm_fwd(x, w, EPS, offset, casting)
+    _, dw = rms_norm_bwd(dy, x, w, rstd, offset, casting)
+    _, dw_fp32 = rms_norm_bwd(dy, x, w.float(), rstd, offset, casting)
+    assert dw.dtype == torch.bfloat16 and dw_fp32.dtype == torch.float32
+    assert torch.equal(dw, dw_fp32.bfloat16())
+
+
 def test_frozen_weight_gets_no_gradient():
     x = make_x((2, 5, 67), torch.bfloat16)
     norm, offset, casting = hf_norm("qwen3", 67, torch.bfloat16)
