@@ -419,8 +419,10 @@ def vocab_parallel_linear_cross_entropy(
 
     Args:
         hidden: (N, D) or (B, T, D), the same on every rank; with ``sequence_parallel``, this
-            rank's part of the sequence (the ranks' parts in rank order, along T for (B, T, D),
-            along N for (N, D)), and ``labels`` and ``position_ids`` its part too.
+            rank's part of the sequence (the ranks' parts in rank order and of one size, as the
+            all-gather takes them, along T for (B, T, D), along N for (N, D)), and ``labels`` and
+            ``position_ids`` its part too; ``cu_seqlens``, which has no parts, the whole
+            sequence's.
         weight: this rank's rows of the (V, D) head: rows ``[vocab_start, vocab_start + V_r)``.
             A DTensor sharded on its rows (``Shard(0)`` on one mesh dimension, ``Replicate`` on
             the others: ``parallelize_module``'s ``ColwiseParallel``) gives its own group, start
