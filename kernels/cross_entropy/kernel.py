@@ -8,6 +8,8 @@ from ..dispatch import triton_available
 if triton_available():
     import triton
     import triton.language as tl
+
+    from ..rounding import round_to
 else:  # pragma: no cover - CPU installs without triton use the PyTorch path
     triton = None
 
@@ -235,12 +237,14 @@ if triton is not None:
         TOP1: tl.constexpr,
         PRED: tl.constexpr,
         IN_PLACE: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         """One program per row: online logsumexp over the vocabulary in base 2 (``_row_maps``),
         full blocks first and the partial one last, the row's losses and the requested
         statistics (each a constexpr: nothing computed when off), and (when WRITE_GRAD) the
         row's gradient written in a second sweep, over the logits where IN_PLACE (the caller
-        passed the logits themselves as the gradient: one address per element)."""
+        passed the logits themselves as the gradient: one address per element), rounded to
+        nearest (``rounding.round_to``: the interpreter too)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_logits
         tgt = tl.load(targets_ptr + row).to(tl.int64)
@@ -310,7 +314,8 @@ if triton is not None:
                 z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
                 g = _ce_grad(z, cols, tgt, lse2, a, c, 0.0, h, zc, k2, slope, eps, inv_v,
                              SOFTCAP, SCALED, SIGN, False, SMOOTHING)  # fmt: skip
-                tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+                g = round_to(g, grad_ptr.dtype.element_ty, INTERPRETED)
+                tl.store(gbase + cols, g, mask=mask)
 
     @triton.jit
     def cross_entropy_bwd_kernel(
@@ -338,10 +343,12 @@ if triton is not None:
         SIGN: tl.constexpr,
         ENTROPY_GRAD: tl.constexpr,
         SMOOTHING: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         """Elementwise gradient of a block of columns [col_offset, col_offset + n_cols) given the
         row's logsumexp (and entropy); the output may alias the logits (each element is read
-        before written)."""
+        before written). Stored rounded to nearest (``rounding.round_to``: the interpreter
+        too)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
@@ -362,4 +369,5 @@ if triton is not None:
         g = _ce_grad(z, cols + col_offset, tgt, lse * 1.4426950408889634, a, c, e, h, zc, k2,
                      slope, eps, inv_v, SOFTCAP, SCALED, SIGN, ENTROPY_GRAD,
                      SMOOTHING)  # fmt: skip
-        tl.store(grad_ptr + row * stride_grad + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+        g = round_to(g, grad_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(grad_ptr + row * stride_grad + cols, g, mask=mask)

@@ -279,6 +279,7 @@ def cross_entropy_fwd(
             TOP1=top1 is not None,
             PRED=predicted is not None,
             IN_PLACE=grad_out is logits,
+            INTERPRETED=interpreter_enabled(),
             num_warps=FWD_NUM_WARPS,
         )
     return lse, ce, zl
@@ -343,6 +344,7 @@ def cross_entropy_bwd(
             SIGN=order_sign(softcap, logit_scale),
             ENTROPY_GRAD=entropy_grad,
             SMOOTHING=label_smoothing > 0.0,
+            INTERPRETED=interpreter_enabled(),
             num_warps=BWD_NUM_WARPS,
         )
     return grad_out

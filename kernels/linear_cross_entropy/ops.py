@@ -20,7 +20,7 @@ from ..cross_entropy import (
     statistics_buffers,
     statistics_outputs,
 )
-from ..dispatch import cdiv, on_device, triton_available, use_triton
+from ..dispatch import cdiv, interpreter_enabled, on_device, triton_available, use_triton
 from .products import applies as products_apply
 from .products import (
     cap_reference,
@@ -56,6 +56,8 @@ __all__ = [
 if triton_available():
     import triton
     import triton.language as tl
+
+    from ..rounding import round_to
 else:  # pragma: no cover
     triton = None
     scale_by_upstream_kernel = None
@@ -80,17 +82,19 @@ if triton is not None:
 
     @triton.jit
     def scale_by_upstream_kernel(x_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr,
-                                 IN_PLACE: tl.constexpr):  # fmt: skip
-        """out = x * g, g read from device memory (fp32 product, rounded once). IN_PLACE (out is
-        x): the upstream gradient of a training loss is almost always exactly 1, and then every
-        program returns at once: the weight-gradient pass (V x D, read and written) costs
-        nothing, with no host synchronisation to find out."""
+                                 IN_PLACE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+        """out = x * g, g read from device memory (fp32 product, rounded once to nearest: the
+        interpreter too, ``rounding.round_to``). IN_PLACE (out is x): the upstream gradient of a
+        training loss is almost always exactly 1, and then every program returns at once: the
+        weight-gradient pass (V x D, read and written) costs nothing, with no host
+        synchronisation to find out."""
         g = tl.load(g_ptr).to(tl.float32)
         if not IN_PLACE or g != 1.0:
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-            tl.store(out_ptr + offs, (x * g).to(out_ptr.dtype.element_ty), mask=mask)
+            y = round_to(x * g, out_ptr.dtype.element_ty, INTERPRETED)
+            tl.store(out_ptr + offs, y, mask=mask)
 
 
 def _scale_launch(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> bool:
@@ -102,8 +106,9 @@ def _scale_launch(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> bool:
     n = t.numel()
     with on_device(t):
         scale_by_upstream_kernel[(cdiv(n, SCALE_BLOCK),)](
-            t, out, g32, n, BLOCK=SCALE_BLOCK, IN_PLACE=out is t
-        )
+            t, out, g32, n, BLOCK=SCALE_BLOCK, IN_PLACE=out is t,
+            INTERPRETED=interpreter_enabled(),
+        )  # fmt: skip
     return True
 
 

@@ -545,6 +545,27 @@ def test_entropy_gradient_is_zero_at_minus_infinity_logits(path):
     torch.testing.assert_close(grad.double().cpu(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "softcap"])
+def test_bf16_gradients_are_their_fp32_values_rounded_to_nearest(softcap):
+    """The logits' gradient stored in bf16, by the forward's second sweep and by the backward
+    kernel, is the fp32 gradient the same call stores into an fp32 buffer, rounded once to
+    nearest even, as a GPU rounds it, the interpreter too (it truncates a bare conversion)."""
+    g = torch.Generator().manual_seed(7)
+    logits = (4.0 * torch.randn(6, 300, generator=g)).to(DEVICE, torch.bfloat16)
+    targets = torch.randint(0, 300, (6,), generator=g).to(DEVICE)
+    coef = torch.full((6,), 0.37, device=DEVICE)
+    grads = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty(logits.shape, dtype=dtype, device=DEVICE)
+        lse, _, _ = ce_mod.cross_entropy_fwd(logits, targets, softcap=softcap, coef_ce=coef,
+                                             coef_z=coef, grad_out=out)  # fmt: skip
+        back = torch.empty(logits.shape, dtype=dtype, device=DEVICE)
+        ce_mod.cross_entropy_bwd(logits, targets, lse, coef, coef, back, softcap=softcap)
+        grads[dtype] = out, back
+    for got, want in zip(grads[torch.bfloat16], grads[torch.float32], strict=True):
+        assert torch.equal(got, want.bfloat16())
+
+
 def test_statistics_over_logits_trace_with_fullgraph_compile():
     """The op with its statistics is opaque to dynamo: the loss, the statistics and the gradient
     trace in one graph and equal eager's."""
