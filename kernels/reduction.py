@@ -199,11 +199,7 @@ def prepare_targets(
         rows = labels if labels.dim() == 2 else labels.view(1, -1)
         shifted = torch.full_like(rows, ignore_index)
         shifted[:, :-1] = rows[:, 1:]
-        flat = shifted.reshape(-1)
-        if starts is not None:
-            next_starts = torch.zeros_like(starts)
-            next_starts[:-1] = starts[1:]
-            flat = flat.masked_fill(next_starts, ignore_index)
+        flat = _before_starts_ignored(shifted, starts, ignore_index).reshape(-1)
     else:
         flat = labels.reshape(-1)
     valid = _trained_labels(flat, vocab_size, ignore_index)
@@ -225,6 +221,13 @@ def drop_crossing_targets(
     last target is kept (under context parallelism, the next shard's first token). Without known
     boundaries ``targets`` itself; else a copy (the caller's tensor is never written)."""
     starts = sequence_starts(tuple(targets.shape), targets.device, position_ids, cu_seqlens)
+    return _before_starts_ignored(targets, starts, ignore_index)
+
+
+def _before_starts_ignored(targets: torch.Tensor, starts: torch.Tensor | None, ignore_index: int):
+    """``targets`` ((B, T) or (N,): one row) with ``ignore_index`` at each token whose successor
+    in its row begins a sequence (``starts``, flat, as ``sequence_starts`` gives them); a row's
+    last token keeps its own. ``targets`` itself where ``starts`` is None, else a copy."""
     if starts is None:
         return targets
     starts = starts.view(targets.shape if targets.dim() == 2 else (1, -1))
