@@ -111,6 +111,18 @@ class Unpadded(BatchLayout):
         """(1, H, T, D) -> (batch, H, seq, D), zeros at the padding (``pad_heads``)."""
         return pad_heads(x, *self.layout, self.batch, self.seq)
 
+    def restore(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Tensors of the real tokens, each (1, T, ...) or flattened (T, ...) as a MoE layer's
+        router logits, in the caller's layout: (batch, seq, ...) or (batch * seq, ...), zeros at
+        the padding (whose tokens did not run). Differentiable."""
+        tokens = self.index.shape[0]
+        restored = []
+        for x in tensors:
+            batched = x.dim() > 1 and x.shape[:2] == (1, tokens)
+            full = padded_rows(x[0] if batched else x, *self.layout)
+            restored.append(full.view(self.batch, self.seq, *full.shape[1:]) if batched else full)
+        return tuple(restored)
+
 
 def pad_heads(
     x: torch.Tensor,

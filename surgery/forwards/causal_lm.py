@@ -272,6 +272,9 @@ def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds
     if state.spec.router_aux_loss and output_router_logits:
         tokens = input_ids if input_ids is not None else inputs_embeds
         aux = _aux_loss(self, state, config, outputs, tokens, router_mask)
+    if isinstance(padded_layout, Unpadded) and getattr(outputs, "router_logits", None) is not None:
+        # The load-balancing loss took the real tokens alone; the caller gets the batch's rows.
+        outputs.router_logits = padded_layout.restore(outputs.router_logits)
     if trl_request is not None:  # TRL's head ignores logits_to_keep: every position's outputs
         logits_to_keep = 0
     if whole_rows(logits_to_keep):

@@ -748,7 +748,9 @@ def test_padding_free_same_loss_and_grads_as_transformers(arch, windows):
     """Patched (every option at its default) against unpatched transformers with the mask, fp32,
     on a right-padded batch: where the model allows it the base model runs the real tokens alone
     (one row of 18 instead of 3 x 9), with the same loss (a MoE's load-balancing loss included)
-    and gradients; elsewhere it runs the padded batch."""
+    and gradients, and a MoE's router logits in the caller's layout (batch * seq rows, those of
+    the real tokens transformers', the padding's zero: its tokens never ran); elsewhere it runs
+    the padded batch."""
     model = (tiny_model(arch) if windows else windowless(arch)).train()
     reference = twin(model)
     surgery.patch(model)
@@ -756,14 +758,24 @@ def test_padding_free_same_loss_and_grads_as_transformers(arch, windows):
     assert free or windows  # every windowless one is padding-free
     rows = base_model_rows(model)
     batch = batch_of("padded")
-    extra = {"output_router_logits": True} if SPECS[arch].router_aux_loss else {}
-    loss, grads = loss_and_grads(model, **batch, **extra)
-    want_loss, want_grads = loss_and_grads(reference, **batch, **extra)
+    router = SPECS[arch].router_aux_loss
+    extra = {"output_router_logits": True} if router else {}
+    out = model(**batch, **extra)
+    out.loss.backward()
+    want = reference(**batch, **extra)
+    want.loss.backward()
     assert rows == ([(1, sum(LENGTHS))] if free else [(len(LENGTHS), max(LENGTHS))])
     tol = TOLERANCES[torch.float32]
-    torch.testing.assert_close(loss, want_loss, rtol=tol["rtol"], atol=tol["atol"])
-    for name, g in want_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=tol["rtol"], atol=tol["atol"], msg=name)
+    torch.testing.assert_close(out.loss, want.loss, rtol=tol["rtol"], atol=tol["atol"])
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol["rtol"], atol=tol["atol"], msg=name)
+    if router:
+        real = batch["attention_mask"].reshape(-1).bool()
+        for got, ref in zip(out.router_logits, want.router_logits, strict=True):
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got[real], ref[real], rtol=tol["rtol"], atol=tol["atol"])
+            if free:
+                assert not got[~real].any()
 
 
 def test_padding_free_off_where_the_layers_read_the_layout():
