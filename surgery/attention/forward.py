@@ -1,9 +1,14 @@
 """The one generic attention forward: q/k/v projections, optional q/k norm, RoPE through
 ``apply_rope`` from the position ids, the KV cache, and transformers' attention interface.
 
-The model's rotary module still runs once per forward (it applies dynamic RoPE updates to its
-frequencies); the attention reads the frequencies from it at call time instead of using the cos/sin
-tables it produced.
+The model's rotary module still runs once per forward, and the attention reads its frequencies at
+call time instead of using the cos/sin tables it produced; except where they follow the sequence's
+length (``LENGTH_DEPENDENT_ROPE``): the module rewrites those on every forward, so another forward
+before the backward, activation checkpointing's second run of the layer, or a copy of the
+attention (PEFT's ``modules_to_save``, whose copied rotary module never runs) would read other
+frequencies than its own forward's. There the layer's cos/sin (``position_embeddings``, computed
+in this forward and kept by checkpointing as the layer's argument) are rotated with surgery's
+cos/sin kernel (``apply_rotary_pos_emb``).
 
 Packed batches through flash attention's varlen kernel: ``surgery.attention.varlen``; the shared
 sdpa mask: ``surgery.attention.shared_mask``; the lean eager attention: ``surgery.attention.eager``;
@@ -48,12 +53,13 @@ from surgery.attention.varlen import (
 from surgery.forwards import recompute
 from surgery.forwards.layers import projections
 from surgery.forwards.recompute import RECOMPUTE_ATTR, RecomputePlan
-from surgery.kernels import apply_rope
+from surgery.kernels import apply_rope, apply_rotary_pos_emb
 from surgery.kernels.rope import mrope_rows
 from surgery.models import ArchitectureSpec
 from surgery.patching.signature import cache_argument, in_signature_of, update_cache
 
 __all__ = [
+    "LENGTH_DEPENDENT_ROPE",
     "AttentionBinding",
     "PackedSequences",
     "SharedMask",
@@ -63,6 +69,7 @@ __all__ = [
     "attention_kwargs",
     "flash_head_size",
     "lean_eager_attention",
+    "length_dependent",
     "mrope_layout",
     "packed_sequences",
     "position_query_scale",
@@ -75,8 +82,10 @@ __all__ = [
 @dataclass(frozen=True)
 class AttentionBinding:
     """What one patched attention module needs besides itself. Kept in the module's ``__dict__``
-    (not as a submodule), so ``state_dict`` and ``named_modules`` are unchanged, while ``deepcopy``
-    (PEFT's ``modules_to_save``, reference models) maps ``rotary`` to the copy's rotary module."""
+    (not as a submodule), so ``state_dict`` and ``named_modules`` are unchanged; ``deepcopy``
+    maps ``rotary`` to the copy's rotary module (a copy of the whole model's; of the attention
+    alone, PEFT's ``modules_to_save``, a private one that never runs: its frequencies are read only
+    where they do not change, ``length_dependent``)."""
 
     spec: ArchitectureSpec
     rotary: nn.Module
@@ -144,6 +153,22 @@ def mrope_layout(rotary: nn.Module) -> tuple[tuple[int, int, int], bool] | None:
         if list(mrope_rows(half, section, interleaved)) == rows:
             return section, interleaved
     return None
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""transformers' RoPE types whose frequencies its rotary module rewrites from the sequence's
+length on every forward (dynamic NTK past max_position_embeddings, LongRoPE's long factors; the
+latter in place)."""
+
+
+def length_dependent(rotary: nn.Module | None, layer_type: str | None = None) -> bool:
+    """Whether a transformers ``rotary`` module's RoPE is of a ``LENGTH_DEPENDENT_ROPE`` type; of
+    a module with a type per layer type (Gemma 3 and later), ``layer_type``'s, or (None) any."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    if not isinstance(rope_type, dict):
+        return rope_type in LENGTH_DEPENDENT_ROPE
+    types = rope_type.values() if layer_type is None else [rope_type.get(layer_type)]
+    return any(t in LENGTH_DEPENDENT_ROPE for t in types)
 
 
 def rope_frequencies(module: nn.Module, binding: AttentionBinding) -> tuple[torch.Tensor, float]:
@@ -370,6 +395,10 @@ def _rotated(self, binding, query, key, position_ids, rope_positions, unpadded,
         rope_positions = position_ids
     elif binding.mrope is None:  # a layout apply_rope does not know: transformers' cos/sin
         rope_positions = None
+    if position_embeddings is not None and length_dependent(
+        binding.rotary, getattr(self, "layer_type", None)
+    ):
+        rope_positions = None  # this forward's cos/sin (the module docstring)
     rope = inv_freq = None
     if rope_positions is not None and rotated:
         rope, inv_freq, rope_positions = _rope(self, binding, query, rope_positions)
@@ -407,12 +436,27 @@ def _rotated(self, binding, query, key, position_ids, rope_positions, unpadded,
     else:
         query, key = normed_and_rotated(query, key, rope_positions, inv_freq, *layout)
     if rope is None and rotated:
-        cos, sin = position_embeddings
-        query, key = binding.fallback_rope(query, key, cos, sin)
+        query, key = _rotated_by_tables(binding, query, key, position_embeddings)
     query, key = after_rope(self, spec, query, key, position_ids, rotated)
     if spec.position_query_scale:
         query = query * position_query_scale(self, spec, position_ids).to(query.dtype)
     return query, key, per_row
+
+
+def _rotated_by_tables(binding: AttentionBinding, query, key, position_embeddings):
+    """The query and key (b, heads, t, d) rotated with the tables the layer was handed: surgery's
+    cos/sin kernel; transformers' own rotation for a multimodal layout ``apply_rope`` does not
+    know (``AttentionBinding.mrope``) and for Llama 4's complex frequencies (its
+    ``apply_rotary_emb``, over (b, t, heads, d))."""
+    spec = binding.spec
+    if spec.rope_layout == "interleaved":
+        rotate = sys.modules[spec.module].apply_rotary_emb
+        query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), position_embeddings)
+        return query.transpose(1, 2), key.transpose(1, 2)
+    cos, sin = position_embeddings
+    if spec.mrope and binding.mrope is None:
+        return binding.fallback_rope(query, key, cos, sin)
+    return apply_rotary_pos_emb(query, key, cos, sin)
 
 
 def _varlen_runs(self: nn.Module, query, value, dropout: float, extra: dict) -> bool:

@@ -15,7 +15,8 @@ RoPE: with ``config.rope_interleave`` transformers rotates the channel pairs (2j
 writes them de-interleaved at (j, j + r/2) (``apply_rotary_pos_emb_interleave``): ``apply_rope``'s
 ``"interleaved_to_half"`` layout; without it ``rotate_half``: the ``"half"`` layout. The rotary
 module's frequencies cover the rotary part alone (yarn's ``partial_rotary_factor``), read at call
-time as in the generic forward. Both norms are the model's RMSNorm class and get the fused norm
+time as in the generic forward (where they follow the sequence's length, the layer's cos/sin
+instead, as there). Both norms are the model's RMSNorm class and get the fused norm
 with the others. The softmax scale is the module's ``scaling`` (transformers folds yarn's mscale
 into it).
 
@@ -64,11 +65,17 @@ def _rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_rot (B, H, T, r) and k_rot (B, 1, T, r) rotated as transformers rotates them."""
     interleave = self.config.rope_interleave
-    if position_ids is None:  # a caller without position ids: transformers' own cos/sin path
+    if position_ids is None or (
+        position_embeddings is not None and attention.length_dependent(binding.rotary)
+    ):
+        # The layer's cos/sin: a caller without position ids, or frequencies that follow the
+        # sequence's length (as in the generic forward, surgery.attention.forward).
         cos, sin = position_embeddings
-        module = sys.modules[binding.spec.module]
-        rotate = module.apply_rotary_pos_emb_interleave if interleave else binding.fallback_rope
-        return rotate(q_rot, k_rot, cos, sin)
+        if not interleave:
+            return attention.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+        return sys.modules[binding.spec.module].apply_rotary_pos_emb_interleave(
+            q_rot, k_rot, cos, sin
+        )
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
     inv_freq, scaling = rope_frequencies(self, binding)

@@ -15,6 +15,7 @@ from surgery.attention.forward import (
     AttentionBinding,
     attention_forward,
     attention_forward_for,
+    length_dependent,
     mrope_layout,
     read_path,
 )
@@ -67,7 +68,7 @@ from surgery.patching.foreign import (
 from surgery.patching.signature import in_signature_of
 from surgery.patching.swap import Swap, plan_swap
 
-__all__ = ["LENGTH_DEPENDENT_ROPE", "delegates", "plan_lm"]
+__all__ = ["delegates", "plan_lm"]
 
 
 def _recompute_plan(spec: ArchitectureSpec, options: PatchOptions) -> RecomputePlan | None:
@@ -291,11 +292,6 @@ def _model_swaps(
     return wanted
 
 
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-"""transformers' RoPE types whose frequencies its rotary module rewrites from the sequence's
-length (dynamic NTK past max_position_embeddings, LongRoPE's long factors)."""
-
-
 def _padding_free(
     spec: ArchitectureSpec,
     options: PatchOptions,
@@ -309,13 +305,13 @@ def _padding_free(
     on (``causal_right_padding``; ``rope``, whose attention forward pads again) are on, and no layer
     reads the layout beyond the attention: the architecture's (``ArchitectureSpec.
     row_layout_free``), no base-model forward of surgery's or multimodal wrapper, no sliding
-    window, no RoPE whose frequencies follow the sequence's length (``LENGTH_DEPENDENT_ROPE``:
-    the one row is longer than the batch's). Decided at patch time."""
+    window, no RoPE whose frequencies follow the sequence's length (``length_dependent``: the
+    one row is longer than the batch's). Decided at patch time."""
     if not (options.padding_free and options.causal_right_padding and options.rope):
         return False
     if wrapper is not None or needs is not None:
         return False
-    if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
+    if length_dependent(rotary):
         return False
     if not spec.row_layout_free:
         return False
