@@ -72,9 +72,12 @@ LINEAR_ATTENTION_ATTR = "_surgery_linear_attention"
 """Instance attribute of a patched linear-attention module: whether fla may run it
 (``fla_ready``, decided at patch time)."""
 
-# Keyword arguments describing the packed layout for flash attention; the layers get theirs from
-# the documents instead.
-_PACKED_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# Keyword arguments describing a packed layout: flash attention's, and the convolution's seq_idx
+# (TRL's padding-free collator passes them all); the layers take the documents instead, and
+# transformers' own layers refuse them without the kernels of flash-linear-attention.
+_PACKED_LAYOUT_KWARGS = (
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"
+)  # fmt: skip
 # The activations fla's convolution and gated norm apply (transformers' names for SiLU).
 _SILU = ("silu", "swish")
 
@@ -283,6 +286,8 @@ def linear_attention_forward(
     ZeRO-3 partitions), else a packed batch's documents as a right-padded batch through
     transformers' forward, else transformers' forward as it is."""
     cache = cache_argument(cache, kwargs)
+    # Present: the batch's documents were read from its position ids (None: whole rows).
+    read = DOCUMENTS_KWARG in kwargs
     documents: Documents | None = kwargs.pop(DOCUMENTS_KWARG, None)
     # transformers' own forward (the patch checked that the class's is); an instance forward
     # (accelerate's hook) has already run around this one.
@@ -306,10 +311,12 @@ def linear_attention_forward(
             )
         return output.view(batch, seq, -1)
     if documents is None or documents.gather is None:
-        # Whole rows, or a padded batch's (for fla only): transformers' forward, mask and all.
+        # Whole rows, or a padded batch's (for fla only): transformers' forward, mask and all;
+        # rows found whole without the packed layout's arguments, which describe the same rows.
+        if read and documents is None:
+            _drop_packed_layout(kwargs)
         return forward(self, hidden_states, cache, attention_mask, **kwargs)
-    for name in _PACKED_LAYOUT_KWARGS:
-        kwargs.pop(name, None)
+    _drop_packed_layout(kwargs)
     batch, seq, hidden = hidden_states.shape
     flat = hidden_states.reshape(batch * seq, hidden)
     flat = torch.cat([flat, flat.new_zeros(1, hidden)])
@@ -317,3 +324,8 @@ def linear_attention_forward(
     output = forward(self, padded, None, documents.mask, **kwargs)
     output = output.reshape(-1, output.shape[-1])[documents.scatter]
     return output.view(batch, seq, -1)
+
+
+def _drop_packed_layout(kwargs: dict) -> None:
+    for name in _PACKED_LAYOUT_KWARGS:
+        kwargs.pop(name, None)

@@ -122,14 +122,11 @@ def base_model_forward(
             mask = packed_chunked_mask(self, positions, batch, dtype)
             if mask is not None:
                 kwargs[CHUNKED_MASK_KWARG] = mask
-    if needs.documents:
-        if DOCUMENTS_KWARG in kwargs:  # found by the caller; None: the rows are not packed
-            if kwargs[DOCUMENTS_KWARG] is None:
-                del kwargs[DOCUMENTS_KWARG]
-        elif packed and (text := document_positions(position_ids)) is not None:
-            documents = packed_documents(text, (batch, seq), tokens.device)  # multimodal: text row
-            if documents is not None:
-                kwargs[DOCUMENTS_KWARG] = documents
+    # The documents: found by the caller already, or here. None (every row one document) is
+    # passed as such: the layers then drop the packed layout's arguments (surgery.attention.linear).
+    if needs.documents and DOCUMENTS_KWARG not in kwargs:
+        if packed and (text := document_positions(position_ids)) is not None:
+            kwargs[DOCUMENTS_KWARG] = packed_documents(text, (batch, seq), tokens.device)
         elif (
             attention_mask is not None
             and attention_mask.dim() == 2

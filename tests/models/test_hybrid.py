@@ -85,6 +85,27 @@ def test_packed_documents_train_as_if_alone(arch):
     torch.testing.assert_close(logits.logits[0], want_logits, **TOL)
 
 
+@pytest.mark.parametrize("lengths", [[*LENGTHS, 5], [11]], ids=["three", "one"])
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_trl_padding_free_batch_trains_as_if_alone(arch, lengths):
+    """The batch TRL's padding-free collator builds (position ids, and the packed layout as
+    flash attention's cu_seq_lens_* / max_length_* and the convolution's seq_idx) trains a
+    patched hybrid as its documents alone, without flash-linear-attention too (transformers'
+    own layers, given those keyword arguments, refuse them without its kernels): the layers take
+    the documents from the position ids (a single document: whole rows)."""
+    collator = pytest.importorskip("trl.trainer.sft_trainer").DataCollatorForLanguageModeling
+    model = tiny_model(arch).train()
+    reference = twin(model)
+    surgery.patch(model)
+    seqs = sequences(lengths, seed=3)
+    batch = collator(pad_token_id=0, padding_free=True)([{"input_ids": s.tolist()} for s in seqs])
+    assert {"position_ids", "cu_seq_lens_q", "seq_idx"} <= batch.keys()
+    want_loss, want_grads, _ = alone(reference, seqs, **lm_only(arch))
+    loss, grads = loss_and_grads(model, **batch, **lm_only(arch))
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert_grads_close(grads, want_grads, **TOL)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5_text"])
 def test_packed_rows(arch):
     """Two packed rows of other document counts (one row a single document), in an eval forward
