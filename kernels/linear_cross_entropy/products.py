@@ -99,6 +99,7 @@ if triton_available():
     import triton.language as tl
 
     from ..cross_entropy.kernel import _tanh, _tanh_instruction
+    from ..rounding import round_to
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -122,16 +123,6 @@ if triton is not None:
         if INTERP:  # the interpreter runs no inline assembly
             return _tanh(u)
         return _tanh_instruction(u)
-
-    @triton.jit
-    def _rounded(x, dtype: tl.constexpr, INTERP: tl.constexpr):
-        """fp32 to ``dtype`` to nearest even: the GPU's conversion. The interpreter's truncates,
-        so there the bf16 rounding is done on the bits first (finite values)."""
-        if INTERP:
-            bits = x.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(dtype)
 
     @triton.jit
     def _tile(tile, num_m, num_n, GROUP: tl.constexpr):
@@ -217,7 +208,7 @@ if triton is not None:
             g = tl.where(hit, g - small_a[:, None], g)
             if SOFTCAP:
                 g = g * (1.0 - t * t)
-            out_desc.store([off_m, off_n], _rounded(g, out_desc.dtype, INTERP))
+            out_desc.store([off_m, off_n], round_to(g, out_desc.dtype, INTERP))
         elif BY_CAP:
             # exp(x - x_ref) = 2^(t C - R), C = x_cap log2(e), R = x_ref log2(e)
             c = x_cap * 1.4426950408889634
@@ -225,7 +216,7 @@ if triton is not None:
             if not EVEN_N:
                 e = tl.where(cols[None, :] < N, e, 0.0)
             if EPILOGUE == 0:
-                q = _rounded(e * (1.0 - t * t), out_desc.dtype, INTERP)
+                q = round_to(e * (1.0 - t * t), out_desc.dtype, INTERP)
                 out_desc.store([off_m, off_n], q)
             tl.store(row_b + slot, tl.sum(e, 1), mask=live)
             if STATS:

@@ -30,7 +30,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .products import _rounded
+    from ..rounding import round_to
 else:  # pragma: no cover
     triton = None
 
@@ -59,7 +59,7 @@ if triton is not None:
             b = tl.load(b_ptr + j * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
             y += tl.load(t_ptr + row) * b
         if TO_BF16:
-            y = _rounded(y, tl.bfloat16, INTERP)
+            y = round_to(y, tl.bfloat16, INTERP)
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
