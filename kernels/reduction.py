@@ -136,7 +136,7 @@ def sequence_starts(
         starts = starts[:n]
         if len(shape) == 2:  # every row starts a sequence too
             starts = starts.view(shape).clone()
-            starts[:, 0] = True
+            starts[:, :1] = True  # (a row of no token has none)
             starts = starts.reshape(-1)
         elif n > 0:
             starts[0] = True
@@ -166,7 +166,7 @@ def sequence_starts(
         return starts.reshape(-1)
     if len(shape) == 2:
         starts = torch.zeros(shape, dtype=torch.bool, device=device)
-        starts[:, 0] = True
+        starts[:, :1] = True  # (a row of no token has none)
         return starts.reshape(-1)
     return None
 

@@ -73,10 +73,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         )  # fmt: skip
         # Per-token losses whose upstream gradient was uniform last time: the gradients for the
         # hint's guess of it on every token with a target, now (checked in the backward).
-        speculate = weights is None and hint is not None and hint.uniform and not q_planned
+        speculate = (
+            weights is None and hint is not None and hint.uniform and not q_planned
+            and x.dtype in FP32_RANGE  # fp16: as the eager schedule below
+        )  # fmt: skip
         guess = hint.guess(targets, x.dtype) if speculate else None
         grad_weights = weights if guess is None else (targets >= 0).to(torch.float32) * guess
-        eager = grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
+        # Not in fp16: there the gradients of a token mean (about p / tokens) made at an upstream
+        # gradient of 1 would lose their digits below fp16's least numbers, before a loss scale
+        # (fp16 training's) multiplies them; the backward makes them from the upstream gradient.
+        eager = (
+            grad_weights is not None and not low_memory and (need_dx or need_dw or need_db)
+            and x.dtype in FP32_RANGE
+        )  # fmt: skip
         # Speculating, the backward's first act is a host read (the hint's check), which waits
         # for what the current stream has queued: the gradient products go to a side stream, so
         # that it waits for the losses alone and the host goes on while they are made.
@@ -160,7 +169,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # guess): scaled in place, a no-op on the device where the guess was right.
                 if ctx.guess is not None:
                     g_loss = g_loss / ctx.guess
-                dx, dw, db = (scale_by_upstream_(t, g_loss) if t.numel() else None for t in eager)
+                dx, dw, db = (
+                    (scale_by_upstream_(t, g_loss) if t.numel() else t) if need else None
+                    for t, need in zip(eager, (need_dx, need_dw, need_db), strict=True)
+                )  # (a batch of no token: its empty dx as it is)
             # z_loss and the entropy are usually only logged; a gradient reaching either on its
             # own is recomputed (the ce part is already in the eager gradients).
             g_rest = (None, g_z if z_scale > 0.0 else None)

@@ -170,6 +170,41 @@ def test_fp16_inputs():
     check_against_reference(x, w, None, labels, torch.float16, z_loss_scale=1e-3)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_fp16_with_a_loss_scale_keeps_small_gradients(softcap):
+    """fp16 training multiplies the loss by a loss scale (GradScaler's 65536) so that the small
+    logit gradients of a token mean (about p / tokens) stay above fp16's least numbers. Every
+    weight row's gradient then has the digits PyTorch's unfused fp16 head gives it, none lost to
+    a gradient made at scale 1 in the forward: against fp64 on the same fp16 operands."""
+    n, d, v, scale = 256, 32, 1024, 65536.0
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, d, generator=g).half()
+    w = torch.randn(v, d, generator=g).half()
+    labels = torch.randint(0, v, (n,), generator=g)
+
+    def weight_grad(loss_of, dtype):
+        xx, ww = (t.to(DEVICE, dtype, copy=True).requires_grad_() for t in (x, w))
+        (loss_of(xx, ww) * scale).backward()
+        return ww.grad.double().cpu()
+
+    def unfused(xx, ww):
+        logits = xx @ ww.T
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return torch.nn.functional.cross_entropy(logits.float(), labels.to(DEVICE))
+
+    def fused(xx, ww):
+        return linear_cross_entropy(xx, ww, labels.to(DEVICE), softcap=softcap).loss
+
+    want = weight_grad(unfused, torch.float64)
+    row_errors = {
+        name: ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
+        for name, got in (("pytorch", weight_grad(unfused, torch.float16)),
+                          ("surgery", weight_grad(fused, torch.float16)))
+    }  # fmt: skip
+    assert row_errors["surgery"] <= 2 * row_errors["pytorch"], row_errors
+
+
 def test_long_ignored_runs_and_per_token_upstream():
     # The first 90% of the tokens are ignored; "none" with an arbitrary upstream gradient must
     # give exactly zero gradient through ignored tokens and the right one elsewhere.
@@ -269,6 +304,20 @@ def test_all_ignored_gives_zero_loss_and_zero_grads(reduction, fn):
     assert torch.all(out.loss == 0) and torch.all(out.z_loss == 0)
     for g in gs:
         assert torch.isfinite(g).all() and torch.all(g == 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_rows_without_tokens(reduction, shift):
+    """(B, 0, D) hidden states (rows of no token): the loss of no token, zero gradients."""
+    x = torch.randn(2, 0, 24, device=DEVICE, requires_grad=True)
+    w = torch.randn(100, 24, device=DEVICE, requires_grad=True)
+    labels = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    out = linear_cross_entropy(x, w, labels, reduction=reduction, shift=shift)
+    assert out.loss.shape == ((2, 0) if reduction == "none" else ())
+    assert torch.all(out.loss == 0)
+    gx, gw = torch.autograd.grad(out.loss.sum(), (x, w))
+    assert gx.shape == x.shape and torch.all(gw == 0)
 
 
 def _pack(seqs_hidden, seqs_labels):
