@@ -141,7 +141,10 @@ def mrope_layout(rotary: nn.Module) -> tuple[tuple[int, int, int], bool] | None:
     the layout is the rotary class's, whatever its config says. None when the module has no
     such step or its layout is neither of ``apply_rope``'s (contiguous, interleaved)."""
     half = rotary.inv_freq.shape[-1]
-    probe = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).repeat(1, 1, 1, half)
+    # On the host whatever the default device (from_pretrained builds the model on meta, where
+    # ``apply_<name>`` patches it): the step reads the probe and the sections alone.
+    probe = torch.arange(3, dtype=torch.float32, device="cpu").view(3, 1, 1, 1)
+    probe = probe.repeat(1, 1, 1, half)
     try:
         with torch.no_grad():
             rows = rotary.recomposition_frequencies(probe)[..., :half].reshape(-1)
@@ -263,6 +266,10 @@ def attention_forward(
     # Llama 4's decoder layers pass no position_ids: its base model hands them on (spec field
     # positions_to_attention); on its layers without RoPE nothing is rotated.
     position_ids = kwargs.get("position_ids", kwargs.pop(POSITIONS_KWARG, None))
+    if position_ids is not None and position_ids.shape[-1] > input_shape[-1]:
+        # transformers ran this layer on the last positions alone (Gemma 4's kv-sharing layers
+        # under an int logits_to_keep: hidden states, cos/sin and masks cut, not the position ids)
+        position_ids = position_ids[..., -input_shape[-1] :]
     # A padding-free step (surgery.attention.unpadding): one row of real tokens, each at its own
     # position.
     unpadded: Unpadded | None = kwargs.pop(UNPADDED_KWARG, None)

@@ -16,6 +16,7 @@ from .tiny import (
     TINY,
     assert_grads_close,
     gemma4_moe_config,
+    left_padded_batch,
     loss_and_grads,
     packed_batch,
     padded_batch,
@@ -47,6 +48,24 @@ def test_generate_with_shared_kv_matches_unpatched(arch):
     got = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
     want = reference.generate(prompt.input_ids, attention_mask=prompt.attention_mask, **kwargs)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_base_model_alone_keeps_the_last_positions_through_shared_layers(keep):
+    """Gemma 4's base model patched alone (as a VLM's language model can be), called with an int
+    ``logits_to_keep`` as ``generate`` calls it: transformers runs its kv-sharing layers on the
+    last positions alone (cut hidden states, cos/sin and masks, not the position ids); those
+    positions' outputs are the unpatched model's."""
+    reference = tiny_model("gemma4_text").model.eval()
+    model = surgery.patch(twin(reference))
+    # Left-padded, the last positions real: with a mask transformers cuts more than one.
+    batch = left_padded_batch(sequences(LENGTHS))
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    with torch.no_grad():
+        got = model(**inputs, logits_to_keep=keep).last_hidden_state
+        want = reference(**inputs, logits_to_keep=keep).last_hidden_state
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[:, -keep:], want[:, -keep:], **TOL)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

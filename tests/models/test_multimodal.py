@@ -8,6 +8,7 @@ model alone, and inside PEFT; ``unpatch`` restores. Gemma 3's images attend both
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -356,6 +357,28 @@ def test_apply_patches_wrappers_built_afterwards(pair, request):
         surgery.revert()
     assert not surgery.is_patched(tiny_vlm(spec, wrapper))
     patched = surgery.patch(tiny_vlm(spec, wrapper), z_loss_scale=1e-3)
+    batch = image_batch(patched, wrapper)
+    assert_same_step(step(applied, batch), step(patched, batch))
+
+
+@pytest.mark.parametrize("pair", WRAPPERS)
+def test_apply_then_from_pretrained(pair, request, tmp_path):
+    """``apply_<model_type>`` then the wrapper's ``from_pretrained``, which builds it on the meta
+    device (the patch runs inside its ``__init__``, before the weights): the loaded model trains
+    as one loaded, then patched (multimodal RoPE's layout read at patch time included)."""
+    spec, wrapper = PAIRS[pair]
+    expect_transformers_failure(request, wrapper.wrapper_class())
+    tiny_vlm(spec, wrapper).save_pretrained(tmp_path)
+    load = functools.partial(wrapper.wrapper_class().from_pretrained, tmp_path,
+                             attn_implementation="sdpa")  # fmt: skip
+    apply = getattr(surgery, f"apply_{wrapper.model_type}")
+    try:
+        apply()
+        applied = load()
+    finally:
+        surgery.revert()
+    assert surgery.is_patched(applied)
+    patched = surgery.patch(load())
     batch = image_batch(patched, wrapper)
     assert_same_step(step(applied, batch), step(patched, batch))
 
