@@ -43,3 +43,17 @@ def test_only_the_out_of_memory_failures_are_named_by_their_node_ids(tmp_path, c
         "tests/sub/test_cases.py::test_oom[3]",
     ]
     assert "missing.xml" in capsys.readouterr().err  # a killed run's absent report is named
+
+
+def test_the_script_prints_nothing_without_an_out_of_memory_failure(tmp_path):
+    """gpu_suite.sh reads its lines into a list and reruns them: an empty line would rerun the
+    whole suite (pytest given an empty argument)."""
+    (tmp_path / "test_fine.py").write_text("def test_fine():\n    pass\n")
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "-p", "no:xdist", f"--junitxml={report}", "test_fine.py"],
+                   cwd=tmp_path, capture_output=True, check=False)  # fmt: skip
+    script = Path(oom_reruns.__file__)
+    out = subprocess.run([sys.executable, str(script), str(report)], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert out.stdout == ""
