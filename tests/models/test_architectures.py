@@ -1,7 +1,7 @@
 """Every supported architecture, patched against the same model unpatched (fp32, CPU): loss and the
 gradient of every parameter on padded batches (with every kernel, and with some turned off), on
 packed batches (against the sequences run one by one), eval logits, generation, z-loss, the
-per-sequence reduction and call-time RoPE frequencies."""
+per-sequence reduction and dynamic RoPE's rewritten frequencies."""
 
 from __future__ import annotations
 
@@ -263,9 +263,9 @@ def test_z_loss_in_output(arch):
     assert surgery.patch(tiny_model(arch).train())(**batch.kwargs()).z_loss is None
 
 
-def test_dynamic_rope_frequencies_read_at_call_time():
+def test_dynamic_rope_rotates_with_the_rewritten_frequencies():
     """Dynamic NTK RoPE rewrites the rotary module's frequencies past max_position_embeddings; the
-    patched attention must use the rewritten ones."""
+    patched attention must rotate with the rewritten ones (more in test_length_dependent_rope)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(
