@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from .cross_entropy import STATISTICS, check_options, prepare_loss_inputs, statistics_mask
+from .cross_entropy import (
+    STATISTICS,
+    batch_rows,
+    check_options,
+    prepare_loss_inputs,
+    statistics_mask,
+)
 from .linear_cross_entropy import (
     LinearCrossEntropyFunction,
     UpstreamHint,
@@ -104,6 +110,7 @@ def linear_log_probs(
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
         shift=shift,
+        rows=batch_rows(hidden),
     )
     needs = input_needs(x, w, bias)
     ce, _, *statistics = LinearCrossEntropyFunction.apply(

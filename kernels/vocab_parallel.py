@@ -40,6 +40,7 @@ import torch.distributed as dist
 from .cross_entropy import (
     STATISTIC_FILL,
     STATISTICS,
+    batch_rows,
     check_options,
     prepare_loss_inputs,
     reduce_losses,
@@ -458,6 +459,7 @@ def vocab_parallel_linear_cross_entropy(
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
         shift=shift,
+        rows=batch_rows(hidden),  # the sequence's gather leaves the rows as they are
     )
     loss, z, *_ = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, weights, layout, float(softcap or 0.0), float(label_smoothing),
@@ -512,6 +514,7 @@ def vocab_parallel_linear_log_probs(
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
         shift=shift,
+        rows=batch_rows(hidden),  # the sequence's gather leaves the rows as they are
     )
     ce, _, *statistics = VocabParallelLinearCrossEntropyFunction.apply(
         x, w, bias, targets, None, layout, float(softcap or 0.0), 0.0, 0.0,

@@ -26,7 +26,13 @@ of x_i and that first maximum's column (argmax's, -1 without a target); none has
 
 from __future__ import annotations
 
-from .api import check_options, cross_entropy, cross_entropy_statistics, prepare_loss_inputs
+from .api import (
+    batch_rows,
+    check_options,
+    cross_entropy,
+    cross_entropy_statistics,
+    prepare_loss_inputs,
+)
 from .kernel import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from .launch import (
     STATISTIC_DTYPES,
@@ -46,6 +52,7 @@ __all__ = [
     "STATISTIC_DTYPES",
     "STATISTIC_FILL",
     "CrossEntropyFunction",
+    "batch_rows",
     "check_options",
     "cross_entropy",
     "cross_entropy_bwd",

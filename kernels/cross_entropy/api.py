@@ -4,6 +4,8 @@ vocabulary-parallel head share."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..reduction import REDUCTIONS, prepare_targets, sequence_starts, token_weights
@@ -25,6 +27,12 @@ def check_options(reduction: str, label_smoothing: float, z_loss_scale: float, s
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
 
 
+def batch_rows(inputs: torch.Tensor) -> int:
+    """The rows of (B, T, ...) hidden states or logits: B (every dim before the last two); 1 of
+    (N, ...) ones."""
+    return math.prod(inputs.shape[:-2]) if inputs.dim() > 2 else 1
+
+
 def prepare_loss_inputs(
     labels: torch.Tensor,
     n_tokens: int,
@@ -37,14 +45,22 @@ def prepare_loss_inputs(
     position_ids,
     cu_seqlens,
     shift: bool,
+    rows: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Targets (column or -1) and per-token weights, shared by both loss entry points."""
+    """Targets (column or -1) and per-token weights, shared by both loss entry points. ``rows``:
+    how many rows the inputs hold (B of (B, T, ...) inputs, 1 of flat ones), for the shift."""
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if labels.dim() not in (1, 2) or labels.numel() != n_tokens:
         raise ValueError(
             f"labels of shape {tuple(labels.shape)} do not match {n_tokens} tokens "
             "(expected (N,) for (N, ...) inputs or (B, T) for (B, T, ...) inputs)"
+        )
+    if shift and rows > 1 and labels.dim() == 1:
+        raise ValueError(
+            f"flat labels of shape {tuple(labels.shape)} for inputs of {rows} rows: with "
+            "shift=True pass them as (B, T), so that no row's last token learns the next row's "
+            "first label"
         )
     if num_items_in_batch is not None and reduction not in ("mean", "sum"):
         raise ValueError(
@@ -101,7 +117,8 @@ def cross_entropy(
         label_smoothing: as ``F.cross_entropy`` defines it.
         softcap: Gemma 2/3 final-logit softcap, cap * tanh(logits / cap), applied in the kernel.
         shift: next-token targets (labels[t + 1] of the same row and sequence) without copying
-            the logits.
+            the logits. (B, T, V) logits of more than one row need (B, T) labels (flat ones
+            raise).
         inplace_backward: write the gradient into ``logits``' own buffer during backward (saves
             one logits-sized allocation). Only when nothing else reads those logits afterwards.
 
@@ -160,6 +177,7 @@ def cross_entropy_statistics(
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
         shift=shift,
+        rows=batch_rows(logits),
     )
     loss, z, *values = CrossEntropyFunction.apply(
         logits2d,

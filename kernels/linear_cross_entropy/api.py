@@ -8,6 +8,7 @@ import sys
 import torch
 
 from ..cross_entropy import (
+    batch_rows,
     check_options,
     named_statistics,
     prepare_loss_inputs,
@@ -433,6 +434,7 @@ def linear_cross_entropy(
         softcap: final-logit softcap (Gemma 2/3): cap * tanh(logits / cap).
         shift: next-token targets (label t + 1 of the same row; never across a sequence
             boundary when position_ids / cu_seqlens are given) without copying ``hidden``.
+            (B, T, ...) inputs of more than one row need (B, T) labels (flat ones raise).
         low_memory: recompute the logits in the backward one vocabulary slice at a time: no fp32
             weight-gradient accumulator and smaller chunks, at the cost of a fourth product.
         chunk_bytes: logits bytes per chunk (default 1 GiB, 64 MiB with ``low_memory``; chunks
@@ -513,6 +515,7 @@ def linear_cross_entropy_statistics(
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
         shift=shift,
+        rows=batch_rows(hidden),
     )
     needs = input_needs(x, w, bias)
     loss, z, *values = LinearCrossEntropyFunction.apply(

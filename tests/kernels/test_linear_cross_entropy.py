@@ -320,6 +320,22 @@ def test_rows_without_tokens(reduction, shift):
     assert gx.shape == x.shape and torch.all(gw == 0)
 
 
+def test_flat_labels_of_several_rows_are_refused_under_shift():
+    """(B, T, ...) inputs with flat (B * T,) labels: shifted, a row's last token would learn the
+    next row's first label. Refused (the labels must be (B, T)); unshifted, or of one row, fine."""
+    x = torch.randn(2, 5, 24, device=DEVICE)
+    w = torch.randn(50, 24, device=DEVICE)
+    labels = torch.randint(0, 50, (2, 5), device=DEVICE)
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        linear_cross_entropy(x, w, labels.reshape(-1), shift=True)
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        cross_entropy(x @ w.T, labels.reshape(-1), shift=True)
+    want = linear_cross_entropy(x, w, labels, shift=False).loss
+    torch.testing.assert_close(linear_cross_entropy(x, w, labels.reshape(-1)).loss, want)
+    one = linear_cross_entropy(x[:1], w, labels[:1].reshape(-1), shift=True).loss
+    torch.testing.assert_close(one, linear_cross_entropy(x[:1], w, labels[:1], shift=True).loss)
+
+
 def _pack(seqs_hidden, seqs_labels):
     x = torch.cat(seqs_hidden)
     labels = torch.cat(seqs_labels)
