@@ -78,7 +78,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             weights is None and hint is not None and hint.uniform and not q_planned
             and x.dtype in FP32_RANGE  # fp16: as the eager schedule below
         )  # fmt: skip
-        guess = hint.guess(targets, x.dtype) if speculate else None
+        guess = hint.guess(targets) if speculate else None
         grad_weights = weights if guess is None else (targets >= 0).to(torch.float32) * guess
         # Not in fp16: there the gradients of a token mean (about p / tokens) made at an upstream
         # gradient of 1 would lose their digits below fp16's least numbers, before a loss scale
@@ -223,9 +223,9 @@ class UpstreamHint:
     token mean over the batch: TRL's SFT loss without gradient accumulation), else the last value
     (a constant divisor). A guess is only taken between 2**-64 and 1 in magnitude, so that the
     forward's gradients are never larger than the unit ones (no overflow the unit guess would
-    not have) and the backward's division by it stays finite, and only for inputs with fp32's
-    exponent range: in fp16 a token mean's small gradients would round to zero. A wrong guess
-    costs the scaling, as before.
+    not have) and the backward's division by it stays finite. Not in fp16 (no speculation
+    there, as no eager schedule: a token mean's small gradients would round to zero before a loss
+    scale multiplies them). A wrong guess costs the scaling, as before.
 
     ``entropy_grad``: whether the last backward took a gradient through the entropy (an RL
     entropy bonus). A softcapped head's forward keeps its fused product's Q for the backward
@@ -242,13 +242,10 @@ class UpstreamHint:
         return (f"UpstreamHint(uniform={self.uniform}, token_mean={self.token_mean}, "
                 f"entropy_grad={self.entropy_grad})")  # fmt: skip
 
-    def guess(self, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def guess(self, targets: torch.Tensor) -> torch.Tensor:
         """The 0-dim fp32 upstream gradient the next backward is expected to bring, on the
-        targets' device (no host read): 1 where nothing better is known or ``dtype`` (the
-        inputs') lacks fp32's exponent range."""
+        targets' device (no host read): 1 where nothing better is known."""
         one = torch.ones((), dtype=torch.float32, device=targets.device)
-        if dtype not in FP32_RANGE:
-            return one
         if self.token_mean:
             return _reciprocal_count(targets >= 0)
         return one if self.last is None else self.last.to(targets.device)
